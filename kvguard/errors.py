@@ -1,0 +1,102 @@
+"""One exception hierarchy for kvguard.
+
+Security checks raise from here instead of returning booleans (STYLE.md, habit 4), so a caller cannot
+forget to look at a result. Messages name what is wrong and where, and never carry secret material: an
+error string may end up in a log line, an HTTP response or an audit export (G6).
+"""
+
+from __future__ import annotations
+
+
+class KvguardError(Exception):
+    """Base class of every error kvguard raises on purpose."""
+
+
+class ConfigError(KvguardError):
+    """Settings or secret files are missing, malformed or unsafe."""
+
+
+class SecretFileError(ConfigError):
+    """A secret file is missing, unreadable or readable by group/others."""
+
+
+class FailClosedError(KvguardError):
+    """kvguard refuses new work because a precondition of safe operation is missing (G7)."""
+
+
+class IsolationError(KvguardError):
+    """A scope, salt or key operation was refused."""
+
+
+class ScopeError(IsolationError):
+    """A scope is incomplete or inconsistent (e.g. share='session' without a session id)."""
+
+
+class UntrustedSaltError(IsolationError):
+    """A caller tried to supply its own cache salt; salts are derived server-side only (G1)."""
+
+
+class UnknownKeyError(IsolationError):
+    """A key id named in a salt or keyring lookup is not in the keyring."""
+
+
+class PolicyError(KvguardError):
+    """A policy document is invalid or a policy operation was refused."""
+
+
+class PolicyValidationError(PolicyError):
+    """A policy document failed validation. `problems` lists (field path, message) pairs."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {path}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines) if lines else f"{source}: invalid policy")
+
+
+class PolicyStoreError(PolicyError):
+    """The policy store could not read or write a version."""
+
+
+class AuditError(KvguardError):
+    """Base of audit ledger errors."""
+
+
+class SensitiveFieldError(AuditError):
+    """An audit event carried a field that looks like token ids, prompts, salts or key material (G6)."""
+
+
+class LedgerUnavailableError(AuditError, FailClosedError):
+    """The ledger cannot accept entries and its buffer is full: refuse work rather than lose evidence."""
+
+
+class AppendOnlyViolationError(AuditError):
+    """Something tried to change or remove ledger history."""
+
+
+class VerificationError(AuditError):
+    """A proof, signature, checkpoint or export failed to verify.
+
+    One opaque family for every verification failure (pyca/cryptography habit); the message says which
+    entry or line failed and why, never what secret was involved.
+    """
+
+
+class ZeroizeError(KvguardError):
+    """A zeroization could not be planned or executed."""
+
+
+class CacheLayoutError(ZeroizeError):
+    """A KV cache tensor does not match the layout it was described with."""
+
+
+class ZeroizeVerificationError(ZeroizeError):
+    """A block was not all-zero after zeroization. Never reported as success (G2)."""
+
+
+class CustodyError(KvguardError):
+    """The block custody state machine refused a transition or found a broken invariant (G4)."""
+
+
+class AdmissionError(KvguardError):
+    """A request was refused by policy (quota, disabled tenant, fail-closed)."""

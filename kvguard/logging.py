@@ -1,0 +1,147 @@
+"""Structured logging with redaction (G6).
+
+Configured once per process by `configure_logging`. Follows structlog's guidance: `merge_contextvars`
+first (bind `tenant` / `request_id` per request with `bind_contextvars`), UTC ISO timestamps, JSON lines
+when stderr is not a TTY and a console renderer when it is, and exception rendering with
+`show_locals=False` (structlog's rich default shows locals: a secret-leak path).
+
+Two redaction layers, both running after exceptions are formatted so tracebacks are covered too:
+1. by field name: any key that reads like a secret, salt, key, token or prompt is masked, at any depth;
+2. by value: secret values registered with `register_secret` (signing keys, salt keys, API keys) are
+   masked wherever they appear inside any string, including exception text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+from collections.abc import Iterable, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+REDACTED = "[REDACTED]"
+
+# Words that make a field name sensitive. Names are split on `_`, `-`, `.` and camelCase first, so
+# `api_key`, `cacheSalt`, `prompt_token_ids` and `X-Api-Key` all match, while `monkey` does not.
+_SENSITIVE_WORDS = frozenset(
+    {
+        "secret", "secrets", "salt", "salts", "key", "keys", "apikey", "token", "tokens",
+        "prompt", "prompts", "password", "passwd", "passphrase", "credential", "credentials",
+        "authorization", "cookie", "private", "seed",
+    }
+)
+# Public identifiers that contain a sensitive word but are not secrets.
+_PUBLIC_NAMES = frozenset({"key_id", "kid", "scope_tag", "verifier_key", "public_key", "key_ids"})
+# Integer fields whose last word is one of these are counts (`tokens_matched=96`), not payloads.
+_COUNT_WORDS = frozenset({"count", "matched", "avoided", "total", "len", "length", "num", "n"})
+_WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])")
+_MIN_SECRET_LEN = 6
+
+_registered: set[str] = set()
+_registered_lock = threading.Lock()
+
+
+def register_secret(value: str | bytes | bytearray) -> None:
+    """Mask `value` (and its hex form for bytes) wherever it appears in a log line."""
+    texts: list[str] = []
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+        texts.append(raw.hex())
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass
+    else:
+        texts.append(value)
+    with _registered_lock:
+        _registered.update(t for t in texts if len(t) >= _MIN_SECRET_LEN)
+
+
+def is_sensitive_name(name: str) -> bool:
+    """True when a field name reads like it holds a secret, salt, key, token or prompt."""
+    if name.lower() in _PUBLIC_NAMES:
+        return False
+    words = {w.lower() for w in _WORD_SPLIT.split(name) if w}
+    return bool(words & _SENSITIVE_WORDS)
+
+
+def _is_count(name: str, value: object) -> bool:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    words = [w.lower() for w in _WORD_SPLIT.split(name) if w]
+    return bool(words) and (words[-1] in _COUNT_WORDS or words[0] in {"num", "n"})
+
+
+def _scrub_text(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _scrub(value: Any, secrets: tuple[str, ...]) -> Any:
+    if isinstance(value, str):
+        return _scrub_text(value, secrets)
+    if isinstance(value, dict):
+        return {k: _scrub_field(str(k), v, secrets) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v, secrets) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return REDACTED
+    return value
+
+
+def _scrub_field(name: str, value: Any, secrets: tuple[str, ...]) -> Any:
+    if is_sensitive_name(name) and not _is_count(name, value):
+        return REDACTED
+    return _scrub(value, secrets)
+
+
+def redact(_logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """structlog processor: mask sensitive fields by name and registered secrets by value."""
+    with _registered_lock:
+        secrets = tuple(sorted(_registered, key=len, reverse=True))
+    for name in list(event_dict):
+        event_dict[name] = _scrub_field(name, event_dict[name], secrets)
+    return event_dict
+
+
+def _processors(json_output: bool) -> list[Any]:
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if json_output:
+        shared.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
+        return [*shared, redact, structlog.processors.JSONRenderer()]
+    shared.append(structlog.processors.format_exc_info)
+    return [*shared, redact, structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+
+
+def configure_logging(
+    level: str = "INFO", *, json_output: bool | None = None, stream: TextIO | None = None
+) -> None:
+    """Configure structlog for this process. `json_output=None` picks JSON unless stderr is a TTY."""
+    out = stream if stream is not None else sys.stderr
+    if json_output is None:
+        json_output = not out.isatty()
+    structlog.configure(
+        processors=_processors(json_output),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger bound to a component name."""
+    return structlog.get_logger(component=name)

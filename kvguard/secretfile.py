@@ -1,0 +1,64 @@
+"""Reading and writing secret files safely.
+
+A secret file must be a regular file readable by its owner only: a group- or world-readable secret is
+refused (ConfigError naming the path and its mode, never its content). New secret files are created
+with mode 0600 atomically (no window in which another user could open them).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvguard.errors import SecretFileError
+from kvguard.logging import register_secret
+
+_FORBIDDEN_BITS = stat.S_IRWXG | stat.S_IRWXO
+
+
+def check_permissions(path: Path) -> None:
+    """Raise SecretFileError unless `path` is a regular file with no group/other permission bits."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SecretFileError(f"secret file {path} does not exist") from None
+    except PermissionError:
+        raise SecretFileError(f"secret file {path} cannot be read by this process") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SecretFileError(f"secret file {path} is not a regular file")
+    if st.st_mode & _FORBIDDEN_BITS:
+        raise SecretFileError(
+            f"secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be readable by "
+            f"group or others (run: chmod 600 {path})"
+        )
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """Return the bytes of a secret file after checking its permissions; registers it for redaction."""
+    p = Path(path)
+    check_permissions(p)
+    data = p.read_bytes()
+    if not data.strip():
+        raise SecretFileError(f"secret file {p} is empty")
+    register_secret(data.strip())
+    return data
+
+
+def write_secret_file(path: str | Path, data: bytes, *, overwrite: bool = False) -> Path:
+    """Create `path` with mode 0600 and write `data`. Refuses to replace an existing file by default."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(p, flags, 0o600)
+    except FileExistsError:
+        raise SecretFileError(f"secret file {p} already exists; refusing to overwrite it") from None
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    register_secret(data.strip())
+    return p
