@@ -1,0 +1,112 @@
+"""Scopes: the complete description of who may reuse a cached KV block.
+
+A block computed under one scope may only serve a request under an identical *reuse domain* (G1). The
+domain covers everything that changes the bytes of the cache or who may see them: the sharing unit
+(session, tenant, share group or public), model (id, revision, optional weights digest), tokenizer,
+adapter, cache configuration and the policy epoch. vLLM's own key leaves model identity out; so a model
+swap behind the same name would otherwise serve stale KV (ARCHITECTURE.md, engine facts).
+
+`tenant_id` is always present (it says who asks and who is charged), but it enters the domain only
+when the sharing unit is the session or the tenant: sharing with a group or the public is exactly
+dropping the tenant from the key. Whether a tenant may use a wider share is policy's decision.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NewType, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TenantId = NewType("TenantId", str)
+SessionId = NewType("SessionId", str)
+GroupId = NewType("GroupId", str)
+
+_ID_MAX = 256
+
+
+class Share(StrEnum):
+    """The unit inside which cached KV state may be reused."""
+
+    SESSION = "session"
+    TENANT = "tenant"
+    GROUP = "group"
+    PUBLIC = "public"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelRef(_Frozen):
+    """The model whose weights produced the KV state."""
+
+    id: str = Field(min_length=1, max_length=_ID_MAX)
+    revision: str = Field(min_length=1, max_length=_ID_MAX)
+    weights_digest: str | None = Field(default=None, max_length=_ID_MAX)
+
+
+class TokenizerRef(_Frozen):
+    """The tokenizer that turned text into the token ids the blocks are keyed by."""
+
+    id: str = Field(min_length=1, max_length=_ID_MAX)
+    revision: str = Field(min_length=1, max_length=_ID_MAX)
+
+
+class AdapterRef(_Frozen):
+    """A LoRA (or similar) adapter active for the request."""
+
+    id: str = Field(min_length=1, max_length=_ID_MAX)
+    revision: str = Field(min_length=1, max_length=_ID_MAX)
+
+
+class CacheConfig(_Frozen):
+    """Cache settings that change the meaning of the stored bytes."""
+
+    kv_dtype: str = Field(min_length=1, max_length=64)
+    block_size: int = Field(gt=0, le=1 << 20)
+    quantization: str | None = Field(default=None, max_length=64)
+
+
+class Scope(_Frozen):
+    """Who asks, and inside which reuse domain their KV state may be shared."""
+
+    tenant_id: str = Field(min_length=1, max_length=_ID_MAX)
+    share: Share = Share.TENANT
+    session_id: str | None = Field(default=None, min_length=1, max_length=_ID_MAX)
+    group_id: str | None = Field(default=None, min_length=1, max_length=_ID_MAX)
+    model: ModelRef
+    tokenizer: TokenizerRef
+    adapter: AdapterRef | None = None
+    cache_config: CacheConfig
+    policy_epoch: int = Field(default=0, ge=0, lt=1 << 63)
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _share_fields_match(self) -> Self:
+        # One meaning, one encoding: a field that does not belong to the chosen share is refused rather
+        # than silently ignored, so two scopes that differ only in an ignored field cannot exist.
+        if self.share is Share.SESSION and self.session_id is None:
+            raise ValueError("session_id is required when share is 'session'")
+        if self.share is not Share.SESSION and self.session_id is not None:
+            raise ValueError(f"session_id is only allowed when share is 'session' (share is '{self.share}')")
+        if self.share is Share.GROUP and self.group_id is None:
+            raise ValueError("group_id is required when share is 'group'")
+        if self.share is not Share.GROUP and self.group_id is not None:
+            raise ValueError(f"group_id is only allowed when share is 'group' (share is '{self.share}')")
+        return self
+
+    def with_share(
+        self, share: Share, *, session_id: str | None = None, group_id: str | None = None
+    ) -> Scope:
+        """A copy of this scope under another sharing unit (validated)."""
+        data = self.model_dump()
+        data.update(share=share, session_id=session_id, group_id=group_id)
+        return Scope.model_validate(data)
+
+    def same_domain(self, other: Scope) -> bool:
+        """True when blocks of one scope may serve the other (identical reuse domain)."""
+        from kvguard.isolation.encoding import encode_scope
+
+        return encode_scope(self) == encode_scope(other)
