@@ -1,0 +1,112 @@
+"""Leaf bytes: the exact, canonical byte string that the Merkle tree commits to.
+
+Format (version 1): canonical JSON in the style of RFC 8785 (object keys sorted, no insignificant
+whitespace, UTF-8, no NaN or infinity) of
+
+    {"block_ids": [...], "details": {...}, "kind": "...", "payload_commitment": hex | null,
+     "request_id": ... , "scope_tag": ..., "ts": "YYYY-MM-DDTHH:MM:SS.ffffffZ", "v": 1}
+
+The event's erasable `payload` never enters the leaf. The leaf carries
+`SHA-256(_COMMITMENT_PREFIX || salt || canonical(payload))` with a fresh 32-byte random salt stored
+beside the payload: erasing both leaves a commitment that can no longer be opened nor brute-forced
+from guesses of the payload (a bare hash of a short personal value could be), while every Merkle
+proof stays valid because the leaf bytes do not change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from kvguard.audit.events import AuditEvent, DetailValue
+from kvguard.errors import SensitiveFieldError, VerificationError
+
+LEAF_VERSION = 1
+SALT_SIZE = 32
+_COMMITMENT_PREFIX = b"kvguard/audit/payload-commitment/v1\x00"
+_TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, compact separators, UTF-8, finite numbers only (RFC 8785 style)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def format_ts(ts: datetime) -> str:
+    """UTC ISO 8601 with microseconds and a `Z`: one spelling per instant."""
+    return ts.astimezone(UTC).strftime(_TS_FORMAT)
+
+
+def parse_ts(text: str) -> datetime:
+    return datetime.strptime(text, _TS_FORMAT).replace(tzinfo=UTC)
+
+
+def new_salt() -> bytes:
+    return secrets.token_bytes(SALT_SIZE)
+
+
+def payload_commitment(salt: bytes, payload: dict[str, DetailValue]) -> bytes:
+    """Salted SHA-256 commitment to an erasable payload (domain separated by `_COMMITMENT_PREFIX`)."""
+    if len(salt) != SALT_SIZE:
+        raise ValueError(f"commitment salt must be {SALT_SIZE} bytes")
+    return hashlib.sha256(_COMMITMENT_PREFIX + salt + canonical_json(payload)).digest()
+
+
+def check_commitment(commitment: bytes, salt: bytes, payload_bytes: bytes) -> None:
+    """Raise VerificationError unless the stored payload opens the leaf's commitment."""
+    expected = hashlib.sha256(_COMMITMENT_PREFIX + salt + payload_bytes).digest()
+    if not hmac.compare_digest(expected, commitment):
+        raise VerificationError("payload does not match the commitment in its leaf")
+
+
+def leaf_object(event: AuditEvent, commitment: bytes | None) -> dict[str, Any]:
+    """The JSON object of a version-1 leaf (without the payload, with its commitment)."""
+    return {
+        "block_ids": list(event.block_ids),
+        "details": dict(event.details),
+        "kind": str(event.kind),
+        "payload_commitment": commitment.hex() if commitment is not None else None,
+        "request_id": event.request_id,
+        "scope_tag": event.scope_tag,
+        "ts": format_ts(event.ts),
+        "v": LEAF_VERSION,
+    }
+
+
+def encode_leaf(event: AuditEvent, commitment: bytes | None) -> bytes:
+    """Leaf bytes of `event`. `commitment` must be given exactly when the event has a payload."""
+    if (event.payload is None) != (commitment is None):
+        raise ValueError("a commitment is given exactly when the event carries a payload")
+    return canonical_json(leaf_object(event, commitment))
+
+
+def decode_leaf(leaf: bytes) -> tuple[AuditEvent, bytes | None]:
+    """Parse leaf bytes back into an event (payload not included) and its commitment, if any.
+
+    Refuses bytes that are not the canonical encoding of what they decode to, so that two different
+    byte strings can never stand for the same event.
+    """
+    try:
+        obj = json.loads(leaf)
+        if obj.get("v") != LEAF_VERSION:
+            raise VerificationError(f"unknown leaf version {obj.get('v')!r}")
+        raw_commitment = obj.pop("payload_commitment")
+        commitment = bytes.fromhex(raw_commitment) if raw_commitment is not None else None
+        obj["ts"] = parse_ts(obj["ts"])
+        event = AuditEvent.model_validate(obj)
+    except (ValueError, KeyError, TypeError, AttributeError, SensitiveFieldError) as exc:
+        raise VerificationError(f"leaf does not decode: {exc.__class__.__name__}") from None
+    if encode_leaf_unchecked(event, commitment) != leaf:
+        raise VerificationError("leaf bytes are not in canonical form")
+    return event, commitment
+
+
+def encode_leaf_unchecked(event: AuditEvent, commitment: bytes | None) -> bytes:
+    """Leaf bytes when `event.payload` was stripped (a decoded leaf): no payload/commitment pairing."""
+    return canonical_json(leaf_object(event, commitment))

@@ -1,0 +1,158 @@
+"""C2SP signed notes with Ed25519 (c2sp.org/signed-note), as small pure functions.
+
+A signed note is: the text (non-empty, UTF-8, ending in a newline), one blank line, then signature
+lines `— <key name> <base64(key ID || signature)>\\n` (U+2014 EM DASH). The signature covers the text
+including its final newline. For Ed25519 (signature type 0x01) the key ID is the first 4 bytes of
+SHA-256(key name || 0x0A || 0x01 || 32-byte public key) and the verifier key string is
+`<name>+<hex key ID>+<base64(0x01 || public key)>`.
+
+Verification (`open_note`) fails closed: unknown signers are ignored as the spec requires, but at
+least one known key must have signed, every known key's signature present must verify, and a known
+key may not sign twice. This module depends only on `cryptography` and the standard library: the
+offline verifier imports it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from kvguard.errors import VerificationError
+
+_ED25519 = b"\x01"  # signed-note signature type for Ed25519
+_SIG_PREFIX = "\u2014 "  # EM DASH, space
+_KEY_ID_SIZE = 4
+_MAX_SIGNATURES = 100
+
+
+class Verifier(NamedTuple):
+    """A parsed verifier key: the public half a relying party trusts."""
+
+    name: str
+    key_id: bytes
+    public_key: bytes  # the raw 32-byte Ed25519 key
+
+
+def check_key_name(name: str) -> None:
+    """Key names are non-empty and contain no whitespace and no `+` (signed-note, "Signatures")."""
+    if not name or "+" in name or any(c.isspace() for c in name) or not name.isprintable():
+        raise ValueError(f"invalid signed-note key name {name!r}")
+
+
+def key_id(name: str, public_key: bytes) -> bytes:
+    """First 4 bytes of SHA-256(name || 0x0A || 0x01 || public key)."""
+    return hashlib.sha256(name.encode() + b"\n" + _ED25519 + public_key).digest()[:_KEY_ID_SIZE]
+
+
+def verifier_key_string(name: str, public_key: bytes) -> str:
+    """`<name>+<hex key ID>+<base64(0x01 || public key)>`."""
+    check_key_name(name)
+    blob = base64.b64encode(_ED25519 + public_key).decode()
+    return f"{name}+{key_id(name, public_key).hex()}+{blob}"
+
+
+def _b64(text: str, what: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise VerificationError(f"{what} is not valid base64") from None
+    if base64.b64encode(raw).decode() != text:  # one spelling per value: no malleable padding bits
+        raise VerificationError(f"{what} is not canonical base64")
+    return raw
+
+
+def parse_verifier_key(vkey: str) -> Verifier:
+    """Parse and check a verifier key string; raises VerificationError if it is malformed."""
+    parts = vkey.strip().split("+")
+    if len(parts) != 3:
+        raise VerificationError("verifier key must have the form name+keyid+base64key")
+    name, hex_id, blob = parts
+    try:
+        check_key_name(name)
+        claimed_id = bytes.fromhex(hex_id)
+    except ValueError:
+        raise VerificationError("verifier key has an invalid name or key ID") from None
+    raw = _b64(blob, "verifier key")
+    if len(raw) != 33 or raw[:1] != _ED25519:
+        raise VerificationError("verifier key is not an Ed25519 (type 0x01) key")
+    if key_id(name, raw[1:]) != claimed_id or len(hex_id) != 8:
+        raise VerificationError("verifier key ID does not match its name and public key")
+    return Verifier(name, claimed_id, raw[1:])
+
+
+def signature_line(name: str, kid: bytes, signature: bytes) -> str:
+    return f"{_SIG_PREFIX}{name} {base64.b64encode(kid + signature).decode()}\n"
+
+
+def check_text(text: str) -> None:
+    """Note text is non-empty, ends in a newline and holds no control characters but newlines."""
+    if not text.endswith("\n") or text == "\n":
+        raise ValueError("note text must be non-empty and end with a newline")
+    if any(ord(c) < 0x20 and c != "\n" for c in text) or "\n\n" in text:
+        raise ValueError("note text may not contain control characters or blank lines")
+
+
+def split_note(note: str) -> tuple[str, list[tuple[str, bytes]]]:
+    """Split a signed note into its text and its (key name, key ID || signature) lines."""
+    head, sep, sigs = note.rpartition("\n\n")
+    if not sep or not sigs.endswith("\n"):
+        raise VerificationError("signed note has no signature block")
+    text = head + "\n"
+    try:
+        check_text(text)
+    except ValueError as exc:
+        raise VerificationError(f"malformed note text: {exc}") from None
+    lines = sigs[:-1].split("\n")
+    if len(lines) > _MAX_SIGNATURES:
+        raise VerificationError("too many signature lines")
+    out: list[tuple[str, bytes]] = []
+    for line in lines:
+        if not line.startswith(_SIG_PREFIX):
+            raise VerificationError("malformed signature line (must start with an em dash)")
+        name, space, blob = line[len(_SIG_PREFIX) :].partition(" ")
+        raw = _b64(blob, "signature") if space else b""
+        if not name or len(raw) <= _KEY_ID_SIZE or " " in blob:
+            raise VerificationError("malformed signature line")
+        out.append((name, raw))
+    return text, out
+
+
+def open_note(note: str, verifiers: Iterable[Verifier]) -> tuple[str, list[Verifier]]:
+    """Verify `note` against trusted `verifiers`; return its text and the keys that signed it.
+
+    Raises VerificationError when no trusted key signed, when a trusted key's signature is bad, or
+    when a trusted key appears twice.
+    """
+    trusted = {(v.name, v.key_id): v for v in verifiers}
+    text, sigs = split_note(note)
+    signed: list[Verifier] = []
+    for name, raw in sigs:
+        verifier = trusted.get((name, raw[:_KEY_ID_SIZE]))
+        if verifier is None:
+            continue  # a signature by a key we do not know (a witness, an old key): ignore it
+        if verifier in signed:
+            raise VerificationError(f"key {name} signed the note twice")
+        try:
+            Ed25519PublicKey.from_public_bytes(verifier.public_key).verify(
+                raw[_KEY_ID_SIZE:], text.encode()
+            )
+        except InvalidSignature:
+            raise VerificationError(f"signature by {name} does not verify") from None
+        signed.append(verifier)
+    if not signed:
+        raise VerificationError("note is not signed by any trusted key")
+    return text, signed
+
+
+def join_note(text: str, lines: Sequence[str]) -> str:
+    """Assemble a signed note from its text and signature lines."""
+    check_text(text)
+    if not lines:
+        raise ValueError("a signed note needs at least one signature")
+    return text + "\n" + "".join(lines)
