@@ -8,11 +8,15 @@ when stderr is not a TTY and a console renderer when it is, and exception render
 Two redaction layers, both running after exceptions are formatted so tracebacks are covered too:
 1. by field name: any key that reads like a secret, salt, key, token or prompt is masked, at any depth;
 2. by value: secret values registered with `register_secret` (signing keys, salt keys, API keys) are
-   masked wherever they appear inside any string, including exception text.
+   masked wherever they appear inside any string, including exception text;
+3. by shape: anything shaped like a kvguard salt (`kid:` + 43 base64url characters, one SHA-256 MAC)
+   or a kvguard API key (`kvg_` + base64url) is masked wherever it appears, since salts are too many to
+   register one by one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -28,9 +32,26 @@ REDACTED = "[REDACTED]"
 # `api_key`, `cacheSalt`, `prompt_token_ids` and `X-Api-Key` all match, while `monkey` does not.
 _SENSITIVE_WORDS = frozenset(
     {
-        "secret", "secrets", "salt", "salts", "key", "keys", "apikey", "token", "tokens",
-        "prompt", "prompts", "password", "passwd", "passphrase", "credential", "credentials",
-        "authorization", "cookie", "private", "seed",
+        "secret",
+        "secrets",
+        "salt",
+        "salts",
+        "key",
+        "keys",
+        "apikey",
+        "token",
+        "tokens",
+        "prompt",
+        "prompts",
+        "password",
+        "passwd",
+        "passphrase",
+        "credential",
+        "credentials",
+        "authorization",
+        "cookie",
+        "private",
+        "seed",
     }
 )
 # Public identifiers that contain a sensitive word but are not secrets.
@@ -39,6 +60,10 @@ _PUBLIC_NAMES = frozenset({"key_id", "kid", "scope_tag", "verifier_key", "public
 _COUNT_WORDS = frozenset({"count", "matched", "avoided", "total", "len", "length", "num", "n"})
 _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])")
 _MIN_SECRET_LEN = 6
+_SHAPED_SECRETS = re.compile(
+    r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{1,32}:[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"  # derived salts
+    r"|kvg_[A-Za-z0-9_-]{16,}"  # API keys
+)
 
 _registered: set[str] = set()
 _registered_lock = threading.Lock()
@@ -50,10 +75,8 @@ def register_secret(value: str | bytes | bytearray) -> None:
     if isinstance(value, bytes | bytearray):
         raw = bytes(value)
         texts.append(raw.hex())
-        try:
+        with contextlib.suppress(UnicodeDecodeError):
             texts.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            pass
     else:
         texts.append(value)
     with _registered_lock:
@@ -79,7 +102,7 @@ def _scrub_text(text: str, secrets: Iterable[str]) -> str:
     for secret in secrets:
         if secret in text:
             text = text.replace(secret, REDACTED)
-    return text
+    return _SHAPED_SECRETS.sub(REDACTED, text)
 
 
 def _scrub(value: Any, secrets: tuple[str, ...]) -> Any:
@@ -124,7 +147,11 @@ def _processors(json_output: bool) -> list[Any]:
         )
         return [*shared, redact, structlog.processors.JSONRenderer()]
     shared.append(structlog.processors.format_exc_info)
-    return [*shared, redact, structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+    return [
+        *shared,
+        redact,
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
+    ]
 
 
 def configure_logging(
@@ -136,7 +163,9 @@ def configure_logging(
         json_output = not out.isatty()
     structlog.configure(
         processors=_processors(json_output),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )

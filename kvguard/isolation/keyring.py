@@ -43,13 +43,17 @@ class Keyring:
 
     __slots__ = ("_active", "_keys", "_tag_kid")
 
-    def __init__(self, keys: Mapping[str, bytes | bytearray], active: str, tag_kid: str | None = None):
+    def __init__(
+        self, keys: Mapping[str, bytes | bytearray], active: str, tag_kid: str | None = None
+    ):
         if not keys:
             raise ConfigError("keyring is empty: at least one salt key is required")
         self._keys: dict[KeyId, bytearray] = {}
         for kid, secret in keys.items():
             if len(secret) < MIN_KEY_BYTES:
-                raise ConfigError(f"salt key {kid!r} is {len(secret)} bytes; at least {MIN_KEY_BYTES} required")
+                raise ConfigError(
+                    f"salt key {kid!r} is {len(secret)} bytes; at least {MIN_KEY_BYTES} required"
+                )
             self._keys[_check_kid(kid)] = bytearray(secret)
             register_secret(bytes(secret))
         self._active = _check_kid(active)

@@ -72,7 +72,9 @@ class SaltDeriver:
         cached = self._tags.get(scope)
         if cached is not None:
             return cached
-        mac = hmac.new(self._tag_key, _SCOPE_TAG_LABEL + encode_scope(scope), hashlib.sha256).digest()
+        mac = hmac.new(
+            self._tag_key, _SCOPE_TAG_LABEL + encode_scope(scope), hashlib.sha256
+        ).digest()
         value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
         self._remember(self._tags, scope, value)
         return value

@@ -90,11 +90,15 @@ class Scope(_Frozen):
         if self.share is Share.SESSION and self.session_id is None:
             raise ValueError("session_id is required when share is 'session'")
         if self.share is not Share.SESSION and self.session_id is not None:
-            raise ValueError(f"session_id is only allowed when share is 'session' (share is '{self.share}')")
+            raise ValueError(
+                f"session_id is only allowed when share is 'session' (share is '{self.share}')"
+            )
         if self.share is Share.GROUP and self.group_id is None:
             raise ValueError("group_id is required when share is 'group'")
         if self.share is not Share.GROUP and self.group_id is not None:
-            raise ValueError(f"group_id is only allowed when share is 'group' (share is '{self.share}')")
+            raise ValueError(
+                f"group_id is only allowed when share is 'group' (share is '{self.share}')"
+            )
         return self
 
     def with_share(
@@ -107,6 +111,6 @@ class Scope(_Frozen):
 
     def same_domain(self, other: Scope) -> bool:
         """True when blocks of one scope may serve the other (identical reuse domain)."""
-        from kvguard.isolation.encoding import encode_scope
+        from kvguard.isolation.encoding import encode_scope  # noqa: PLC0415 (circular import)
 
         return encode_scope(self) == encode_scope(other)

@@ -1,0 +1,33 @@
+# The two commands the README promises: `make demo` (the main job) and `make test` (the tests).
+# Both set up .venv on first use, so each works alone on a fresh machine.
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvguard-installed
+
+.PHONY: demo test lint typecheck pytest install clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) scripts/bootstrap.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvguard --help
+	$(BIN)/kvguard policy validate examples/policies/*.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	scripts/ensure-postgres.sh
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

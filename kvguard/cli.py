@@ -1,0 +1,75 @@
+"""The `kvguard` command line.
+
+Sub-applications live next to the package they drive (`kvguard.policy.cli`, `kvguard.audit.cli`, ...)
+and are mounted here; this module only wires them together and sets up logging. Exit statuses: 0 ok,
+1 the thing checked is invalid or the operation failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvguard import __version__
+from kvguard.errors import KvguardError
+from kvguard.isolation.keyring import Keyring
+from kvguard.logging import configure_logging
+
+app = typer.Typer(
+    name="kvguard",
+    help="Multi-tenant security and governance for the paged KV caches of LLM serving engines.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,  # tracebacks must never print local variables (G6)
+)
+keys_app = typer.Typer(help="Create and rotate kvguard's secrets.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvguard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    log_level: Annotated[
+        str, typer.Option(envvar="KVGUARD_LOG_LEVEL", help="Log level.")
+    ] = "WARNING",
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    configure_logging(log_level)
+
+
+@keys_app.command("salt-keyring")
+def salt_keyring(
+    out: Annotated[Path, typer.Option(help="Keyring file to create (mode 0600).")],
+    rotate: Annotated[
+        str | None,
+        typer.Option(help="Add a new active key with this id to the existing keyring at --out."),
+    ] = None,
+) -> None:
+    """Create a salt keyring, or rotate it (new salts use the new key; cached blocks stop matching)."""
+    try:
+        if rotate is None:
+            ring = Keyring.generate("k1")
+            ring.save(out)
+        else:
+            ring = Keyring.load(out).rotated(rotate)
+            ring.save(out, overwrite=True)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{out}: keys {', '.join(ring.kids)}; active {ring.active}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Process settings (`KVGUARD_*` environment variables) and secret loading.
+
+Secrets come from a 0600 file (preferred) or from an environment variable; a group- or world-readable
+secret file is refused. Outside the explicit `dev` mode a missing salt key is fatal (G7, fail closed):
+kvguard never serves with an ephemeral or default secret in production. In `dev` mode a keyring is
+generated once under the data directory (mode 0600) and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvguard.errors import ConfigError, FailClosedError
+from kvguard.isolation.keyring import Keyring
+from kvguard.logging import get_logger, register_secret
+
+_log = get_logger("settings")
+
+
+class Mode(StrEnum):
+    PROD = "prod"
+    DEV = "dev"
+
+
+class Settings(BaseSettings):
+    """Everything a kvguard process reads from its environment."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGUARD_", extra="ignore")
+
+    mode: Mode = Mode.PROD
+    data_dir: Path = Path("kvguard-data")
+    db_url: str | None = None
+    salt_keyring_file: Path | None = None
+    # A single base64 key from the environment (key id `env`). A file is preferred: environments leak
+    # into child processes and crash dumps.
+    salt_key: SecretStr | None = None
+    signing_key_file: Path | None = None
+    policy_file: Path | None = None
+    log_level: str = Field(default="INFO", pattern=r"^(?i:debug|info|warning|error|critical)$")
+    log_json: bool | None = None
+
+    def database_url(self) -> str:
+        """The configured database URL, or an embedded SQLite file under the data directory."""
+        if self.db_url:
+            return self.db_url
+        return f"sqlite:///{(self.data_dir / 'kvguard.db').resolve()}"
+
+    def load_keyring(self) -> Keyring:
+        """The salt keyring, from file, then env, then (dev mode only) a generated dev keyring."""
+        if self.salt_keyring_file is not None:
+            return Keyring.load(self.salt_keyring_file)
+        if self.salt_key is not None:
+            return _keyring_from_env(self.salt_key)
+        if self.mode is Mode.DEV:
+            return _dev_keyring(self.data_dir / "salt.keys")
+        raise FailClosedError(
+            "no salt key configured: set KVGUARD_SALT_KEYRING_FILE (a 0600 keyring file made by "
+            "`kvguard keys salt-keyring`) or KVGUARD_SALT_KEY, or run with KVGUARD_MODE=dev"
+        )
+
+
+def _keyring_from_env(value: SecretStr) -> Keyring:
+    raw_text = value.get_secret_value()
+    register_secret(raw_text)
+    try:
+        raw = base64.b64decode(raw_text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError("KVGUARD_SALT_KEY is not valid base64") from None
+    return Keyring({"env": raw}, active="env")
+
+
+def _dev_keyring(path: Path) -> Keyring:
+    if path.exists():
+        return Keyring.load(path)
+    _log.warning("generated a development salt keyring; not for production", path=str(path))
+    ring = Keyring.generate("dev1")
+    ring.save(path)
+    return ring

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import os
+
+from typer.testing import CliRunner
+
+from kvguard.cli import app
+from kvguard.isolation import Keyring
+
+runner = CliRunner()
+
+
+def test_help_and_version() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "keys" in result.output
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("kvguard ")
+
+
+def test_salt_keyring_create_and_rotate(tmp_path) -> None:
+    out = tmp_path / "salt.keys"
+    assert runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)]).exit_code == 0
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    first = Keyring.load(out)
+    result = runner.invoke(app, ["keys", "salt-keyring", "--out", str(out), "--rotate", "k2"])
+    assert result.exit_code == 0, result.output
+    ring = Keyring.load(out)
+    assert ring.active == "k2" and ring.secret("k1") == first.secret("k1")
+    assert first.secret("k1").hex() not in result.output
+
+
+def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
+    out = tmp_path / "salt.keys"
+    runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
+    result = runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
+    assert result.exit_code == 1 and "already exists" in result.output

@@ -1,0 +1,116 @@
+"""G6: secrets, salts, API keys, token ids and prompts never reach log output."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import structlog
+
+from kvguard.errors import ConfigError
+from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Scope, TokenizerRef
+from kvguard.logging import REDACTED, configure_logging, get_logger, is_sensitive_name, redact
+from kvguard.settings import Settings
+
+SECRET = b"planted-secret-0123456789abcdefXYZ!"
+API_KEY = "kvg_PlantedApiKey_abcdefghijklmnop"
+PROMPT = "the quarterly numbers for project nightingale"
+
+
+def _scope() -> Scope:
+    return Scope(
+        tenant_id="acme",
+        model=ModelRef(id="m", revision="1"),
+        tokenizer=TokenizerRef(id="t", revision="1"),
+        cache_config=CacheConfig(kv_dtype="bf16", block_size=16),
+    )
+
+
+@pytest.mark.parametrize("json_output", [True, False])
+def test_G6_planted_secrets_never_logged(tmp_path, json_output) -> None:
+    out = io.StringIO()
+    configure_logging("DEBUG", json_output=json_output, stream=out)
+    ring_path = Keyring({"k1": SECRET}, active="k1").save(tmp_path / "salt.keys")
+    deriver = SaltDeriver(Settings(salt_keyring_file=ring_path).load_keyring())
+    salt = deriver.salt(_scope())
+    log = get_logger("test")
+    log.info(
+        "request",
+        tenant="acme",
+        cache_salt=salt,
+        api_key=API_KEY,
+        prompt=PROMPT,
+        prompt_token_ids=[48611, 73129, 90417],
+        tokens_matched=32,
+        scope_tag=deriver.scope_tag(_scope()),
+    )
+    log.info("free text", note=f"client sent {salt} with header Bearer {API_KEY}")
+    log.info("nested", request={"headers": {"Authorization": f"Bearer {API_KEY}"}, "salt": salt})
+    try:
+        raise ConfigError(f"bad key material {SECRET.decode()} / {salt}")
+    except ConfigError:
+        log.exception("failure")
+    text = out.getvalue()
+    for planted in (
+        SECRET.decode(),
+        SECRET.hex(),
+        salt,
+        salt.split(":")[1],
+        API_KEY,
+        PROMPT,
+        "73129",
+    ):
+        assert planted not in text, planted
+    assert REDACTED in text
+    assert "tokens_matched" in text and "32" in text  # counts stay readable
+    assert deriver.scope_tag(_scope()) in text  # pseudonyms are what logs should carry
+
+
+def test_json_lines_carry_utc_timestamp_and_context() -> None:
+
+    out = io.StringIO()
+    configure_logging(json_output=True, stream=out)
+    structlog.contextvars.bind_contextvars(request_id="r-1")
+    try:
+        get_logger("x").info("hello")
+    finally:
+        structlog.contextvars.clear_contextvars()
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert line["request_id"] == "r-1" and line["timestamp"].endswith("Z")
+
+
+def test_exception_rendering_has_no_locals() -> None:
+    out = io.StringIO()
+    configure_logging(json_output=True, stream=out)
+    local_secret = "local-variable-value-" + "q" * 10  # noqa: F841
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        get_logger("x").exception("failed")
+    assert "local-variable-value" not in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("name", "sensitive"),
+    [
+        ("api_key", True),
+        ("cacheSalt", True),
+        ("X-Api-Key", True),
+        ("prompt_token_ids", True),
+        ("secret", True),
+        ("password", True),
+        ("monkey", False),
+        ("key_id", False),
+        ("scope_tag", False),
+        ("tenant", False),
+        ("block_ids", False),
+    ],
+)
+def test_sensitive_names(name, sensitive) -> None:
+    assert is_sensitive_name(name) is sensitive
+
+
+def test_counts_survive_but_sensitive_lists_do_not() -> None:
+    out = redact(None, "info", {"num_tokens": 5, "tokens": [1, 2], "token_count": 9})
+    assert out == {"num_tokens": 5, "tokens": REDACTED, "token_count": 9}
