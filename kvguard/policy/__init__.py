@@ -3,4 +3,77 @@
 Owns: policy models, their validation, the versioned policy store, and pure decision functions (admit,
 may-reuse, expired, must-zeroize, quota). Never touches tensors and never writes the ledger directly (the
 store offers a hook the ledger subscribes to).
+
+Module map: `enums` (vocabularies), `models` (documents), `invariants` (cross-field rules), `loading`
+(YAML/JSON with field-path errors), `decisions` (pure functions), `store` (versioned SQL store), `cli`
+(`kvguard policy ...`). The CLI is not re-exported here, so importing policy does not import typer.
 """
+
+from kvguard.policy.decisions import (
+    BlockState,
+    Decision,
+    Reason,
+    Usage,
+    Verdict,
+    admit,
+    expired,
+    may_reuse,
+    may_share_prefix,
+    must_zeroize,
+    over_quota,
+)
+from kvguard.policy.enums import (
+    MAX_REUSE,
+    AuditLevel,
+    Classification,
+    LedgerUnavailable,
+    Reuse,
+    Verify,
+    ZeroizeOn,
+)
+from kvguard.policy.loading import load_policy_file, parse_policy
+from kvguard.policy.models import (
+    PolicySet,
+    PrefixRef,
+    Quota,
+    Retention,
+    ShareGroup,
+    TenantPolicy,
+    Zeroize,
+    prefix_digest,
+)
+from kvguard.policy.store import PolicyChange, PolicyStore, PolicyVersion
+
+__all__ = [
+    "MAX_REUSE",
+    "AuditLevel",
+    "BlockState",
+    "Classification",
+    "Decision",
+    "LedgerUnavailable",
+    "PolicyChange",
+    "PolicySet",
+    "PolicyStore",
+    "PolicyVersion",
+    "PrefixRef",
+    "Quota",
+    "Reason",
+    "Retention",
+    "Reuse",
+    "ShareGroup",
+    "TenantPolicy",
+    "Usage",
+    "Verdict",
+    "Verify",
+    "Zeroize",
+    "ZeroizeOn",
+    "admit",
+    "expired",
+    "load_policy_file",
+    "may_reuse",
+    "may_share_prefix",
+    "must_zeroize",
+    "over_quota",
+    "parse_policy",
+    "prefix_digest",
+]

@@ -1,0 +1,201 @@
+"""Policy documents: what a compliance admin sets, as frozen, validated pydantic models.
+
+A `PolicySet` is one whole document: a default `TenantPolicy` for tenants it does not name, one policy per
+named tenant, and the share groups through which tenants may deliberately share cached prefixes. Every
+field has a secure default (docs/policy.md says why for each), unknown keys are refused (a typo such as
+`ttl: 0` instead of `ttl_s: 0` must not silently fall back to a weaker default), and cross-field rules
+live in `kvguard.policy.invariants`, reported with the field path they concern.
+
+Times are whole seconds, counts are blocks. Prefixes are named by a stable id and a digest, never by
+their text (G6): a policy document is exported, logged and diffed, so it must not carry prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable
+from typing import Annotated, Any, Final, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from kvguard.isolation.scope import TenantId
+from kvguard.policy.enums import (
+    AuditLevel,
+    Classification,
+    LedgerUnavailable,
+    Reuse,
+    Verify,
+    ZeroizeOn,
+)
+from kvguard.policy.invariants import policy_set_problems, tenant_problems
+
+SCHEMA_VERSION: Final = 1
+# The longest a block may be retained: a month. Unlimited retention is not offered at all, because an
+# unbounded cache is an unbounded exposure window; a caller that wants "long" has to say how long.
+MAX_RETENTION_S: Final = 30 * 24 * 3600
+INVARIANT_ERROR: Final = "policy_invariant"
+_ID_MAX: Final = 256
+_PREFIX_LABEL: Final = b"kvguard/prefix/v1"
+
+Identifier = Annotated[str, Field(min_length=1, max_length=_ID_MAX)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class Retention(_Frozen):
+    """How long cached blocks may live: `ttl_s` since creation, `idle_s` since last use."""
+
+    ttl_s: int = Field(default=3600, ge=0, le=MAX_RETENTION_S)
+    idle_s: int = Field(default=600, ge=0, le=MAX_RETENTION_S)
+
+
+class Quota(_Frozen):
+    """How many blocks (active + cached) the tenant may hold; None means no per-tenant cap."""
+
+    max_blocks: int | None = Field(default=None, ge=1, lt=1 << 40)
+
+
+class Zeroize(_Frozen):
+    """When released blocks are zeroized and how the zeroization is verified."""
+
+    on_release: ZeroizeOn = ZeroizeOn.ALWAYS
+    verify: Verify = Verify.SAMPLE
+
+
+class TenantPolicy(_Frozen):
+    """Retention, sharing, quota, zeroization and audit rules for one tenant (or the default)."""
+
+    classification: Classification = Classification.INTERNAL
+    enabled: bool = True
+    reuse: Reuse = Reuse.TENANT
+    retention: Retention = Retention()
+    quota: Quota = Quota()
+    zeroize: Zeroize = Zeroize()
+    audit: AuditLevel = AuditLevel.STANDARD
+    groups: tuple[Identifier, ...] = ()
+    on_ledger_unavailable: LedgerUnavailable = LedgerUnavailable.FAIL_CLOSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _restricted_defaults(cls, data: Any) -> Any:
+        # A restricted tenant's *unset* fields take the only values restricted allows, so
+        # `classification: restricted` alone is a complete, valid policy; explicit contradictions
+        # are still refused by the invariants below.
+        if not isinstance(data, dict) or data.get("classification") != Classification.RESTRICTED:
+            return data
+        out = dict(data)
+        out.setdefault("reuse", Reuse.NONE)
+        out["retention"] = _with_defaults(out.get("retention"), ttl_s=0, idle_s=0)
+        out["zeroize"] = _with_defaults(out.get("zeroize"), verify=Verify.FULL)
+        return out
+
+    @field_validator("groups")
+    @classmethod
+    def _unique_groups(cls, groups: tuple[str, ...]) -> tuple[str, ...]:
+        _refuse_duplicates(groups, "share group")
+        # Sorted so that two documents that mean the same thing have the same canonical digest.
+        return tuple(sorted(groups))
+
+    @model_validator(mode="after")
+    def _invariants(self) -> Self:
+        raise_problems(tenant_problems(self))
+        return self
+
+
+class PrefixRef(_Frozen):
+    """A prefix a share group may share: a stable name and the digest of its token ids."""
+
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+
+
+class ShareGroup(_Frozen):
+    """Tenants that may reuse each other's KV state for the listed prefixes, and only those."""
+
+    prefixes: tuple[PrefixRef, ...] = Field(min_length=1)
+    # Short matches are the cheap probe (guess a short string, time the hit), so cross-tenant reuse
+    # counts only from this many shared tokens on.
+    min_shared_tokens: int = Field(default=256, ge=1, le=1 << 20)
+
+    @field_validator("prefixes")
+    @classmethod
+    def _unique_prefixes(cls, prefixes: tuple[PrefixRef, ...]) -> tuple[PrefixRef, ...]:
+        _refuse_duplicates((p.id for p in prefixes), "prefix id")
+        _refuse_duplicates((p.digest for p in prefixes), "prefix digest")
+        return prefixes
+
+    def allows_prefix(self, digest: str) -> bool:
+        return any(p.digest == digest for p in self.prefixes)
+
+
+class PolicySet(_Frozen):
+    """One whole policy document."""
+
+    version: Literal[1] = SCHEMA_VERSION
+    # Scopes carry the epoch; bumping it makes every existing salt, and so every cached block, stale.
+    epoch: int = Field(default=0, ge=0, lt=1 << 63)
+    default: TenantPolicy = Field(default_factory=TenantPolicy)
+    tenants: dict[Identifier, TenantPolicy] = Field(default_factory=dict)
+    share_groups: dict[Identifier, ShareGroup] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _invariants(self) -> Self:
+        raise_problems(policy_set_problems(self))
+        return self
+
+    def policy_for(self, tenant_id: TenantId | str) -> TenantPolicy:
+        """The tenant's own policy, or the default for a tenant the document does not name."""
+        return self.tenants.get(tenant_id, self.default)
+
+    def canonical_json(self) -> str:
+        """Sorted keys, no insignificant whitespace, every default spelled out (RFC 8785 style)."""
+        return json.dumps(
+            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+
+    def digest(self) -> str:
+        return "sha256:" + hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+
+
+def prefix_digest(token_ids: Iterable[int]) -> str:
+    """The digest a `PrefixRef` names: SHA-256 over a label, the count and each id as 4 bytes."""
+    ids = list(token_ids)
+    h = hashlib.sha256(_PREFIX_LABEL)
+    h.update(struct.pack(">Q", len(ids)))
+    for token in ids:
+        h.update(struct.pack(">I", token))
+    return "sha256:" + h.hexdigest()
+
+
+def raise_problems(problems: list[tuple[str, str]]) -> None:
+    """Raise one pydantic error carrying every (relative field path, message) problem.
+
+    pydantic gives a model validator's error the model's location only; carrying the problems in the
+    error context lets the loader report each at its own field path (`tenants.acme.reuse`).
+    """
+    if problems:
+        summary = "; ".join(f"{path}: {msg}" for path, msg in problems)
+        raise PydanticCustomError(
+            INVARIANT_ERROR, "{summary}", {"summary": summary, "problems": tuple(problems)}
+        )
+
+
+def _with_defaults(section: Any, **defaults: Any) -> Any:
+    if section is None:
+        return dict(defaults)
+    if isinstance(section, dict):
+        return {**defaults, **section}
+    return section  # an already-built model (or garbage): validation judges it as given
+
+
+def _refuse_duplicates(values: Iterable[str], what: str) -> None:
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"duplicate {what} '{value}'")
+        seen.add(value)

@@ -1,0 +1,276 @@
+"""A versioned, append-only policy store on SQLAlchemy (SQLite by default, PostgreSQL tested).
+
+Every `put` adds a version row; nothing is updated in place or deleted, so `history()` is the full record
+of who changed policy, when and why. Version numbers are gapless: the next one is taken from a single
+head row under a row lock (PostgreSQL: `SELECT ... FOR UPDATE`; SQLite: `BEGIN IMMEDIATE`), never from a
+sequence, which may skip numbers (ARCHITECTURE.md, "Gapless indices").
+
+Each row holds the canonical JSON of the policy and its digest; reads recompute the digest and refuse a
+row that does not match. Subscribers (the audit ledger records `policy.change` entries) are called inside
+the writing transaction, after the row is written and before commit: if one raises, the version is
+rolled back, because a policy change the ledger could not record must not take effect (G5, G7).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    Double,
+    Engine,
+    MetaData,
+    String,
+    Text,
+    create_engine,
+    event,
+    select,
+)
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from kvguard.errors import PolicyStoreError
+from kvguard.logging import get_logger
+from kvguard.policy.loading import parse_policy
+from kvguard.policy.models import PolicySet
+
+Clock = Callable[[], float]
+
+_HEAD_ID: Final = 1
+_AUTHOR_MAX: Final = 256
+_REASON_MAX: Final = 2000
+_LOCK_OPTION: Final = "kvguard_policy_write_lock"
+
+_log = get_logger("policy.store")
+
+
+class _Base(DeclarativeBase):
+    metadata = MetaData()
+
+
+class _Head(_Base):
+    """The single row whose lock serializes writers and whose value is the latest version."""
+
+    __tablename__ = "policy_head"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    version: Mapped[int] = mapped_column(BigInteger)
+
+
+class _Version(_Base):
+    __tablename__ = "policy_versions"
+    version: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    created_at: Mapped[float] = mapped_column(Double)  # seconds on the store's clock (UNIX time)
+    author: Mapped[str] = mapped_column(String(_AUTHOR_MAX))
+    reason: Mapped[str] = mapped_column(String(_REASON_MAX))
+    digest: Mapped[str] = mapped_column(String(71))
+    document: Mapped[str] = mapped_column(Text)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChange:
+    """One stored version's metadata: what the ledger records as a `policy.change` entry."""
+
+    version: int
+    author: str
+    reason: str
+    digest: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyVersion:
+    """A stored version: its metadata and the policy itself."""
+
+    change: PolicyChange
+    policy: PolicySet
+
+
+Subscriber = Callable[[PolicyChange], None]
+
+
+class PolicyStore:
+    """Versioned policy documents in tables prefixed `policy_` (own MetaData)."""
+
+    def __init__(self, engine: Engine, *, clock: Clock = time.time) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._subscribers: list[Subscriber] = []
+        self._subscribers_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
+        """Connect to `url`, create the tables if missing, and return the store."""
+        engine = create_engine(url, **engine_kwargs)
+        if engine.dialect.name == "sqlite":
+            _enable_sqlite_write_lock(engine)
+        store = cls(engine, clock=clock)
+        store.create_schema()
+        return store
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def create_schema(self) -> None:
+        """Create the tables and the head row (idempotent, safe to race)."""
+        try:
+            _Base.metadata.create_all(self._engine)
+            with Session(self._engine) as session, session.begin():
+                if session.get(_Head, _HEAD_ID) is None:
+                    session.add(_Head(id=_HEAD_ID, version=0))
+        except IntegrityError:
+            pass  # another process created the head row first: that is the outcome we wanted
+        except SQLAlchemyError as exc:
+            raise PolicyStoreError(
+                f"cannot create the policy tables: {type(exc).__name__}"
+            ) from exc
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback` with every new version before it commits; returns an unsubscribe function."""
+        with self._subscribers_lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._subscribers_lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def put(self, policy_set: PolicySet, *, author: str, reason: str) -> int:
+        """Store `policy_set` as the next version and return its number."""
+        _check_text("author", author, _AUTHOR_MAX)
+        _check_text("reason", reason, _REASON_MAX)
+        document = policy_set.canonical_json()
+        with self._subscribers_lock:
+            subscribers = list(self._subscribers)
+        try:
+            with self._engine.connect() as conn:
+                conn.execution_options(**{_LOCK_OPTION: True})
+                with Session(bind=conn) as session, session.begin():
+                    change = self._append(session, document, author, reason)
+                    _notify(subscribers, change)
+        except SQLAlchemyError as exc:
+            raise PolicyStoreError(f"cannot store the policy: {type(exc).__name__}") from exc
+        _log.info("policy.stored", version=change.version, digest=change.digest)
+        return change.version
+
+    def _append(self, session: Session, document: str, author: str, reason: str) -> PolicyChange:
+        head = session.scalars(
+            select(_Head).where(_Head.id == _HEAD_ID).with_for_update()
+        ).one_or_none()
+        if head is None:
+            raise PolicyStoreError("policy store has no head row: call create_schema() first")
+        head.version += 1
+        change = PolicyChange(
+            version=head.version,
+            author=author,
+            reason=reason,
+            digest=_digest(document),
+            at=self._clock(),
+        )
+        session.add(
+            _Version(
+                version=change.version,
+                created_at=change.at,
+                author=author,
+                reason=reason,
+                digest=change.digest,
+                document=document,
+            )
+        )
+        session.flush()
+        return change
+
+    def current(self) -> PolicyVersion | None:
+        """The latest version, or None when nothing has been stored yet."""
+        with self._read() as session:
+            row = session.scalars(
+                select(_Version).order_by(_Version.version.desc()).limit(1)
+            ).first()
+            return None if row is None else _to_version(row)
+
+    def get(self, version: int) -> PolicyVersion:
+        """A given version; PolicyStoreError when it does not exist."""
+        with self._read() as session:
+            row = session.get(_Version, version)
+            if row is None:
+                raise PolicyStoreError(f"policy version {version} does not exist")
+            return _to_version(row)
+
+    def history(self) -> list[PolicyChange]:
+        """Every version's metadata, oldest first."""
+        with self._read() as session:
+            rows = session.scalars(select(_Version).order_by(_Version.version)).all()
+            return [_to_change(row) for row in rows]
+
+    def _read(self) -> Session:
+        return Session(self._engine)
+
+
+def _notify(subscribers: list[Subscriber], change: PolicyChange) -> None:
+    # Raising here leaves the `session.begin()` block with an exception, which rolls the version back.
+    for callback in subscribers:
+        try:
+            callback(change)
+        except Exception as exc:
+            raise PolicyStoreError(
+                f"policy version {change.version} not stored: a change subscriber failed"
+            ) from exc
+
+
+def _check_text(name: str, value: str, limit: int) -> None:
+    # Every change must say who and why: an anonymous or unexplained change is useless as evidence.
+    if not value.strip():
+        raise PolicyStoreError(f"{name} must not be empty")
+    if len(value) > limit:
+        raise PolicyStoreError(f"{name} is longer than {limit} characters")
+
+
+def _digest(document: str) -> str:
+    return "sha256:" + hashlib.sha256(document.encode("utf-8")).hexdigest()
+
+
+def _to_change(row: _Version) -> PolicyChange:
+    return PolicyChange(
+        version=row.version,
+        author=row.author,
+        reason=row.reason,
+        digest=row.digest,
+        at=row.created_at,
+    )
+
+
+def _to_version(row: _Version) -> PolicyVersion:
+    if _digest(row.document) != row.digest:
+        raise PolicyStoreError(f"policy version {row.version} does not match its digest")
+    policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")
+    return PolicyVersion(change=_to_change(row), policy=policy)
+
+
+def _enable_sqlite_write_lock(engine: Engine) -> None:
+    """Let `put` open its transaction with BEGIN IMMEDIATE (SQLAlchemy's documented pysqlite recipe).
+
+    pysqlite's own transaction handling delays BEGIN until the first write, so two writers could both
+    read the head row and one would fail at upgrade. Taking the write lock at BEGIN serializes them.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy, not the driver, emits BEGIN
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=10000")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        immediate = conn.get_execution_options().get(_LOCK_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
