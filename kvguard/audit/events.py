@@ -67,7 +67,9 @@ def _check_field(where: str, name: str, value: DetailValue) -> None:
         raise SensitiveFieldError(f"{where}.{name}: field name reads like sensitive material (G6)")
     if isinstance(value, str):
         if len(value) > MAX_TEXT:
-            raise SensitiveFieldError(f"{where}.{name}: {len(value)} characters reads like free text")
+            raise SensitiveFieldError(
+                f"{where}.{name}: {len(value)} characters reads like free text"
+            )
         if _PEM.search(value):
             raise SensitiveFieldError(f"{where}.{name}: value holds a PEM block (key material)")
         if _TOKEN_LIST.match(value):

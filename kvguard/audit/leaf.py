@@ -22,7 +22,9 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any
 
+from kvguard.audit import merkle
 from kvguard.audit.events import AuditEvent, DetailValue
+from kvguard.audit.store import PreparedEntry
 from kvguard.errors import SensitiveFieldError, VerificationError
 
 LEAF_VERSION = 1
@@ -110,3 +112,28 @@ def decode_leaf(leaf: bytes) -> tuple[AuditEvent, bytes | None]:
 def encode_leaf_unchecked(event: AuditEvent, commitment: bytes | None) -> bytes:
     """Leaf bytes when `event.payload` was stripped (a decoded leaf): no payload/commitment pairing."""
     return canonical_json(leaf_object(event, commitment))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def ts_micros(ts: datetime) -> int:
+    """Microseconds since the Unix epoch (exact integer arithmetic, no float rounding)."""
+    delta = ts - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry:
+    """Leaf bytes, leaf hash and index columns of `event` (everything but its index)."""
+    payload = None
+    commitment = None
+    if event.payload is not None:
+        salt = salt if salt is not None else new_salt()
+        body = canonical_json(event.payload)
+        commitment = payload_commitment(salt, event.payload)
+        payload = (salt, body)
+    leaf = encode_leaf(event, commitment)
+    return PreparedEntry(
+        leaf, merkle.leaf_hash(leaf), str(event.kind), event.scope_tag, event.request_id,
+        ts_micros(event.ts), event.block_ids, payload,
+    )

@@ -263,3 +263,51 @@ def levels_inclusion_proof(levels: Sequence[Sequence[bytes]], index: int) -> lis
             proof.append(level[sibling])
         index >>= 1
     return proof
+
+
+_LEVEL_SHIFT = 48  # 2**48 leaves per level is far beyond any ledger
+
+
+def stored_hash_key(level: int, index: int) -> int:
+    """One integer key per complete subtree: `level << 48 | index` (level 0 keys are leaf indices)."""
+    return (level << _LEVEL_SHIFT) | index
+
+
+def split_stored_hash_key(key: int) -> Subtree:
+    return Subtree(key >> _LEVEL_SHIFT, key & ((1 << _LEVEL_SHIFT) - 1))
+
+
+class Frontier:
+    """The right edge of a growing tree: the complete subtrees of the binary expansion of `size`.
+
+    Appending a leaf yields every complete subtree it finishes (its own leaf hash plus one node per
+    level it closes), which is exactly what the store must persist; O(log n) memory.
+    """
+
+    def __init__(self, size: int, nodes: Sequence[tuple[Subtree, bytes]]) -> None:
+        expected = range_subtrees(0, size) if size else []
+        if [s for s, _ in nodes] != expected:
+            raise ValueError("frontier nodes do not match the tree size")
+        self.size = size
+        self._nodes = list(nodes)
+
+    def copy(self) -> Frontier:
+        return Frontier(self.size, self._nodes)
+
+    def append(self, leaf_hash_: bytes) -> list[tuple[int, bytes]]:
+        """Add one leaf hash; return the newly completed subtrees (leaf first, then upward) as
+        (`stored_hash_key(level, index)`, hash) pairs."""
+        level, index, h = 0, self.size, leaf_hash_
+        done = [(index, h)]
+        nodes = self._nodes
+        while nodes and nodes[-1][0][0] == level:
+            left_hash = nodes.pop()[1]
+            level, index = level + 1, index >> 1
+            h = hashlib.sha256(_NODE_PREFIX + left_hash + h).digest()
+            done.append((stored_hash_key(level, index), h))
+        nodes.append((Subtree(level, index), h))
+        self.size += 1
+        return done
+
+    def root(self) -> bytes:
+        return fold_range([h for _, h in self._nodes]) if self._nodes else EMPTY_ROOT

@@ -15,9 +15,7 @@ from kvguard.audit.events import AuditEvent
 from kvguard.audit.signing import SigningKey
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "conformance"
-PG_URL = os.environ.get(
-    "KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
+PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 
 

@@ -137,7 +137,9 @@ def test_generated_consistency_proofs_verify(n: int, data: st.DataObject) -> Non
 def test_proof_size_is_logarithmic() -> None:
     n = 1_000_003
     assert len(merkle.inclusion_ranges(123_456, n)) <= 21
-    wanted = {s for lo, hi in merkle.inclusion_ranges(n - 1, n) for s in merkle.range_subtrees(lo, hi)}
+    wanted = {
+        s for lo, hi in merkle.inclusion_ranges(n - 1, n) for s in merkle.range_subtrees(lo, hi)
+    }
     assert len(wanted) <= 2 * 21
     wanted = {
         s for lo, hi in merkle.consistency_ranges(777_777, n) for s in merkle.range_subtrees(lo, hi)

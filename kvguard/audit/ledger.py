@@ -1,0 +1,246 @@
+"""`Ledger`: the audit log facade that engines, the policy layer and the admin API use.
+
+Ownership: the ledger owns its tables (through `LedgerStore`), its background writer and its signing
+keys; it never holds tenant secrets or KV payloads (G6 is enforced by `AuditEvent` validation).
+
+Durability contract: `append` / `append_many` return only after their transaction committed with
+the database's durable setting (`kvguard.audit.db`); `submit` returns at once and `flush` waits
+until everything submitted before it is durable.
+
+Checkpoints: `checkpoint()` signs a C2SP tlog-checkpoint of the current tree, but only after
+checking, with an RFC 9162 consistency proof built from the stored hashes, that the tree still
+extends the previous checkpoint: the ledger never signs a history that contradicts one it signed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from kvguard.audit import merkle, note
+from kvguard.audit import schema as t
+from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
+from kvguard.audit.db import create_engine, write_transaction
+from kvguard.audit.events import AuditEvent, EventKind
+from kvguard.audit.leaf import prepare_entry, ts_micros
+from kvguard.audit.migrate import upgrade
+from kvguard.audit.query import QueryPage, run_query
+from kvguard.audit.signing import SigningKey
+from kvguard.audit.store import LedgerStore
+from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
+from kvguard.errors import AuditError, VerificationError
+from kvguard.logging import get_logger
+
+_log = get_logger("kvguard.audit.ledger")
+
+Clock = Callable[[], datetime]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Ledger:
+    """A tamper-evident, append-only audit log in SQL (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: LedgerStore,
+        *,
+        origin: str,
+        signing_keys: Sequence[SigningKey],
+        clock: Clock,
+        writer: BackgroundWriter,
+    ) -> None:
+        if not signing_keys:
+            raise AuditError("a ledger needs at least one checkpoint signing key")
+        self.store = store
+        self.origin = origin
+        self.signing_keys = list(signing_keys)
+        self._clock = clock
+        self._writer = writer
+        self._periodic: PeriodicTask | None = None
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        origin: str,
+        signing_key: SigningKey | Sequence[SigningKey],
+        clock: Clock = utc_now,
+        overflow: Overflow | str = Overflow.BLOCK,
+        queue_capacity: int = 100_000,
+        batch_size: int = 1_000,
+        batch_interval: float = 0.05,
+        checkpoint_interval: float | None = None,
+    ) -> Ledger:
+        """Open (creating or upgrading the schema) the ledger at `url`.
+
+        `signing_key` may be several keys during a rotation: each checkpoint then carries one
+        signature line per key. `checkpoint_interval` (seconds) starts periodic checkpoints.
+        """
+        if not origin or "\n" in origin:
+            raise AuditError("a ledger origin is one non-empty line (C2SP tlog-checkpoint)")
+        keys = [signing_key] if isinstance(signing_key, SigningKey) else list(signing_key)
+        engine = create_engine(url)
+        upgrade(engine)
+        store = LedgerStore(engine)
+        holder: list[Ledger] = []
+        writer = BackgroundWriter(
+            lambda events: holder[0].append_many(events),
+            capacity=queue_capacity, batch_size=batch_size, interval=batch_interval,
+            overflow=Overflow(overflow),
+        )
+        ledger = cls(store, origin=origin, signing_keys=keys, clock=clock, writer=writer)
+        holder.append(ledger)
+        if checkpoint_interval is not None:
+            ledger._periodic = PeriodicTask(
+                checkpoint_interval, ledger._periodic_checkpoint, "kvguard-ledger-checkpoint"
+            )
+        return ledger
+
+    # -- writing -------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """The number of durable entries (the tree size)."""
+        return self.store.size()
+
+    def append(self, event: AuditEvent) -> int:
+        """Append one event; returns its index once durable."""
+        return self.append_many([event])[0]
+
+    def append_many(self, events: Sequence[AuditEvent]) -> list[int]:
+        """Append events in one transaction; returns their (consecutive) indices once durable."""
+        if not events:
+            return []
+        first = self.store.append([prepare_entry(e) for e in events])
+        return list(range(first, first + len(events)))
+
+    def submit(self, event: AuditEvent) -> None:
+        """Queue `event` for a group commit without waiting (see `kvguard.audit.writer`)."""
+        self._writer.submit(event)
+
+    def flush(self, timeout: float | None = 30.0) -> None:
+        """Wait until every submitted event is durable."""
+        self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Flush, stop background threads and release connections."""
+        if self._periodic is not None:
+            self._periodic.stop()
+        self._writer.close()
+        self.store.engine.dispose()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def erase_payload(self, index: int, *, reason: str) -> int:
+        """Delete the erasable payload of entry `index` and its commitment salt, and record the
+        erasure as a new `payload.erase` entry in the same transaction; returns that entry's index.
+
+        The leaf (and so every proof and checkpoint) is unchanged: it only ever held the salted
+        commitment, which cannot be opened once the salt is gone.
+        """
+        event = AuditEvent(
+            kind=EventKind.PAYLOAD_ERASE, ts=self._clock(),
+            details={"erased_index": index, "reason": reason},
+        )
+
+        def delete(conn: sa.Connection, _first: int) -> None:
+            gone = conn.execute(sa.delete(t.payloads).where(t.payloads.c.idx == index)).rowcount
+            if gone != 1:
+                raise AuditError(f"entry {index} has no erasable payload (already erased?)")
+
+        return self.store.append([prepare_entry(event)], after=delete)
+
+    # -- checkpoints and proofs ----------------------------------------------------------------
+
+    def verifiers(self) -> list[note.Verifier]:
+        return [k.verifier() for k in self.signing_keys]
+
+    def checkpoint(self) -> str:
+        """Sign and store a checkpoint of the current tree; returns the signed note text."""
+        with write_transaction(self.store.engine) as conn:
+            size = self.store.lock_head(conn)
+            root = self.store.root(size, conn)
+            last = self.store.latest_checkpoint(conn)
+            if last is not None:
+                self._check_extends(conn, last.size, last.root, last.note, size, root)
+            text = format_checkpoint(Checkpoint(self.origin, size, root))
+            signed = note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
+            if last is not None and last.note == signed:
+                return signed  # same tree, same keys: Ed25519 is deterministic, nothing new
+            self.store.insert_checkpoint(conn, size, root, signed, ts_micros(self._clock()))
+        return signed
+
+    def _check_extends(
+        self, conn: sa.Connection, old_size: int, old_root: bytes, old_note: str, size: int,
+        root: bytes,
+    ) -> None:
+        cp = parse_checkpoint(note.split_note(old_note)[0])
+        if (cp.origin, cp.size, cp.root) != (self.origin, old_size, old_root):
+            raise VerificationError("the stored latest checkpoint does not match its own note")
+        if old_size > size:
+            raise VerificationError(f"tree shrank from {old_size} to {size} entries since the "
+                                    "last checkpoint: refusing to sign")
+        if old_size == 0:
+            return
+        ranges = merkle.consistency_ranges(old_size, size)
+        proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn)) if size > old_size else []
+        merkle.verify_consistency(old_size, size, old_root, root, proof)
+
+    def _periodic_checkpoint(self) -> None:
+        with self.store.engine.connect() as conn:
+            last = self.store.latest_checkpoint(conn)
+        if last is None or last.size < self.size:
+            self.checkpoint()
+
+    def inclusion_proof(self, index: int, tree_size: int) -> list[bytes]:
+        """RFC 9162 section 2.1.3.1 audit path for entry `index` in the tree of `tree_size`."""
+        self._check_size(tree_size)
+        return self.store.hashes_for_ranges(merkle.inclusion_ranges(index, tree_size))
+
+    def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
+        """RFC 9162 section 2.1.4.1 proof that tree `old_size` is a prefix of tree `new_size`."""
+        self._check_size(new_size)
+        if old_size == new_size:
+            return []
+        return self.store.hashes_for_ranges(merkle.consistency_ranges(old_size, new_size))
+
+    def root(self, tree_size: int) -> bytes:
+        self._check_size(tree_size)
+        with self.store.engine.connect() as conn:
+            return self.store.root(tree_size, conn)
+
+    def _check_size(self, tree_size: int) -> None:
+        if not 0 <= tree_size <= self.size:
+            raise ValueError(f"tree size {tree_size} is beyond the ledger ({self.size} entries)")
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def query(self, *, limit: int = 100, **filters: Any) -> QueryPage:
+        """Entries by `scope_tag`, `kinds`, `since`/`until`, `request_id`, `block_id`, paged by
+        `after` (the previous page's `next_after`)."""
+        with self.store.engine.connect() as conn:
+            return run_query(conn, limit=limit, **filters)
+
+    def export(self, path: str | Path, **options: Any) -> Any:
+        """Write an export bundle (see `kvguard.audit.export.export_bundle`)."""
+        from kvguard.audit.export import export_bundle
+
+        return export_bundle(self, Path(path), **options)
+
+    def verify(self, extra_verifiers: Sequence[str] = ()) -> Any:
+        """Recompute everything from the database (see `kvguard.audit.verify_db`)."""
+        from kvguard.audit.verify_db import verify_ledger
+
+        return verify_ledger(self, extra_verifiers)

@@ -1,0 +1,42 @@
+"""Bring the ledger schema up to date with the packaged Alembic migrations (idempotent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from kvguard.audit.db import write_transaction
+
+_SCRIPTS = Path(__file__).resolve().parent / "migrations"
+VERSION_TABLE = "ledger_alembic_version"
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_SCRIPTS))
+    return cfg
+
+
+def is_current(engine: sa.Engine) -> bool:
+    """True when the database is already at the newest ledger revision (a cheap read)."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        current = ctx.get_current_revision()
+        conn.rollback()
+    return current == head
+
+
+def upgrade(engine: sa.Engine) -> None:
+    """Run pending migrations in one write transaction (serialised across processes)."""
+    if is_current(engine):
+        return
+    cfg = alembic_config()
+    with write_transaction(engine) as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")

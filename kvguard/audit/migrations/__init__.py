@@ -1,0 +1,1 @@
+"""Alembic migration environment of the audit ledger (ships inside the wheel)."""

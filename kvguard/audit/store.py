@@ -1,0 +1,184 @@
+"""The ledger's SQL store: gapless appends under the head-row lock, stored hashes, checkpoints.
+
+Append protocol (ARCHITECTURE.md, "Gapless indices"), in one transaction:
+1. lock the head row (`BEGIN IMMEDIATE` on SQLite, `SELECT ... FOR UPDATE` on PostgreSQL);
+2. if another process appended meanwhile, reload the in-memory frontier from O(log n) stored hashes;
+3. insert entries, block links, payloads and every newly completed subtree hash;
+4. move the head to the new size and commit (durably: see `kvguard.audit.db`).
+The frontier is swapped in only after the commit, so a failed transaction leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import sqlalchemy as sa
+
+from kvguard.audit import merkle
+from kvguard.audit import schema as t
+from kvguard.audit.db import write_transaction
+from kvguard.errors import VerificationError
+
+_IN_CHUNK = 500  # bound the IN (...) list of one hash read
+
+
+class PreparedEntry(NamedTuple):
+    """Everything about one entry that does not depend on its index (computed outside the lock)."""
+
+    leaf: bytes
+    leaf_hash: bytes
+    kind: str
+    scope_tag: str | None
+    request_id: str | None
+    ts_us: int
+    block_ids: Sequence[int]
+    payload: tuple[bytes, bytes] | None  # (salt, canonical body)
+
+
+class CheckpointRow(NamedTuple):
+    id: int
+    size: int
+    root: bytes
+    note: str
+
+
+AfterAppend = Callable[[sa.Connection, int], None]
+
+
+class LedgerStore:
+    """Owns the ledger tables of one database; safe to share between threads of one process."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._frontier = merkle.Frontier(0, [])
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def size(self, conn: sa.Connection | None = None) -> int:
+        stmt = sa.select(t.head.c.size).where(t.head.c.id == 1)
+        if conn is not None:
+            return int(conn.execute(stmt).scalar_one())
+        with self.engine.connect() as c:
+            return int(c.execute(stmt).scalar_one())
+
+    def reader(self, conn: sa.Connection) -> merkle.HashReader:
+        """A `merkle.HashReader` over the stored hashes, within `conn`'s transaction."""
+
+        def read(subtrees: Sequence[merkle.Subtree]) -> list[bytes]:
+            leaves = [s.index for s in subtrees if s.level == 0]
+            nodes = [t.hash_key(s.level, s.index) for s in subtrees if s.level > 0]
+            found_leaves = _select_in(conn, t.entries.c.idx, t.entries.c.leaf_hash, leaves)
+            found_nodes = _select_in(conn, t.hashes.c.id, t.hashes.c.hash, nodes)
+            out: list[bytes] = []
+            for s in subtrees:
+                h = (found_leaves.get(s.index) if s.level == 0
+                     else found_nodes.get(t.hash_key(s.level, s.index)))
+                if h is None:
+                    raise VerificationError(f"stored hash of subtree {tuple(s)} is missing")
+                out.append(h)
+            return out
+
+        return read
+
+    def hashes_for_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        with self.engine.connect() as conn:
+            return merkle.hashes_for_ranges(ranges, self.reader(conn))
+
+    def root(self, size: int, conn: sa.Connection) -> bytes:
+        return merkle.root_from_subtrees(size, self.reader(conn))
+
+    def checkpoints(self, conn: sa.Connection) -> list[CheckpointRow]:
+        c = t.checkpoints.c
+        rows = conn.execute(sa.select(c.id, c.size, c.root, c.note).order_by(c.id))
+        return [CheckpointRow(int(i), int(s), bytes(r), str(n)) for i, s, r, n in rows]
+
+    def latest_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
+        c = t.checkpoints.c
+        row = conn.execute(
+            sa.select(c.id, c.size, c.root, c.note).order_by(c.id.desc()).limit(1)
+        ).first()
+        return CheckpointRow(int(row[0]), int(row[1]), bytes(row[2]), str(row[3])) if row else None
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def lock_head(self, conn: sa.Connection) -> int:
+        """Lock the head row for the rest of the transaction and return the tree size."""
+        stmt = sa.select(t.head.c.size).where(t.head.c.id == 1).with_for_update()
+        return int(conn.execute(stmt).scalar_one())
+
+    def _load_frontier(self, conn: sa.Connection, size: int) -> merkle.Frontier:
+        subtrees = merkle.range_subtrees(0, size) if size else []
+        hashes = self.reader(conn)(subtrees) if subtrees else []
+        return merkle.Frontier(size, list(zip(subtrees, hashes, strict=True)))
+
+    def append(self, prepared: Sequence[PreparedEntry], after: AfterAppend | None = None) -> int:
+        """Append `prepared` entries durably; return the index of the first. `after(conn, first)`
+        runs inside the same transaction (used to make erasures atomic with their record)."""
+        with self._lock, write_transaction(self.engine) as conn:
+            first = self.lock_head(conn)
+            frontier = self._frontier if self._frontier.size == first else None
+            frontier = (frontier or self._load_frontier(conn, first)).copy()
+            self._insert(conn, first, prepared, frontier)
+            if after is not None:
+                after(conn, first)
+            conn.execute(sa.update(t.head).where(t.head.c.id == 1).values(size=frontier.size))
+            conn.commit()
+            self._frontier = frontier
+        return first
+
+    def _insert(
+        self,
+        conn: sa.Connection,
+        first: int,
+        prepared: Sequence[PreparedEntry],
+        frontier: merkle.Frontier,
+    ) -> None:
+        entry_rows: list[tuple[object, ...]] = []
+        block_rows: list[tuple[object, ...]] = []
+        payload_rows: list[tuple[object, ...]] = []
+        hash_rows: list[tuple[object, ...]] = []
+        for i, p in enumerate(prepared, start=first):
+            entry_rows.append((i, p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us))
+            block_rows.extend((b, i) for b in dict.fromkeys(p.block_ids))
+            if p.payload is not None:
+                payload_rows.append((i, p.payload[0], p.payload[1]))
+            hash_rows.extend(frontier.append(p.leaf_hash)[1:])  # level 0 is in the entry row
+        for table, rows in (
+            (t.entries, entry_rows), (t.entry_blocks, block_rows),
+            (t.payloads, payload_rows), (t.hashes, hash_rows),
+        ):
+            _insert_many(conn, table, rows)
+
+    def insert_checkpoint(
+        self, conn: sa.Connection, size: int, root: bytes, note: str, created_us: int
+    ) -> None:
+        conn.execute(
+            sa.insert(t.checkpoints).values(size=size, root=root, note=note, created_us=created_us)
+        )
+
+
+def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[tuple[object, ...]]) -> None:
+    """Bulk insert positional rows straight through the driver's executemany.
+
+    SQLAlchemy's per-row parameter processing cost more than SQLite itself (profiled: 0.33 s of
+    0.6 s per 10,000 entries), and these columns need no type conversion.
+    """
+    if not rows:
+        return
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    names = ", ".join(c.name for c in table.columns)
+    marks = ", ".join(mark for _ in table.columns)
+    conn.exec_driver_sql(f"INSERT INTO {table.name} ({names}) VALUES ({marks})", rows)
+
+
+def _select_in(
+    conn: sa.Connection, key: sa.Column[int], value: sa.Column[bytes], keys: Sequence[int]
+) -> dict[int, bytes]:
+    found: dict[int, bytes] = {}
+    for i in range(0, len(keys), _IN_CHUNK):
+        rows = conn.execute(sa.select(key, value).where(key.in_(keys[i : i + _IN_CHUNK])))
+        found.update((int(k), bytes(v)) for k, v in rows)
+    return found

@@ -1,0 +1,177 @@
+"""The non-blocking write path: a bounded in-memory queue drained by one group-committing thread.
+
+`submit` is what an engine calls on its hot path: it appends to a deque under a lock (no I/O, no
+encoding) and returns. A background thread commits the queue in groups (every `interval` seconds or
+`batch_size` events, whichever first) through the synchronous, durable `append_many`.
+
+Never silent loss: events leave the queue only after their group committed. When the database
+fails, the writer keeps them and retries with backoff; the queue fills, and then the overflow policy
+decides: `block` makes `submit` wait for room, `fail_closed` raises `LedgerUnavailableError` so that
+the caller refuses the work it wanted to record (G7).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+
+from kvguard.audit.events import AuditEvent
+from kvguard.errors import LedgerUnavailableError
+from kvguard.logging import get_logger
+
+_log = get_logger("kvguard.audit.writer")
+_MAX_BACKOFF_S = 1.0
+
+
+class Overflow(StrEnum):
+    """What `submit` does when the queue is full."""
+
+    BLOCK = "block"
+    FAIL_CLOSED = "fail_closed"
+
+
+class BackgroundWriter:
+    """Owns the submit queue and its commit thread."""
+
+    def __init__(
+        self,
+        write: Callable[[Sequence[AuditEvent]], object],
+        *,
+        capacity: int = 100_000,
+        batch_size: int = 1_000,
+        interval: float = 0.05,
+        overflow: Overflow = Overflow.BLOCK,
+    ) -> None:
+        if capacity < batch_size or batch_size < 1:
+            raise ValueError("capacity must be at least batch_size, which must be positive")
+        self._write = write
+        self._capacity = capacity
+        self._batch_size = batch_size
+        self._interval = interval
+        self._overflow = Overflow(overflow)
+        self._queue: deque[AuditEvent] = deque()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._durable = 0
+        self._closed = False
+        self._failing = False
+        self._urgent = False
+        self._thread = threading.Thread(target=self._run, name="kvguard-ledger-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, event: AuditEvent) -> None:
+        """Enqueue `event` for a group commit. Raises LedgerUnavailableError under `fail_closed`
+        when the queue is full, or when the writer is closed."""
+        with self._cond:
+            if self._closed:
+                raise LedgerUnavailableError("the ledger writer is closed")
+            while len(self._queue) >= self._capacity:
+                if self._overflow is Overflow.FAIL_CLOSED:
+                    raise LedgerUnavailableError(
+                        f"ledger queue full ({self._capacity} events not yet durable): refusing work"
+                    )
+                self._cond.wait()
+                if self._closed:
+                    raise LedgerUnavailableError("the ledger writer is closed")
+            self._queue.append(event)
+            self._submitted += 1
+            if len(self._queue) == self._batch_size:
+                self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def flush(self, timeout: float | None = 30.0) -> None:
+        """Return once every event submitted before this call is durable; raise
+        LedgerUnavailableError if that does not happen within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._submitted
+            self._urgent = True
+            self._cond.notify_all()
+            while self._durable < target:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    state = "failing" if self._failing else "slow"
+                    raise LedgerUnavailableError(
+                        f"ledger not durable after {timeout} s ({target - self._durable} events "
+                        f"pending, writer {state})"
+                    )
+                self._cond.wait(left)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flush, then stop the thread. Idempotent."""
+        if not self._closed:
+            self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _next_batch(self) -> list[AuditEvent] | None:
+        """Wait for a group: `batch_size` events, `interval` seconds, a flush, or close."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            deadline = time.monotonic() + self._interval
+            while len(self._queue) < self._batch_size and not (self._closed or self._urgent):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._urgent = False
+            if not self._queue:
+                return None
+            return list(itertools.islice(self._queue, self._batch_size))
+
+    def _run(self) -> None:
+        backoff = 0.01
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._write(batch)
+            except Exception as exc:  # keep the events, retry: never drop evidence
+                _log.error("ledger write failed; retrying", error=exc.__class__.__name__,
+                           pending=len(batch))
+                with self._cond:
+                    self._failing = True
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                continue
+            backoff = 0.01
+            with self._cond:
+                for _ in batch:
+                    self._queue.popleft()
+                self._durable += len(batch)
+                self._failing = False
+                self._cond.notify_all()
+
+
+class PeriodicTask:
+    """Runs `task` every `interval` seconds on a daemon thread until `stop()`."""
+
+    def __init__(self, interval: float, task: Callable[[], object], name: str) -> None:
+        self._interval = interval
+        self._task = task
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._task()
+            except Exception as exc:
+                _log.error("periodic ledger task failed", error=exc.__class__.__name__)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
