@@ -4,4 +4,33 @@ Owns: cache layout descriptions, planning which bytes to clear, executors (one-l
 GPU, torch on CPU), verification read-back and evidence records. Never decides *whether* a block is
 zeroized: the custody core asks policy and hands this package a plan. Importing it needs neither Triton
 nor a GPU.
+
+Ownership chain: the engine owns the cache tensors and their bytes; `KVCacheSpec` only describes them;
+the custody core owns the block ids and builds a `ZeroizePlan` with `plan_zeroize`; `zeroize` clears
+and checks the bytes and returns a `ZeroizeEvidence` for the ledger. See docs/zeroize.md.
 """
+
+from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
+from kvguard.zeroize.executor import zeroize
+from kvguard.zeroize.layout import SUPPORTED_DTYPES, KVCacheSpec, KVLayout
+from kvguard.zeroize.plan import BlockRun, ZeroizePlan, digest_block_ids, plan_zeroize
+from kvguard.zeroize.triton_exec import triton_available
+from kvguard.zeroize.verify import DEFAULT_SAMPLE_SIZE, VerifyReport, verify_zeroized
+
+__all__ = [
+    "DEFAULT_SAMPLE_SIZE",
+    "SUPPORTED_DTYPES",
+    "BlockRun",
+    "KVCacheSpec",
+    "KVLayout",
+    "Method",
+    "VerifyMode",
+    "VerifyReport",
+    "ZeroizeEvidence",
+    "ZeroizePlan",
+    "digest_block_ids",
+    "plan_zeroize",
+    "triton_available",
+    "verify_zeroized",
+    "zeroize",
+]

@@ -1,0 +1,50 @@
+"""Torch executor: clear and check planned blocks with plain tensor ops (any device, no Triton).
+
+The path used on CPU caches (vLLM's CPU backend, HF transformers) and wherever Triton is missing. It
+works on the same `[num_blocks, chunk_bytes]` byte views of each segment as the kernel, so it covers
+every layout and dtype alike. On a CUDA tensor its ops run on the current stream, so the stream-order
+guarantee of `triton_exec` holds here too; it only takes more launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvguard.zeroize.layout import KVCacheSpec
+from kvguard.zeroize.plan import BlockRun
+
+# Up to this many runs, one `zero_()` per run and segment (a memset each); past it one `index_fill_`
+# per segment, so a plan of thousands of scattered ids costs one op per segment, not one per id.
+MAX_SLICED_RUNS = 16
+# Rows gathered at once when checking many blocks: bounds the temporary copy to 1024 blocks' bytes.
+_CHECK_BATCH = 1024
+
+
+def zero_blocks(spec: KVCacheSpec, runs: Sequence[BlockRun], block_ids: Sequence[int]) -> None:
+    """Clear the planned blocks of every segment."""
+    if not block_ids:
+        return
+    segments = spec.segment_views()
+    if len(runs) <= MAX_SLICED_RUNS:
+        for segment in segments:
+            for start, length in runs:
+                segment[start : start + length].zero_()
+        return
+    index = torch.tensor(block_ids, dtype=torch.int64).to(spec.device, non_blocking=True)
+    for segment in segments:
+        segment.index_fill_(0, index, 0)
+
+
+def dirty_blocks(spec: KVCacheSpec, block_ids: Sequence[int]) -> list[int]:
+    """Ids among `block_ids` with any non-zero byte in any segment (a reduction per segment)."""
+    if not block_ids:
+        return []
+    found = torch.zeros(len(block_ids), dtype=torch.bool, device=spec.device)
+    index = torch.tensor(block_ids, dtype=torch.int64).to(spec.device, non_blocking=True)
+    for segment in spec.segment_views():
+        for first in range(0, len(block_ids), _CHECK_BATCH):
+            rows = segment.index_select(0, index[first : first + _CHECK_BATCH])
+            found[first : first + _CHECK_BATCH] |= rows.ne(0).any(dim=1)
+    return [block for block, flag in zip(block_ids, found.tolist(), strict=True) if flag]
