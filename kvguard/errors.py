@@ -94,6 +94,10 @@ class ZeroizeVerificationError(ZeroizeError):
     """A block was not all-zero after zeroization. Never reported as success (G2)."""
 
 
+class BlockIdError(ZeroizeError):
+    """A block id handed to the zeroize planner is not an integer in [0, num_blocks)."""
+
+
 class CustodyError(KvguardError):
     """The block custody state machine refused a transition or found a broken invariant (G4)."""
 

@@ -114,5 +114,5 @@ def _logger() -> Callable[..., None]:
     except ImportError:
         stdlib = logging.getLogger("kvguard.zeroize")
         return lambda level, event, **fields: stdlib.log(level, "%s %s", event, fields)
-    log = get_logger("zeroize")
-    return lambda level, event, **fields: log.log(level, event, **fields)
+    structured: Callable[..., None] = get_logger("zeroize").log
+    return structured
