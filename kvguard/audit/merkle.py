@@ -311,3 +311,10 @@ class Frontier:
 
     def root(self) -> bytes:
         return fold_range([h for _, h in self._nodes]) if self._nodes else EMPTY_ROOT
+
+
+def levels_prefix_root(levels: Sequence[Sequence[bytes]], size: int) -> bytes:
+    """MTH of the first `size` leaves of a tree built by `tree_levels` (for checkpoint checks)."""
+    if size == 0:
+        return EMPTY_ROOT
+    return fold_range([levels[s.level][s.index] for s in range_subtrees(0, size)])

@@ -69,7 +69,7 @@ def _b64(text: str, what: str) -> bytes:
 
 def parse_verifier_key(vkey: str) -> Verifier:
     """Parse and check a verifier key string; raises VerificationError if it is malformed."""
-    parts = vkey.strip().split("+")
+    parts = vkey.strip().split("+", 2)  # base64 may itself contain "+"
     if len(parts) != 3:
         raise VerificationError("verifier key must have the form name+keyid+base64key")
     name, hex_id, blob = parts

@@ -77,7 +77,7 @@ class SigningKey:
     def decode(cls, text: str) -> SigningKey:
         if not text.startswith(_FILE_PREFIX):
             raise ConfigError("not a signed-note signer key (expected PRIVATE+KEY+...)")
-        parts = text[len(_FILE_PREFIX) :].strip().split("+")
+        parts = text[len(_FILE_PREFIX) :].strip().split("+", 2)
         if len(parts) != 3:
             raise ConfigError("malformed signer key")
         name, hex_id, blob = parts

@@ -1,0 +1,114 @@
+"""The export bundle format (version 1): file names, the entry line, and the SIEM renderings.
+
+A bundle is a directory:
+
+- `checkpoint`: the signed C2SP checkpoint every proof in the bundle is against;
+- `entries.jsonl`: one line per entry, canonical JSON with sorted keys:
+  `{"event": <the leaf's JSON>, "inclusion_proof": [base64...], "index": N, "leaf": base64}`;
+  `event` is the leaf itself, embedded for reading, so it can never disagree with `leaf`;
+- `entries.csv`, `entries.ocsf.jsonl` (optional): renderings for SIEM import, derived from the leaves
+  only, so the verifier regenerates them and compares byte for byte;
+- `consistency.jsonl` (optional): `{"old_checkpoint": note, "proof": [base64...]}` per earlier
+  checkpoint, proving the log only grew since;
+- `proofs/<index>.tlog-proof` (optional): one c2sp.org/tlog-proof@v1 file per entry.
+
+Standard library only: the offline verifier imports this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+CHECKPOINT = "checkpoint"
+ENTRIES = "entries.jsonl"
+CSV = "entries.csv"
+OCSF = "entries.ocsf.jsonl"
+CONSISTENCY = "consistency.jsonl"
+PROOFS = "proofs"
+PROOF_SUFFIX = ".tlog-proof"
+KNOWN_FILES = frozenset({CHECKPOINT, ENTRIES, CSV, OCSF, CONSISTENCY})
+
+CSV_COLUMNS = (
+    "index", "ts", "kind", "scope_tag", "request_id", "block_ids", "details", "payload_commitment",
+)
+_OCSF_VERSION = "1.3.0"
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def entry_line(index: int, leaf: bytes, proof_b64: Sequence[str], leaf_b64: str | None = None) -> str:
+    """The exact `entries.jsonl` line of one entry (canonical JSON; `leaf` is canonical JSON)."""
+    proof = ",".join(f'"{p}"' for p in proof_b64)
+    leaf_b64 = b64(leaf) if leaf_b64 is None else leaf_b64
+    return (
+        f'{{"event":{leaf.decode("utf-8")},"inclusion_proof":[{proof}],'
+        f'"index":{index},"leaf":"{leaf_b64}"}}\n'
+    )
+
+
+def consistency_line(old_checkpoint: str, proof: Sequence[bytes]) -> str:
+    obj = {"old_checkpoint": old_checkpoint, "proof": [b64(h) for h in proof]}
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+def csv_header() -> str:
+    return _csv_text(CSV_COLUMNS)
+
+
+def csv_line(index: int, leaf: dict[str, Any]) -> str:
+    details = json.dumps(leaf["details"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _csv_text((
+        str(index), leaf["ts"], leaf["kind"], leaf["scope_tag"] or "", leaf["request_id"] or "",
+        " ".join(str(b) for b in leaf["block_ids"]), details, leaf["payload_commitment"] or "",
+    ))
+
+
+def _csv_text(row: Sequence[str]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(row)
+    return buf.getvalue()
+
+
+def ocsf_line(index: int, leaf: dict[str, Any], origin: str) -> str:
+    """An OCSF-style (schema 1.3, Base Event class) record of one entry, one JSON line."""
+    ts = datetime.strptime(leaf["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    record = {
+        "activity_id": 99,
+        "activity_name": leaf["kind"],
+        "category_name": "Uncategorized",
+        "category_uid": 0,
+        "class_name": "Base Event",
+        "class_uid": 0,
+        "message": f"kvguard {leaf['kind']}",
+        "metadata": {
+            "log_name": origin,
+            "original_time": leaf["ts"],
+            "product": {"name": "kvguard", "vendor_name": "kvguard"},
+            "uid": str(index),
+            "version": _OCSF_VERSION,
+        },
+        "severity": "Informational",
+        "severity_id": 1,
+        "time": int(ts.timestamp() * 1000),
+        "type_uid": 99,
+        "unmapped": {
+            "block_ids": leaf["block_ids"],
+            "details": leaf["details"],
+            "payload_commitment": leaf["payload_commitment"],
+            "request_id": leaf["request_id"],
+            "scope_tag": leaf["scope_tag"],
+        },
+    }
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+def proof_name(index: int) -> str:
+    return f"{index}{PROOF_SUFFIX}"
