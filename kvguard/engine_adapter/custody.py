@@ -1,0 +1,391 @@
+"""The custody core: who holds every physical KV block, and what must happen to it next.
+
+Engine-agnostic and pure (no tensors, no I/O, time passed in). An adapter reports what the engine did
+(allocated, hit the prefix cache, finished a request) and custody answers with what kvguard must do:
+blocks to quarantine and zeroize (G2), blocks to clear before a new owner's forward pass (G3), and
+ledger events (G5). Policy questions go to `kvguard.policy` through the `PolicyView` callable, so
+custody holds no business rule of its own.
+
+Ownership chain (SGLang-style): the engine owns block *ids* and its free queue; custody owns the
+*custody state* of each id; the worker owns the bytes. Only custody moves an id between states, and
+`check_invariants` proves after any sequence of operations that every block is in exactly one state
+with one owner or none, and that the per-tenant counters add up (G4).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvguard.engine_adapter.records import (
+    BlockId,
+    BlockRecord,
+    BlockStatus,
+    CustodyEvent,
+    EventKind,
+    PurgeSelector,
+    RequestId,
+    StepPlan,
+)
+from kvguard.errors import CustodyError
+from kvguard.isolation.scope import Scope
+from kvguard.policy import BlockState, TenantPolicy, ZeroizeOn, expired, must_zeroize
+
+PolicyView = Callable[[str], TenantPolicy]  # tenant id -> its current policy
+Tagger = Callable[[Scope], str]  # scope -> public scope tag
+Details = dict[str, str | int | float | bool | None]
+
+
+class _Request:
+    __slots__ = ("blocks", "scope", "use_cache")
+
+    def __init__(self, scope: Scope, use_cache: bool) -> None:
+        self.scope = scope
+        self.use_cache = use_cache
+        self.blocks: list[BlockId] = []
+
+
+class Custody:
+    """Block custody for one engine's KV pool of `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int, *, policy: PolicyView, tagger: Tagger) -> None:
+        if num_blocks <= 0:
+            raise CustodyError(f"num_blocks must be positive, got {num_blocks}")
+        self._policy = policy
+        self._tag = tagger
+        self._blocks: list[BlockRecord] = [BlockRecord(BlockId(i)) for i in range(num_blocks)]
+        self._requests: dict[RequestId, _Request] = {}
+        self._tenant_blocks: Counter[str] = Counter()  # tenant -> blocks active/cached/quarantined
+        self._pending_release: set[BlockId] = set()
+        self._pending_handover: set[BlockId] = set()
+        self._events: list[CustodyEvent] = []
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def record(self, block_id: int) -> BlockRecord:
+        return self._blocks[self._check_id(block_id)]
+
+    def counts(self) -> dict[BlockStatus, int]:
+        tally = Counter(r.status for r in self._blocks)
+        return {s: tally.get(s, 0) for s in BlockStatus}
+
+    def tenant_blocks(self, tenant_id: str) -> int:
+        """Blocks a tenant holds (active, cached or awaiting zeroization): what quotas count."""
+        return self._tenant_blocks.get(tenant_id, 0)
+
+    def tenant_counts(self, tenant_id: str) -> dict[BlockStatus, int]:
+        tally = Counter(
+            r.status for r in self._blocks if r.owner is not None and r.owner.tenant_id == tenant_id
+        )
+        return {s: tally.get(s, 0) for s in BlockStatus}
+
+    def take_events(self) -> list[CustodyEvent]:
+        """Drain the events produced since the last call (vLLM `take_events` pattern)."""
+        events, self._events = self._events, []
+        return events
+
+    def take_plan(self) -> StepPlan:
+        """Drain the blocks that must be zeroized before the next forward pass."""
+        plan = StepPlan(
+            release=tuple(sorted(self._pending_release)),
+            handover=tuple(sorted(self._pending_handover)),
+        )
+        self._pending_release.clear()
+        self._pending_handover.clear()
+        return plan
+
+    # --- request lifecycle -----------------------------------------------------------------------
+
+    def begin(self, request_id: str, scope: Scope, *, use_cache: bool) -> None:
+        """Register a request admitted by policy under `scope` (use_cache False: nothing retained)."""
+        rid = RequestId(request_id)
+        if rid in self._requests:
+            raise CustodyError(f"request {request_id!r} is already registered")
+        self._requests[rid] = _Request(scope, use_cache)
+
+    def allocate(self, request_id: str, block_ids: Iterable[int], now: float) -> tuple[int, ...]:
+        """The engine gave `request_id` these blocks for new tokens.
+
+        Returns the blocks that hold another scope's bytes and must be zeroized before this request's
+        forward pass writes into them (G3); they are also queued in the step plan.
+        """
+        req = self._request(request_id)
+        fresh: list[int] = []
+        handover: list[int] = []
+        for bid in block_ids:
+            rec = self._blocks[self._check_id(bid)]
+            if rec.status is BlockStatus.ACTIVE or rec.status is BlockStatus.QUARANTINED:
+                raise CustodyError(f"block {bid} allocated while {rec.status.value}")
+            if rec.status is BlockStatus.CACHED:
+                self._engine_evicted(rec, now)
+            if rec.owner is not None and self._needs_clear(rec, req.scope, now):
+                handover.append(rec.block_id)
+            self._take(rec, req, RequestId(request_id), now)
+            rec.created_at = now
+            rec.hashed = False
+            fresh.append(rec.block_id)
+        self._pending_handover.update(BlockId(b) for b in handover)
+        if fresh:
+            self._emit(
+                EventKind.ALLOC,
+                now,
+                req.scope,
+                request_id,
+                fresh,
+                {"handover_zeroize": len(handover)},
+            )
+        return tuple(handover)
+
+    def reuse(
+        self, request_id: str, block_ids: Iterable[int], now: float, *, tokens_matched: int
+    ) -> None:
+        """The engine served `request_id` from cached blocks (a prefix hit).
+
+        Defence in depth (G1): the salts should make a cross-domain hit impossible; if one happens
+        anyway the request is refused here rather than served another scope's KV.
+        """
+        req = self._request(request_id)
+        ids = [self._check_id(b) for b in block_ids]
+        for bid in ids:
+            rec = self._blocks[bid]
+            if rec.owner is None or not rec.owner.same_domain(req.scope) or not rec.hashed:
+                raise CustodyError(
+                    f"prefix hit on block {bid} outside the request's reuse domain; refused (G1)"
+                )
+            if rec.status is BlockStatus.QUARANTINED:
+                raise CustodyError(f"prefix hit on quarantined block {bid}; refused")
+        for bid in ids:
+            self._take(self._blocks[bid], req, RequestId(request_id), now)
+        if ids:
+            self._emit(
+                EventKind.REUSE, now, req.scope, request_id, ids, {"tokens_matched": tokens_matched}
+            )
+
+    def mark_hashed(self, block_ids: Iterable[int]) -> None:
+        """The engine registered prefix hashes for these (full) blocks: they are reusable."""
+        for bid in block_ids:
+            rec = self._blocks[self._check_id(bid)]
+            if rec.status is not BlockStatus.ACTIVE:
+                raise CustodyError(f"block {bid} hashed while {rec.status.value}")
+            rec.hashed = True
+
+    def finish(self, request_id: str, now: float) -> tuple[int, ...]:
+        """The request is done. Returns the blocks quarantined for zeroization (the engine must not
+        free them until `zeroized` is called); the rest are cached or were still shared."""
+        rid = RequestId(request_id)
+        req = self._requests.pop(rid, None)
+        if req is None:
+            raise CustodyError(f"request {request_id!r} is not registered")
+        quarantined: list[int] = []
+        retained = residue = 0
+        for bid in dict.fromkeys(req.blocks):
+            rec = self._blocks[bid]
+            rec.holders.discard(rid)
+            if rec.holders:
+                continue
+            if self._keep_cached(rec, now):
+                rec.status = BlockStatus.CACHED
+                retained += 1
+            elif self._zeroize_now(rec):
+                self._quarantine(rec)
+                quarantined.append(bid)
+            else:
+                # `cross_scope`: back to the free pool with its residue; cleared on handover (G3).
+                self._tenant_dec(rec)
+                rec.status = BlockStatus.FREE
+                rec.hashed = False
+                residue += 1
+        if quarantined or retained or residue:
+            details: Details = {"retained": retained, "freed_unzeroized": residue}
+            self._emit(EventKind.RELEASE, now, req.scope, request_id, quarantined, details)
+        return tuple(quarantined)
+
+    # --- retention ------------------------------------------------------------------------------
+
+    def sweep(self, now: float) -> tuple[int, ...]:
+        """Quarantine every cached block whose owner's policy says it has expired (TTL or idle)."""
+        out: list[int] = []
+        for rec in self._blocks:
+            if rec.status is not BlockStatus.CACHED or rec.owner is None:
+                continue
+            if expired(self._policy(rec.owner.tenant_id), self._state(rec), now):
+                self._quarantine(rec)
+                out.append(rec.block_id)
+        self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
+        return tuple(out)
+
+    def purge(self, selector: PurgeSelector, now: float) -> tuple[int, ...]:
+        """Quarantine cached blocks of the selected owners; active ones are quarantined on release."""
+        out: list[int] = []
+        doomed = 0
+        for rec in self._blocks:
+            if rec.owner is None or not selector.matches(rec.owner):
+                continue
+            if rec.status is BlockStatus.CACHED:
+                self._quarantine(rec)
+                out.append(rec.block_id)
+            elif rec.status is BlockStatus.ACTIVE:
+                rec.doomed = True
+                doomed += 1
+            elif rec.status is BlockStatus.FREE:
+                # Residue left in the free pool under `cross_scope`: clear it now as well.
+                self._quarantine(rec)
+                out.append(rec.block_id)
+        self._events.append(
+            CustodyEvent(
+                selector.event_kind,
+                now,
+                None,
+                None,
+                tuple(out),
+                {"blocks_quarantined": len(out), "blocks_active_doomed": doomed},
+            )
+        )
+        return tuple(out)
+
+    def zeroized(
+        self,
+        block_ids: Iterable[int],
+        now: float,
+        details: Details,
+    ) -> None:
+        """The worker zeroized (and verified per policy) these blocks: quarantined ones return to the
+        free pool, clean; handover blocks stay with their new owner, now clean of the old bytes."""
+        ids = [self._check_id(b) for b in block_ids]
+        for bid in ids:
+            rec = self._blocks[bid]
+            if rec.status is BlockStatus.QUARANTINED:
+                self._tenant_dec(rec)
+                rec.status = BlockStatus.FREE
+                rec.owner = rec.owner_tag = None
+                rec.hashed = rec.doomed = False
+                rec.retain = True
+            elif rec.status is not BlockStatus.ACTIVE:
+                raise CustodyError(f"block {bid} reported zeroized while {rec.status.value}")
+        if ids:
+            self._events.append(
+                CustodyEvent(EventKind.ZEROIZE, now, None, None, tuple(ids), details)
+            )
+
+    # --- invariants (G4) --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise CustodyError unless every block is in exactly one consistent state (G4)."""
+        tenants: Counter[str] = Counter()
+        held: dict[BlockId, set[RequestId]] = {}
+        for rid, req in self._requests.items():
+            for bid in req.blocks:
+                held.setdefault(bid, set()).add(rid)
+        for rec in self._blocks:
+            if (rec.status is BlockStatus.ACTIVE) != bool(rec.holders):
+                raise CustodyError(
+                    f"block {rec.block_id}: {rec.status.value} with {len(rec.holders)} holders"
+                )
+            if rec.holders != held.get(rec.block_id, set()):
+                raise CustodyError(f"block {rec.block_id}: holders disagree with requests")
+            if rec.status is not BlockStatus.FREE and rec.owner is None:
+                raise CustodyError(f"block {rec.block_id}: {rec.status.value} without an owner")
+            if rec.status is not BlockStatus.FREE and rec.owner is not None:
+                tenants[rec.owner.tenant_id] += 1
+        if +tenants != +self._tenant_blocks:
+            raise CustodyError("per-tenant block counts do not add up")
+        if sum(self.counts().values()) != len(self._blocks):
+            raise CustodyError("block states do not add up to the pool size")
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _check_id(self, block_id: int) -> BlockId:
+        if isinstance(block_id, bool) or not 0 <= block_id < len(self._blocks):
+            raise CustodyError(f"block id {block_id} is out of range [0, {len(self._blocks)})")
+        return BlockId(int(block_id))
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self._requests[RequestId(request_id)]
+        except KeyError:
+            raise CustodyError(f"request {request_id!r} is not registered") from None
+
+    def _state(self, rec: BlockRecord) -> BlockState:
+        assert rec.owner is not None
+        return BlockState(scope=rec.owner, created_at=rec.created_at, last_used_at=rec.last_used_at)
+
+    def _needs_clear(self, rec: BlockRecord, next_scope: Scope, now: float) -> bool:
+        assert rec.owner is not None
+        return must_zeroize(self._policy(rec.owner.tenant_id), self._state(rec), next_scope)
+
+    def _zeroize_now(self, rec: BlockRecord) -> bool:
+        assert rec.owner is not None
+        policy = self._policy(rec.owner.tenant_id)
+        return rec.doomed or policy.zeroize.on_release is ZeroizeOn.ALWAYS
+
+    def _keep_cached(self, rec: BlockRecord, now: float) -> bool:
+        if rec.doomed or not rec.retain or not rec.hashed or rec.owner is None:
+            return False
+        return not expired(self._policy(rec.owner.tenant_id), self._state(rec), now)
+
+    def _take(self, rec: BlockRecord, req: _Request, rid: RequestId, now: float) -> None:
+        if (
+            rec.status is BlockStatus.FREE
+            or rec.owner is None
+            or not rec.owner.same_domain(req.scope)
+        ):
+            if rec.status is not BlockStatus.FREE:
+                self._tenant_dec(rec)
+            rec.owner, rec.owner_tag = req.scope, self._tag(req.scope)
+            rec.retain = req.use_cache
+            self._tenant_blocks[req.scope.tenant_id] += 1
+        rec.status = BlockStatus.ACTIVE
+        rec.holders.add(rid)
+        rec.last_used_at = now
+        req.blocks.append(rec.block_id)
+
+    def _engine_evicted(self, rec: BlockRecord, now: float) -> None:
+        """The engine's LRU took a cached block for a new allocation: its cached life is over."""
+        self._events.append(
+            CustodyEvent(
+                EventKind.EVICT, now, rec.owner_tag, None, (rec.block_id,), {"reason": "engine_lru"}
+            )
+        )
+        self._tenant_dec(rec)
+        rec.status = BlockStatus.FREE
+
+    def _quarantine(self, rec: BlockRecord) -> None:
+        if rec.status is BlockStatus.FREE and rec.owner is not None:
+            self._tenant_blocks[rec.owner.tenant_id] += 1
+        rec.status = BlockStatus.QUARANTINED
+        rec.hashed = False
+        self._pending_release.add(rec.block_id)
+
+    def _tenant_dec(self, rec: BlockRecord) -> None:
+        if rec.owner is not None:
+            self._tenant_blocks[rec.owner.tenant_id] -= 1
+
+    def _emit(  # noqa: PLR0917 (private, called with the event's fields in order)
+        self,
+        kind: EventKind,
+        now: float,
+        scope: Scope,
+        request_id: str,
+        ids: Iterable[int],
+        details: Details,
+    ) -> None:
+        self._events.append(
+            CustodyEvent(kind, now, self._tag(scope), request_id, tuple(ids), details)
+        )
+
+    def _emit_grouped(
+        self,
+        kind: EventKind,
+        now: float,
+        ids: list[int],
+        details: Details,
+    ) -> None:
+        by_tag: dict[str | None, list[int]] = {}
+        for bid in ids:
+            by_tag.setdefault(self._blocks[bid].owner_tag, []).append(bid)
+        for tag, group in by_tag.items():
+            self._events.append(CustodyEvent(kind, now, tag, None, tuple(group), details))

@@ -1,0 +1,124 @@
+"""Value types of the custody core: block states, per-block records, custody events, purge selectors.
+
+Kept apart from the state machine so adapters and the ledger bridge can import them without pulling in
+the engine. Nothing here holds token ids, prompt text or KV bytes (G6): a block is known by its id, its
+owner scope (kept in memory only; events carry the scope tag) and its timestamps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NewType
+
+from kvguard.isolation.scope import Scope
+
+BlockId = NewType("BlockId", int)
+RequestId = NewType("RequestId", str)
+
+
+class BlockStatus(StrEnum):
+    """The four custody states of a physical block (G4)."""
+
+    FREE = "free"  # in the engine's free pool; owned by nobody
+    ACTIVE = "active"  # held by at least one running request
+    CACHED = "cached"  # held by no request, kept for prefix reuse inside its owner's scope
+    QUARANTINED = "quarantined"  # out of the free pool until zeroized (G2)
+
+
+class EventKind(StrEnum):
+    """Custody transitions that may be recorded in the ledger (names match `kvguard.audit` kinds)."""
+
+    ALLOC = "block.alloc"
+    REUSE = "block.reuse"
+    RELEASE = "block.release"
+    EVICT = "block.evict"
+    ZEROIZE = "block.zeroize"
+    SESSION_PURGE = "session.purge"
+    TENANT_PURGE = "tenant.purge"
+    MODEL_PURGE = "model.purge"
+    ADAPTER_PURGE = "adapter.purge"
+
+
+@dataclass(slots=True)
+class BlockRecord:
+    """What custody knows about one physical block. Mutated only by `Custody`."""
+
+    block_id: BlockId
+    status: BlockStatus = BlockStatus.FREE
+    owner: Scope | None = None  # the scope whose data the block holds (None: clean)
+    owner_tag: str | None = None
+    hashed: bool = False  # the engine registered a prefix hash for it (reusable)
+    created_at: float = 0.0
+    last_used_at: float = 0.0
+    holders: set[RequestId] = field(default_factory=set)
+    doomed: bool = False  # purged while active: quarantine on release, never cache
+    retain: bool = True  # the allocating request may keep its blocks cached
+
+    @property
+    def dirty(self) -> bool:
+        """The block may hold another scope's bytes."""
+        return self.owner is not None
+
+
+@dataclass(frozen=True, slots=True)
+class CustodyEvent:
+    """One custody transition for the ledger. Carries tags and counts, never scopes or payloads."""
+
+    kind: EventKind
+    ts: float
+    scope_tag: str | None
+    request_id: str | None
+    block_ids: tuple[int, ...]
+    details: dict[str, str | int | float | bool | None]
+
+
+class PurgeKind(StrEnum):
+    SESSION = "session"
+    TENANT = "tenant"
+    MODEL = "model"
+    ADAPTER = "adapter"
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeSelector:
+    """Which owners a purge removes. `value` is the session, tenant, model or adapter id."""
+
+    kind: PurgeKind
+    value: str
+    tenant_id: str | None = None  # a session purge is always within one tenant
+
+    def matches(self, scope: Scope) -> bool:
+        if self.kind is PurgeKind.TENANT:
+            return scope.tenant_id == self.value
+        if self.kind is PurgeKind.SESSION:
+            return scope.session_id == self.value and (
+                self.tenant_id is None or scope.tenant_id == self.tenant_id
+            )
+        if self.kind is PurgeKind.MODEL:
+            return scope.model.id == self.value
+        return scope.adapter is not None and scope.adapter.id == self.value
+
+    @property
+    def event_kind(self) -> EventKind:
+        return {
+            PurgeKind.SESSION: EventKind.SESSION_PURGE,
+            PurgeKind.TENANT: EventKind.TENANT_PURGE,
+            PurgeKind.MODEL: EventKind.MODEL_PURGE,
+            PurgeKind.ADAPTER: EventKind.ADAPTER_PURGE,
+        }[self.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Blocks the worker must zeroize this step, split by why (both cleared before the forward pass)."""
+
+    release: tuple[int, ...] = ()  # quarantined blocks leaving their scope for good (G2)
+    handover: tuple[int, ...] = ()  # blocks the engine re-assigned to a new scope this step (G3)
+
+    @property
+    def all_blocks(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.release) | set(self.handover)))
+
+    def __bool__(self) -> bool:
+        return bool(self.release or self.handover)
