@@ -16,6 +16,7 @@ from kvguard import __version__
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
+from kvguard.policy.cli import policy_app
 
 app = typer.Typer(
     name="kvguard",
@@ -25,6 +26,7 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Create and rotate kvguard's secrets.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+app.add_typer(policy_app, name="policy")
 
 
 def _version(value: bool) -> None:
