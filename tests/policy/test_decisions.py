@@ -262,6 +262,8 @@ def test_must_zeroize(on_release: ZeroizeOn, next_kind: str) -> None:
 
 def test_ttl_clock_step_back_is_clamped_even_without_the_idle_rule() -> None:
     # The invariants make idle_s <= ttl_s, which hides the TTL clamp; build past them to pin it.
-    policy = TenantPolicy.model_construct(retention=Retention.model_construct(ttl_s=0, idle_s=10**6))
+    policy = TenantPolicy.model_construct(
+        retention=Retention.model_construct(ttl_s=0, idle_s=10**6)
+    )
     block = BlockState(scope=scope(), created_at=50.0, last_used_at=50.0)
     assert expired(policy, block, 10.0)
