@@ -12,7 +12,7 @@ The live schema is created and upgraded by the Alembic migrations in `kvguard/au
 - `ledger_hashes`: the hash of every *complete* subtree of 2 or more leaves, keyed by
   `hash_key(level, index)`; any root or proof needs O(log n) of them (the sumdb `StoredHashIndex`
   idea with a simpler key). Level 0 lives in `ledger_entries.leaf_hash`, one row fewer per entry.
-- `ledger_checkpoints`: every signed checkpoint ever issued.
+- `ledger_checkpoints`: the first signed checkpoint issued at each tree size (keyed by size).
 - `ledger_payloads`: erasable personal detail and the salt of its commitment (deletable, never
   updatable).
 """
@@ -70,11 +70,9 @@ hashes = sa.Table(
 checkpoints = sa.Table(
     "ledger_checkpoints",
     metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("size", sa.BigInteger, nullable=False),
+    sa.Column("size", _ROWID, primary_key=True, autoincrement=False),
     sa.Column("root", sa.LargeBinary(32), nullable=False),
     sa.Column("note", sa.Text, nullable=False),
-    sa.Column("created_us", sa.BigInteger, nullable=False),
 )
 
 payloads = sa.Table(

@@ -38,7 +38,6 @@ class PreparedEntry(NamedTuple):
 
 
 class CheckpointRow(NamedTuple):
-    id: int
     size: int
     root: bytes
     note: str
@@ -92,15 +91,13 @@ class LedgerStore:
 
     def checkpoints(self, conn: sa.Connection) -> list[CheckpointRow]:
         c = t.checkpoints.c
-        rows = conn.execute(sa.select(c.id, c.size, c.root, c.note).order_by(c.id))
-        return [CheckpointRow(int(i), int(s), bytes(r), str(n)) for i, s, r, n in rows]
+        rows = conn.execute(sa.select(c.size, c.root, c.note).order_by(c.size))
+        return [CheckpointRow(int(s), bytes(r), str(n)) for s, r, n in rows]
 
     def latest_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
         c = t.checkpoints.c
-        row = conn.execute(
-            sa.select(c.id, c.size, c.root, c.note).order_by(c.id.desc()).limit(1)
-        ).first()
-        return CheckpointRow(int(row[0]), int(row[1]), bytes(row[2]), str(row[3])) if row else None
+        row = conn.execute(sa.select(c.size, c.root, c.note).order_by(c.size.desc()).limit(1)).first()
+        return CheckpointRow(int(row[0]), bytes(row[1]), str(row[2])) if row else None
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -152,12 +149,8 @@ class LedgerStore:
         ):
             _insert_many(conn, table, rows)
 
-    def insert_checkpoint(
-        self, conn: sa.Connection, size: int, root: bytes, note: str, created_us: int
-    ) -> None:
-        conn.execute(
-            sa.insert(t.checkpoints).values(size=size, root=root, note=note, created_us=created_us)
-        )
+    def insert_checkpoint(self, conn: sa.Connection, size: int, root: bytes, note: str) -> None:
+        conn.execute(sa.insert(t.checkpoints).values(size=size, root=root, note=note))
 
 
 def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[tuple[object, ...]]) -> None:

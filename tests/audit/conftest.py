@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from kvguard.audit.events import AuditEvent
+from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "conformance"
@@ -71,4 +72,25 @@ def pg_url() -> Iterator[str]:
         admin.dispose()
 
 
-EventFactory = Callable[..., AuditEvent]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The same test on a fresh SQLite file and on a fresh PostgreSQL database."""
+    return str(request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url"))
+
+
+@pytest.fixture
+def open_ledger(key: SigningKey) -> Iterator[Callable[..., Ledger]]:
+    """Factory: open ledgers that are closed after the test."""
+    opened: list[Ledger] = []
+
+    def factory(url: str, **kwargs: object) -> Ledger:
+        kwargs.setdefault("signing_key", key)
+        ledger = Ledger.open(url, origin="log.kvguard.test/audit", **kwargs)  # type: ignore[arg-type]
+        opened.append(ledger)
+        return ledger
+
+    yield factory
+    for ledger in opened:
+        ledger.close()

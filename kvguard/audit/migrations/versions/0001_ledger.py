@@ -55,11 +55,9 @@ def _tables() -> None:
     )
     op.create_table(
         "ledger_checkpoints",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("size", sa.BigInteger, nullable=False),
+        sa.Column("size", _ROWID, primary_key=True, autoincrement=False),
         sa.Column("root", sa.LargeBinary(32), nullable=False),
         sa.Column("note", sa.Text, nullable=False),
-        sa.Column("created_us", sa.BigInteger, nullable=False),
     )
     op.create_table(
         "ledger_payloads",

@@ -1,0 +1,70 @@
+"""Leaf bytes: canonical, versioned, round-trippable; payload commitments are salted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvguard.audit import leaf as lf
+from kvguard.errors import VerificationError
+
+from .conftest import make_event
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
+)
+_names = st.sampled_from(["blocks", "bytes", "layer", "note", "reason", "policy_version", "ok"])
+
+
+def test_leaf_is_canonical_json_with_sorted_keys_and_no_whitespace() -> None:
+    event = make_event(3)
+    leaf = lf.encode_leaf(event, None)
+    obj = json.loads(leaf)
+    assert list(obj) == sorted(obj)
+    assert leaf == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    assert obj["v"] == 1 and obj["ts"] == "2026-11-26T12:00:00.003000Z"
+    assert b", " not in leaf and b": " not in leaf
+
+
+@given(st.dictionaries(_names, _scalars, max_size=5), st.lists(st.integers(0, 10**9), max_size=8))
+def test_leaf_round_trips(details: dict[str, object], block_ids: list[int]) -> None:
+    event = make_event(0, details=details, block_ids=block_ids)
+    leaf = lf.encode_leaf(event, None)
+    decoded, commitment = lf.decode_leaf(leaf)
+    assert commitment is None
+    assert lf.encode_leaf(decoded, None) == leaf
+
+
+def test_non_canonical_leaf_bytes_are_refused() -> None:
+    leaf = lf.encode_leaf(make_event(0), None)
+    spaced = json.dumps(json.loads(leaf), sort_keys=True).encode()
+    with pytest.raises(VerificationError, match="canonical"):
+        lf.decode_leaf(spaced)
+    with pytest.raises(VerificationError):
+        lf.decode_leaf(leaf.replace(b'"v":1', b'"v":2'))
+
+
+def test_payload_stays_out_of_the_leaf_and_commitment_is_salted() -> None:
+    event = make_event(0, payload={"user": "alice@example.com"})
+    a, b = lf.prepare_entry(event), lf.prepare_entry(event)
+    assert b"alice" not in a.leaf
+    assert a.payload is not None and b.payload is not None
+    assert a.payload[0] != b.payload[0]  # fresh salt each time
+    assert a.leaf != b.leaf  # so equal payloads do not even show as equal commitments
+    commitment = bytes.fromhex(json.loads(a.leaf)["payload_commitment"])
+    lf.check_commitment(commitment, a.payload[0], a.payload[1])
+    with pytest.raises(VerificationError):
+        lf.check_commitment(commitment, b.payload[0], a.payload[1])
+    with pytest.raises(VerificationError):
+        lf.check_commitment(commitment, a.payload[0], a.payload[1].replace(b"alice", b"bob"))
+
+
+def test_commitment_must_match_payload_presence() -> None:
+    with pytest.raises(ValueError):
+        lf.encode_leaf(make_event(0), b"\x00" * 32)
+    with pytest.raises(ValueError):
+        lf.encode_leaf(make_event(0, payload={"user": "x"}), None)
