@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,9 +13,13 @@ from kvguard.policy import (
     Classification,
     LedgerUnavailable,
     PolicySet,
+    Quota,
+    Retention,
     Reuse,
+    ShareGroup,
     TenantPolicy,
     Verify,
+    Zeroize,
     ZeroizeOn,
     prefix_digest,
 )
@@ -170,3 +175,16 @@ def test_prefix_digest_is_length_prefixed_and_stable() -> None:
     assert prefix_digest([1, 2]) != prefix_digest([1, 2, 0])
     assert prefix_digest([258]) != prefix_digest([1, 2])
     assert prefix_digest(iter([1, 2])) == prefix_digest([1, 2])
+
+
+def test_docs_describe_every_field() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "policy.md").read_text()
+    models = (PolicySet, TenantPolicy, ShareGroup, Retention, Quota, Zeroize)
+    for model in models:
+        for name in model.model_fields:
+            assert f"`{name}`" in docs or f".{name}`" in docs, (
+                f"{model.__name__}.{name} undocumented"
+            )
+    for enum in (Classification, Reuse, ZeroizeOn, Verify, AuditLevel, LedgerUnavailable):
+        for member in enum:
+            assert f"`{member.value}`" in docs, f"{enum.__name__}.{member.value} undocumented"
