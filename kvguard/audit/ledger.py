@@ -87,6 +87,8 @@ class Ledger:
         if not origin or "\n" in origin:
             raise AuditError("a ledger origin is one non-empty line (C2SP tlog-checkpoint)")
         keys = [signing_key] if isinstance(signing_key, SigningKey) else list(signing_key)
+        if not keys:
+            raise AuditError("a ledger needs at least one checkpoint signing key")
         engine = create_engine(url)
         upgrade(engine)
         store = LedgerStore(engine)

@@ -79,7 +79,7 @@ class BackgroundWriter:
                     raise LedgerUnavailableError("the ledger writer is closed")
             self._queue.append(event)
             self._submitted += 1
-            if len(self._queue) == self._batch_size:
+            if len(self._queue) in (1, self._batch_size):  # start the timer / a full group
                 self._cond.notify_all()
 
     @property

@@ -1,0 +1,32 @@
+"""PostgreSQL role setup for the ledger: an owner role that migrates, an app role that appends.
+
+The owner role owns the tables and triggers (run `Ledger.open` as it once, to migrate). The app
+role, which serving processes use, gets only what appending needs: SELECT and INSERT on the ledger
+tables, UPDATE of the head row's size (the triggers refuse any decrease), and DELETE on payloads
+(erasure). It can neither UPDATE, DELETE nor TRUNCATE history, nor drop or disable the triggers
+(only a table's owner or a superuser can). See docs/audit.md for what this does not stop.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvguard.audit.schema import metadata
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_VERSION_TABLE = "ledger_alembic_version"
+
+
+def app_role_grants(app_role: str) -> list[str]:
+    """SQL statements (run as the owner) granting `app_role` the append-only privileges."""
+    if not _IDENTIFIER.match(app_role):
+        raise ValueError("role names are lower-case SQL identifiers")
+    tables = sorted(metadata.tables)
+    statements = [f"REVOKE ALL ON {', '.join([*tables, _VERSION_TABLE])} FROM PUBLIC"]
+    statements += [f"GRANT SELECT, INSERT ON {t} TO {app_role}" for t in tables]
+    statements += [
+        f"GRANT SELECT ON {_VERSION_TABLE} TO {app_role}",
+        f"GRANT UPDATE (size) ON ledger_head TO {app_role}",
+        f"GRANT DELETE ON ledger_payloads TO {app_role}",
+    ]
+    return statements
