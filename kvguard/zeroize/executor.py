@@ -66,7 +66,12 @@ def zeroize(
         check_us = check_timer.elapsed_us() if checked else None
     wall_us = (time.perf_counter() - started) * 1e6
     if dirty:
-        _log_event(logging.ERROR, "zeroize.verify_failed", dirty_count=len(dirty), checked_count=len(checked))
+        _log_event(
+            logging.ERROR,
+            "zeroize.verify_failed",
+            dirty_count=len(dirty),
+            checked_count=len(checked),
+        )
         raise ZeroizeVerificationError(
             f"{len(dirty)} of {len(checked)} checked blocks are not all-zero after zeroization "
             f"(mode {mode}, method {executor}, first ids {dirty[:8]}); keep them quarantined"

@@ -112,7 +112,11 @@ class KVCacheSpec:
     @classmethod
     def from_layout(cls, layout: KVLayout | str, layers: LayerTensors) -> KVCacheSpec:
         """Validate `layers` against `layout`; raises CacheLayoutError saying what was expected."""
-        kind = KVLayout(layout)
+        try:
+            kind = KVLayout(layout)
+        except ValueError:
+            names = ", ".join(k.value for k in KVLayout)
+            raise CacheLayoutError(f"unknown layout {layout!r}; expected one of {names}") from None
         tensors = _unique_layers(layers)
         ndim, block_dim, chunks = _GEOMETRY[kind]
         first = tensors[0]

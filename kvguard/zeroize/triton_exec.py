@@ -39,6 +39,7 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+DEFAULT_VERIFY_TUNING = Tuning()
 # Programs used when no GPU is present (the interpreter): small, so tests also exercise the stride.
 _INTERPRETER_PROGRAMS = 3
 
@@ -60,7 +61,10 @@ class _Geometry:
 
 def triton_available() -> bool:
     """True when Triton is installed (the kernels may still need a GPU or TRITON_INTERPRET=1)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or deliberately blocked install
+        return False
 
 
 def interpreting() -> bool:
@@ -153,13 +157,22 @@ def zero_blocks(
         _launch("zero_blocks_kernel", spec, block_ids, (), tuning)
 
 
+def dirty_flags(
+    spec: KVCacheSpec, block_ids: Sequence[int], tuning: Tuning = DEFAULT_VERIFY_TUNING
+) -> torch.Tensor:
+    """Enqueue the read-back: an int32 flag per id, 1 where any byte is non-zero. Does not wait."""
+    flags = torch.zeros(len(block_ids), dtype=torch.int32, device=spec.device)
+    if block_ids:
+        _launch("dirty_blocks_kernel", spec, block_ids, (flags,), tuning)
+    return flags
+
+
 def dirty_blocks(
-    spec: KVCacheSpec, block_ids: Sequence[int], tuning: Tuning = DEFAULT_TUNING
+    spec: KVCacheSpec, block_ids: Sequence[int], tuning: Tuning = DEFAULT_VERIFY_TUNING
 ) -> list[int]:
     """Ids among `block_ids` with any non-zero byte in any segment (one launch, then a read-back)."""
     if not block_ids:
         return []
-    flags = torch.zeros(len(block_ids), dtype=torch.int32, device=spec.device)
-    _launch("dirty_blocks_kernel", spec, block_ids, (flags,), tuning)
+    flags = dirty_flags(spec, block_ids, tuning)
     # `.tolist()` copies on the current stream and waits for it: the read-back sees the kernel's work.
     return [block for block, flag in zip(block_ids, flags.tolist(), strict=True) if flag]

@@ -1,0 +1,237 @@
+"""Zeroization benchmark (issue 4, item 7): the one-launch Triton kernel against its ceilings and the
+naive alternatives, on Llama-3-8B and 70B KV cache shapes. Needs a CUDA GPU.
+
+    PYTHONPATH=. python benchmarks/zeroize_bench.py [--sweep] [--json PATH]
+
+Timing. "Device time" is CUDA-event time with the host kept ahead of the GPU: each repetition first
+enqueues a ~2 ms spin kernel, so the events bracket only device work, never Python or launch gaps
+(those are reported separately as "wall", host-synchronised per call). Medians of `--reps` runs.
+Block ids are drawn at random (scattered, as real releases are), fresh for every repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvguard.zeroize import KVCacheSpec, plan_zeroize, triton_exec, zeroize
+from kvguard.zeroize.triton_exec import Tuning
+
+GIB = 1 << 30
+FREES = (1, 16, 256, 2048)
+SHAPES = {"llama3-8b": 32, "llama3-70b": 80}  # layers; both 8 KV heads, head 128, block 16, bf16
+NUM_BLOCKS = 4096
+SPIN_CYCLES = 4_000_000  # ~2 ms at H100 clocks: longer than any host-side enqueue measured here
+
+
+@dataclass
+class Row:
+    shape: str
+    method: str
+    blocks: int
+    device_us: float
+    tb_s: float
+    wall_us: float | None = None
+
+
+def device_us(fn: Callable[[int], object], reps: int) -> float:
+    """Median device time of `fn(rep)`, the host kept ahead of the GPU by a spin kernel."""
+    fn(-1)  # warm-up: compile, allocate
+    pairs = []
+    for rep in range(reps):
+        torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn(rep)
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in pairs)) * 1000.0
+
+
+def wall_us(fn: Callable[[int], object], reps: int) -> float:
+    fn(-1)
+    times = []
+    for rep in range(reps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn(rep)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+def make_cache(layers: int) -> KVCacheSpec:
+    tensors = []
+    for _ in range(layers):
+        layer = torch.empty((2, NUM_BLOCKS, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+        layer.view(torch.int16).random_(1, 2**15)  # never zero (MLOps habit: never time on zeros)
+        tensors.append(layer)
+    return KVCacheSpec.vllm_flash(tensors)
+
+
+def id_sets(count: int, reps: int) -> list[list[int]]:
+    chooser = random.Random(count)
+    return [chooser.sample(range(NUM_BLOCKS), count) for _ in range(reps + 1)]
+
+
+def ceilings(reps: int) -> dict[str, float]:
+    """Contiguous zero_() (write) and amax (read) over 8 GiB, in TB/s, same run, same card."""
+    buffer = torch.empty(8 * GIB, dtype=torch.uint8, device="cuda")
+    buffer.random_(1, 256)
+    write = device_us(lambda _r: buffer.zero_(), reps)
+    words = buffer.view(torch.int32)
+    read = device_us(lambda _r: words.amax(), reps)
+    copy_src, copy_dst = buffer[: 4 * GIB], buffer[4 * GIB :]
+    copy = device_us(lambda _r: copy_dst.copy_(copy_src), reps)
+    return {
+        "zero_tb_s": 8 * GIB / write / 1e6,
+        "read_tb_s": 8 * GIB / read / 1e6,
+        "copy_tb_s": 8 * GIB / copy / 1e6,  # bytes read + written
+    }
+
+
+def bench_shape(name: str, spec: KVCacheSpec, reps: int) -> list[Row]:
+    rows: list[Row] = []
+    for count in FREES:
+        rows += bench_count(name, spec, count, reps)
+    return rows
+
+
+def bench_count(name: str, spec: KVCacheSpec, count: int, reps: int) -> list[Row]:
+    sets = id_sets(count, reps)
+    plans = [sorted(ids) for ids in sets]
+    indexes = [torch.tensor(ids, device="cuda") for ids in sets]
+    nbytes = count * spec.bytes_per_block
+    rows: list[Row] = []
+
+    def add(method: str, t_us: float, w_us: float | None = None) -> None:
+        rows.append(Row(name, method, count, t_us, nbytes / t_us / 1e6, w_us))
+
+    def triton_zero(rep: int) -> None:
+        triton_exec.zero_blocks(spec, plans[rep])
+
+    def evidence_call(rep: int) -> None:
+        zeroize(spec, plan_zeroize(sets[rep], NUM_BLOCKS), verify="none")
+
+    def index_fill(rep: int) -> None:
+        for layer in spec.layers:
+            layer.index_fill_(1, indexes[rep], 0)
+
+    def per_block(rep: int) -> None:
+        for block in sets[rep]:
+            for layer in spec.layers:
+                layer[:, block].zero_()
+
+    def verify_full(rep: int) -> None:
+        triton_exec.dirty_flags(spec, plans[rep])
+
+    add("triton", device_us(triton_zero, reps), wall_us(evidence_call, min(reps, 20)))
+    add("index_fill_/layer", device_us(index_fill, reps), wall_us(index_fill, min(reps, 10)))
+    if count <= 256:  # 2048 blocks would take 65k-160k launches per call
+        loop_reps = 3 if count > 16 else reps
+        add("loop/block+layer", device_us(per_block, loop_reps), wall_us(per_block, 3))
+    add("verify full (read)", device_us(verify_full, reps))
+    return rows
+
+
+def sweep(spec: KVCacheSpec, reps: int) -> list[dict[str, float]]:
+    """Device time of the zero and verify kernels per tuning, on the 8B shape."""
+    cases = {count: [sorted(ids) for ids in id_sets(count, reps)] for count in (1, 256, 2048)}
+    grid = [
+        Tuning(tile_bytes=tile, programs_per_sm=per_sm, num_warps=warps)
+        for tile in (4096, 8192, 16384, 32768)
+        for per_sm in (2, 4, 8, 16)
+        for warps in (4, 8)
+    ]
+    return [sweep_one(spec, tuning, cases, reps) for tuning in grid]
+
+
+def sweep_one(
+    spec: KVCacheSpec, tuning: Tuning, cases: dict[int, list[list[int]]], reps: int
+) -> dict[str, float]:
+    entry: dict[str, float] = dict(vars(tuning))
+    for count, plans in cases.items():
+
+        def zero(rep: int, plans: list[list[int]] = plans) -> None:
+            triton_exec.zero_blocks(spec, plans[rep], tuning)
+
+        def read(rep: int, plans: list[list[int]] = plans) -> None:
+            triton_exec.dirty_flags(spec, plans[rep], tuning)
+
+        entry[f"zero_{count}"] = device_us(zero, reps)
+        entry[f"read_{count}"] = device_us(read, reps)
+    return entry
+
+
+def plan_cost_us() -> float:
+    ids = random.Random(4).sample(range(100_000), 10_000)
+    best = float("inf")
+    for _ in range(20):
+        started = time.perf_counter()
+        plan_zeroize(ids, 100_000)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "tuning": vars(triton_exec.DEFAULT_TUNING), "verify_tuning": vars(triton_exec.DEFAULT_VERIFY_TUNING),
+    }  # fmt: skip
+    print("env", json.dumps(env), flush=True)
+    report: dict[str, object] = {"env": env, "plan_10k_ids_us": plan_cost_us()}
+    report["ceilings"] = ceilings(args.reps)
+    print("ceilings", json.dumps(report["ceilings"]), flush=True)
+    rows: list[Row] = []
+    for name, layers in SHAPES.items():
+        spec = make_cache(layers)
+        if args.sweep and name == "llama3-8b":
+            results = sweep(spec, max(10, args.reps // 2))
+            report["sweep"] = results
+            for entry in results:
+                print("sweep", json.dumps(entry), flush=True)
+        rows += bench_shape(name, spec, args.reps)
+        del spec
+        torch.cuda.empty_cache()
+    report["rows"] = [vars(r) for r in rows]
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+    print_table(report, rows)
+
+
+def print_table(report: dict[str, object], rows: list[Row]) -> None:
+    ceil = report["ceilings"]
+    assert isinstance(ceil, dict)
+    print(f"\nplan 10k ids: {report['plan_10k_ids_us']:.0f} us (host CPU, best of 20)")
+    print(f"ceilings: zero_ {ceil['zero_tb_s']:.2f} TB/s, read (amax) {ceil['read_tb_s']:.2f} TB/s, "
+          f"copy {ceil['copy_tb_s']:.2f} TB/s")  # fmt: skip
+    print(f"{'shape':11} {'method':20} {'blocks':>6} {'dev us':>10} {'TB/s':>6} {'%ceil':>6} "
+          f"{'wall us':>10}")  # fmt: skip
+    for r in rows:
+        base = ceil["read_tb_s"] if r.method.startswith("verify") else ceil["zero_tb_s"]
+        wall = f"{r.wall_us:10.1f}" if r.wall_us is not None else " " * 10
+        print(f"{r.shape:11} {r.method:20} {r.blocks:6d} {r.device_us:10.1f} {r.tb_s:6.2f} "
+              f"{100 * r.tb_s / base:5.1f}% {wall}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The Triton executor on a real GPU (skipped without CUDA; run on the device machine)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvguard.errors import ZeroizeVerificationError
+from kvguard.zeroize import (
+    KVCacheSpec,
+    KVLayout,
+    Method,
+    plan_zeroize,
+    triton_exec,
+    verify_zeroized,
+    zeroize,
+)
+from tests.zeroize.factories import check_cleared, layout_dtype_cases, make_cache, snapshot
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REALISTIC = {"block_size": 16, "heads": 8, "head_size": 128}  # Llama-3-8B blocks, 32 KiB in bf16
+IRREGULAR = {"block_size": 5, "heads": 3, "head_size": 7}
+
+
+@pytest.mark.parametrize("sizes", [REALISTIC, IRREGULAR], ids=["realistic", "irregular"])
+@pytest.mark.parametrize(("layout", "dtype"), layout_dtype_cases())
+def test_G2_triton_clears_planned_blocks_and_nothing_else(
+    layout: KVLayout, dtype: torch.dtype, sizes: dict[str, int]
+) -> None:
+    spec = make_cache(layout, dtype, num_layers=3, num_blocks=37, device="cuda", **sizes)
+    before = snapshot(spec)
+    plan = plan_zeroize([0, 1, 2, 9, 20, 21, 36], spec.num_blocks)
+    evidence = zeroize(spec, plan, verify="full")
+    assert evidence.method is Method.TRITON
+    assert evidence.device_time_us is not None and evidence.device_time_us > 0
+    assert evidence.verify_time_us is not None
+    check_cleared(spec, before, plan)
+
+
+def test_large_scattered_plan_uses_the_persistent_grid() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=4, num_blocks=4096,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    before = snapshot(spec)
+    plan = plan_zeroize(random.Random(5).sample(range(4096), 2048), spec.num_blocks)
+    zeroize(spec, plan, verify="full")
+    check_cleared(spec, before, plan)
+
+
+def test_multi_tile_masked_chunks() -> None:
+    spec = make_cache(KVLayout.BLOCK_MAJOR, torch.float16, num_blocks=9, device="cuda",
+                      block_size=3, heads=5, head_size=36)  # fmt: skip
+    tuning = triton_exec.Tuning(tile_bytes=64)
+    assert triton_exec.geometry(spec, tuning).tiles_per_chunk > 1
+    before = snapshot(spec)
+    plan = plan_zeroize([3, 8], spec.num_blocks)
+    triton_exec.zero_blocks(spec, plan.block_ids, tuning)
+    check_cleared(spec, before, plan)
+    assert triton_exec.dirty_blocks(spec, list(range(9)), tuning) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_misaligned_layers_fall_back_to_byte_words() -> None:
+    buffer = torch.randint(1, 256, (2 * 8 * 48 + 3,), dtype=torch.uint8, device="cuda")
+    layers = [buffer[3:387].view(8, 48), buffer[387:].view(8, 48)]
+    spec = KVCacheSpec.flat_bytes(layers)
+    assert triton_exec.geometry(spec).word_bytes == 1
+    before = snapshot(spec)
+    plan = plan_zeroize([0, 7], spec.num_blocks)
+    zeroize(spec, plan, verify="full")
+    check_cleared(spec, before, plan)
+    assert bool((buffer[:3] != 0).all())
+
+
+def test_G3_stream_order_alone_protects_the_next_owner() -> None:
+    """Zeroize right after a pending write on the engine's stream, with no host sync between: the
+    clear must land after the write, and a read enqueued after it must see zeros."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=8, num_blocks=1024,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    stream = torch.cuda.Stream()
+    plan = plan_zeroize(range(0, 1024, 3), spec.num_blocks)
+    with torch.cuda.stream(stream):
+        for layer in spec.layers:
+            torch.cuda._sleep(1_000_000)  # keep the stream busy so ordering matters
+            layer.fill_(7)  # the previous owner's late write
+    zeroize(spec, plan, stream=stream, verify="none")
+    with torch.cuda.stream(stream):
+        sums = torch.stack([seg[list(plan.block_ids)].sum(dtype=torch.int64)
+                            for seg in spec.segment_views()])  # fmt: skip
+    assert int(sums.sum().cpu()) == 0
+
+
+def test_verify_detects_a_planted_byte_on_the_gpu() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.float8_e4m3fn, num_layers=4, num_blocks=64,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    plan = plan_zeroize([3, 4, 60], spec.num_blocks)
+    zeroize(spec, plan, verify="full")
+    spec.layers[3][1, 60].view(-1).view(torch.uint8)[-1] = 1
+    with pytest.raises(ZeroizeVerificationError, match="1 of 3 checked blocks"):
+        verify_zeroized(spec, plan, "full")
+
+
+def test_torch_path_on_the_gpu_matches() -> None:
+    spec = make_cache(KVLayout.VLLM_CPU, torch.bfloat16, num_blocks=40, device="cuda", **REALISTIC)
+    before = snapshot(spec)
+    plan = plan_zeroize(range(0, 40, 2), spec.num_blocks)
+    evidence = zeroize(spec, plan, verify="full", method="torch")
+    assert evidence.method is Method.TORCH
+    check_cleared(spec, before, plan)
