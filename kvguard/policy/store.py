@@ -20,55 +20,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import (
-    BigInteger,
-    Double,
-    Engine,
-    MetaData,
-    String,
-    Text,
-    create_engine,
-    event,
-    select,
-)
+from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import Session
 
 from kvguard.errors import PolicyStoreError
 from kvguard.logging import get_logger
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
+from kvguard.policy.schema import (
+    AUTHOR_MAX,
+    HEAD_ID,
+    REASON_MAX,
+    PolicyBase,
+    PolicyHead,
+    PolicyVersionRow,
+)
 
 Clock = Callable[[], float]
 
-_HEAD_ID: Final = 1
-_AUTHOR_MAX: Final = 256
-_REASON_MAX: Final = 2000
 _LOCK_OPTION: Final = "kvguard_policy_write_lock"
 
 _log = get_logger("policy.store")
-
-
-class _Base(DeclarativeBase):
-    metadata = MetaData()
-
-
-class _Head(_Base):
-    """The single row whose lock serializes writers and whose value is the latest version."""
-
-    __tablename__ = "policy_head"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    version: Mapped[int] = mapped_column(BigInteger)
-
-
-class _Version(_Base):
-    __tablename__ = "policy_versions"
-    version: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    created_at: Mapped[float] = mapped_column(Double)  # seconds on the store's clock (UNIX time)
-    author: Mapped[str] = mapped_column(String(_AUTHOR_MAX))
-    reason: Mapped[str] = mapped_column(String(_REASON_MAX))
-    digest: Mapped[str] = mapped_column(String(71))
-    document: Mapped[str] = mapped_column(Text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +92,10 @@ class PolicyStore:
     def create_schema(self) -> None:
         """Create the tables and the head row (idempotent, safe to race)."""
         try:
-            _Base.metadata.create_all(self._engine)
+            PolicyBase.metadata.create_all(self._engine)
             with Session(self._engine) as session, session.begin():
-                if session.get(_Head, _HEAD_ID) is None:
-                    session.add(_Head(id=_HEAD_ID, version=0))
+                if session.get(PolicyHead, HEAD_ID) is None:
+                    session.add(PolicyHead(id=HEAD_ID, version=0))
         except IntegrityError:
             pass  # another process created the head row first: that is the outcome we wanted
         except SQLAlchemyError as exc:
@@ -144,8 +117,8 @@ class PolicyStore:
 
     def put(self, policy_set: PolicySet, *, author: str, reason: str) -> int:
         """Store `policy_set` as the next version and return its number."""
-        _check_text("author", author, _AUTHOR_MAX)
-        _check_text("reason", reason, _REASON_MAX)
+        _check_text("author", author, AUTHOR_MAX)
+        _check_text("reason", reason, REASON_MAX)
         document = policy_set.canonical_json()
         with self._subscribers_lock:
             subscribers = list(self._subscribers)
@@ -162,7 +135,7 @@ class PolicyStore:
 
     def _append(self, session: Session, document: str, author: str, reason: str) -> PolicyChange:
         head = session.scalars(
-            select(_Head).where(_Head.id == _HEAD_ID).with_for_update()
+            select(PolicyHead).where(PolicyHead.id == HEAD_ID).with_for_update()
         ).one_or_none()
         if head is None:
             raise PolicyStoreError("policy store has no head row: call create_schema() first")
@@ -175,7 +148,7 @@ class PolicyStore:
             at=self._clock(),
         )
         session.add(
-            _Version(
+            PolicyVersionRow(
                 version=change.version,
                 created_at=change.at,
                 author=author,
@@ -191,14 +164,14 @@ class PolicyStore:
         """The latest version, or None when nothing has been stored yet."""
         with self._read() as session:
             row = session.scalars(
-                select(_Version).order_by(_Version.version.desc()).limit(1)
+                select(PolicyVersionRow).order_by(PolicyVersionRow.version.desc()).limit(1)
             ).first()
             return None if row is None else _to_version(row)
 
     def get(self, version: int) -> PolicyVersion:
         """A given version; PolicyStoreError when it does not exist."""
         with self._read() as session:
-            row = session.get(_Version, version)
+            row = session.get(PolicyVersionRow, version)
             if row is None:
                 raise PolicyStoreError(f"policy version {version} does not exist")
             return _to_version(row)
@@ -206,7 +179,9 @@ class PolicyStore:
     def history(self) -> list[PolicyChange]:
         """Every version's metadata, oldest first."""
         with self._read() as session:
-            rows = session.scalars(select(_Version).order_by(_Version.version)).all()
+            rows = session.scalars(
+                select(PolicyVersionRow).order_by(PolicyVersionRow.version)
+            ).all()
             return [_to_change(row) for row in rows]
 
     def _read(self) -> Session:
@@ -236,7 +211,7 @@ def _digest(document: str) -> str:
     return "sha256:" + hashlib.sha256(document.encode("utf-8")).hexdigest()
 
 
-def _to_change(row: _Version) -> PolicyChange:
+def _to_change(row: PolicyVersionRow) -> PolicyChange:
     return PolicyChange(
         version=row.version,
         author=row.author,
@@ -246,7 +221,7 @@ def _to_change(row: _Version) -> PolicyChange:
     )
 
 
-def _to_version(row: _Version) -> PolicyVersion:
+def _to_version(row: PolicyVersionRow) -> PolicyVersion:
     if _digest(row.document) != row.digest:
         raise PolicyStoreError(f"policy version {row.version} does not match its digest")
     policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")

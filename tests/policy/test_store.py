@@ -61,6 +61,11 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture
+def pg_store(clock: FakeClock) -> Iterator[PolicyStore]:
+    yield from _postgres(clock)
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
@@ -162,10 +167,41 @@ def test_put_needs_author_and_reason(
     assert store.history() == []
 
 
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE policy_versions SET reason = 'rewritten'",
+        "DELETE FROM policy_versions",
+        "UPDATE policy_head SET version = 0",
+        "UPDATE policy_head SET version = version + 2",
+        "DELETE FROM policy_head",
+    ],
+)
+def test_the_database_refuses_to_rewrite_history(store: PolicyStore, statement: str) -> None:
+    store.put(_v(1), author="alice", reason="r")
+    with pytest.raises(sa.exc.DBAPIError, match="kvguard policy"), store.engine.begin() as conn:
+        conn.execute(sa.text(statement))
+    assert [(c.version, c.reason) for c in store.history()] == [(1, "r")]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("table", ["policy_versions", "policy_head"])
+def test_postgres_refuses_truncate(pg_store: PolicyStore, table: str) -> None:
+    pg_store.put(_v(1), author="alice", reason="r")
+    with pytest.raises(sa.exc.DBAPIError, match="kvguard policy"), pg_store.engine.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {table}"))
+    assert len(pg_store.history()) == 1
+
+
 def test_a_tampered_row_is_refused(store: PolicyStore) -> None:
+    # An attacker who owns the database can drop the guard; the digest check still catches the edit.
     store.put(_v(1), author="alice", reason="r")
     weaker = _v(1).canonical_json().replace('"ttl_s":60', '"ttl_s":86400')
     with store.engine.begin() as conn:
+        if store.engine.dialect.name == "sqlite":
+            conn.execute(sa.text("DROP TRIGGER policy_versions_no_update"))
+        else:
+            conn.execute(sa.text("ALTER TABLE policy_versions DISABLE TRIGGER ALL"))
         conn.execute(sa.text("UPDATE policy_versions SET document = :d"), {"d": weaker})
     with pytest.raises(PolicyStoreError, match="does not match its digest"):
         store.current()
