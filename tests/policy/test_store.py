@@ -44,13 +44,15 @@ def _postgres(clock: FakeClock) -> Iterator[PolicyStore]:
         pytest.skip(
             f"PostgreSQL unreachable at {PG_URL} ({type(exc).__name__}); set KVGUARD_TEST_PG_URL"
         )
-    store = PolicyStore.open(
-        PG_URL, clock=clock, connect_args={"options": f"-csearch_path={schema}"}
-    )
+    store: PolicyStore | None = None
     try:
+        store = PolicyStore.open(
+            PG_URL, clock=clock, connect_args={"options": f"-csearch_path={schema}"}
+        )
         yield store
     finally:
-        store.engine.dispose()
+        if store is not None:
+            store.engine.dispose()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
