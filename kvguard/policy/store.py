@@ -9,6 +9,7 @@ Each row holds the canonical JSON of the policy and its digest; reads recompute 
 row that does not match. Subscribers (the audit ledger records `policy.change` entries) are called inside
 the writing transaction, after the row is written and before commit: if one raises, the version is
 rolled back, because a policy change the ledger could not record must not take effect (G5, G7).
+The tables and the database-level append-only guards are in `kvguard.policy.schema`.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class PolicyStore:
         _check_text("author", author, AUTHOR_MAX)
         _check_text("reason", reason, REASON_MAX)
         document = policy_set.canonical_json()
+        # Re-validate what will be stored: a PolicySet built with model_construct() skips validation,
+        # and a version that cannot be read back would fail every engine closed later, far from here.
+        parse_policy(document, "policy to store", fmt="json")
         with self._subscribers_lock:
             subscribers = list(self._subscribers)
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from kvguard.errors import PolicyStoreError
+from kvguard.errors import PolicyStoreError, PolicyValidationError
 from kvguard.policy import PolicyChange, PolicySet, PolicyStore
 from tests.policy.conftest import policy_set
 
@@ -193,6 +193,14 @@ def test_postgres_refuses_truncate(pg_store: PolicyStore, table: str) -> None:
     with pytest.raises(sa.exc.DBAPIError, match="kvguard policy"), pg_store.engine.begin() as conn:
         conn.execute(sa.text(f"TRUNCATE {table}"))
     assert len(pg_store.history()) == 1
+
+
+def test_put_refuses_an_unvalidated_policy(store: PolicyStore) -> None:
+    # model_construct() skips validation; the store must not accept what it could not read back.
+    sneaky = PolicySet.model_construct(epoch=-1)
+    with pytest.raises(PolicyValidationError, match="epoch"):
+        store.put(sneaky, author="alice", reason="r")
+    assert store.history() == []
 
 
 def test_a_tampered_row_is_refused(store: PolicyStore) -> None:
