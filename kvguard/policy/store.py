@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from kvguard.errors import PolicyStoreError
 from kvguard.logging import get_logger
@@ -184,7 +184,9 @@ class PolicyStore:
         """Every version's metadata, oldest first."""
         with self._read() as session:
             rows = session.scalars(
-                select(PolicyVersionRow).order_by(PolicyVersionRow.version)
+                select(PolicyVersionRow)
+                .options(defer(PolicyVersionRow.document))  # metadata only: documents can be large
+                .order_by(PolicyVersionRow.version)
             ).all()
             return [_to_change(row) for row in rows]
 
