@@ -19,6 +19,7 @@ those tensors alive and in place.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,14 +155,19 @@ class KVCacheSpec:
         """Bytes one block occupies over all layers (what clearing one block writes)."""
         return self.num_segments * self.chunk_bytes
 
-    def segment_addresses(self) -> list[int]:
-        """Byte address of each segment, layer-major: (layer 0, K), (layer 0, V), (layer 1, K), ..."""
+    @functools.cached_property
+    def segment_addresses(self) -> tuple[int, ...]:
+        """Byte address of each segment, layer-major: (layer 0, K), (layer 0, V), (layer 1, K), ...
+
+        Cached: the spec describes tensors that stay in place (module docstring), and 160 `data_ptr()`
+        calls per release would be most of a one-block zeroization's host time.
+        """
         half = self.num_blocks * self.chunk_bytes
-        return [
+        return tuple(
             tensor.data_ptr() + part * half
             for tensor in self.layers
             for part in range(self.chunks_per_block)
-        ]
+        )
 
     def segment_views(self) -> list[torch.Tensor]:
         """Each segment as a `[num_blocks, chunk_bytes]` uint8 view (no copy), same order as above."""

@@ -4,13 +4,15 @@ Pure Python, no device: the custody core decides *which* blocks leave their scop
 turns that list into a canonical plan and refuses anything that is not a block of the cache (an id out
 of range would otherwise clear, or fail to clear, someone else's bytes).
 
-Cost: every step is one C-level pass over the ids (`set`, `sorted`, `map`, `compress`); no Python loop
-runs per id. Measured figures are in docs/zeroize.md.
+Cost: every step is one C-level pass over the ids (`array`, `set`, `sorted`, `map`, `compress`); no
+Python loop runs per id, and the runs are only coalesced when an executor asks for them. Measured
+figures are in docs/zeroize.md.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import itertools
 import operator
@@ -35,7 +37,15 @@ class ZeroizePlan:
 
     num_blocks: int
     block_ids: tuple[int, ...]  # sorted, unique, each in [0, num_blocks)
-    runs: tuple[BlockRun, ...]  # maximal runs of consecutive ids, in order
+
+    @functools.cached_property
+    def runs(self) -> tuple[BlockRun, ...]:
+        """Maximal runs of consecutive ids, in order.
+
+        Computed on first use: the GPU kernel works per block and never asks, and coalescing costs
+        about as much as sorting (two C-level passes per id), so a plan for it is half the price.
+        """
+        return _coalesce(self.block_ids)
 
     @property
     def is_empty(self) -> bool:
@@ -78,11 +88,11 @@ def plan_zeroize(block_ids: Iterable[int], num_blocks: int) -> ZeroizePlan:
         raise BlockIdError(f"num_blocks must be a positive int, got {num_blocks!r}")
     ids = sorted(_unique_ints(block_ids))
     if not ids:
-        return ZeroizePlan(num_blocks, (), ())
+        return ZeroizePlan(num_blocks, ())
     if ids[0] < 0 or ids[-1] >= num_blocks:
         bad = ids[0] if ids[0] < 0 else ids[-1]
         raise BlockIdError(f"block id {bad} is outside the cache's range [0, {num_blocks})")
-    return ZeroizePlan(num_blocks, tuple(ids), _coalesce(ids))
+    return ZeroizePlan(num_blocks, tuple(ids))
 
 
 def _unique_ints(block_ids: Iterable[int]) -> set[int]:
@@ -99,7 +109,7 @@ def _unique_ints(block_ids: Iterable[int]) -> set[int]:
     return unique
 
 
-def _coalesce(ids: list[int]) -> tuple[BlockRun, ...]:
+def _coalesce(ids: tuple[int, ...]) -> tuple[BlockRun, ...]:
     """Maximal runs of consecutive ids in a sorted, duplicate-free list."""
     count = len(ids)
     # A run breaks at position k when ids[k] - ids[k-1] != 1.
@@ -107,4 +117,6 @@ def _coalesce(ids: list[int]) -> tuple[BlockRun, ...]:
     breaks = list(itertools.compress(range(1, count), map((1).__ne__, steps)))
     starts = [0, *breaks]
     ends = [*breaks, count]
+    if not ids:
+        return ()
     return tuple(zip(map(ids.__getitem__, starts), map(operator.sub, ends, starts), strict=True))

@@ -32,7 +32,7 @@ def test_flash_segments_are_the_k_and_v_halves() -> None:
     assert torch.equal(k_view[1], layer[0, 1].reshape(-1).view(torch.uint8))
     assert torch.equal(v_view[3], layer[1, 3].reshape(-1).view(torch.uint8))
     base = layer.data_ptr()
-    assert spec.segment_addresses() == [base, base + 4 * 6]
+    assert spec.segment_addresses == (base, base + 4 * 6)
 
 
 def test_mapping_input_keeps_order_and_drops_shared_layers() -> None:
