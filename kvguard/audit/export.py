@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from kvguard.audit import bundle, merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import Checkpoint, format_tlog_proof, parse_checkpoint
+from kvguard.audit.leaf import parse_ts, ts_micros
 from kvguard.audit.query import select_indices
 from kvguard.errors import AuditError, VerificationError
 
@@ -98,8 +99,20 @@ def _write_entry(
 
 
 def _rows(conn: sa.Connection, filters: dict[str, object], size: int) -> Iterator[tuple[int, bytes]]:
-    stmt = select_indices(below=size, **filters)  # type: ignore[arg-type]
-    for idx, leaf in conn.execute(stmt.execution_options(yield_per=5_000)):
+    """Matching (index, leaf) rows. Each row's index columns are checked against its leaf, so a
+    doctored column (which could hide an entry from a filtered export) stops the export."""
+    e = t.entries.c
+    stmt = select_indices(below=size, **filters).add_columns(  # type: ignore[arg-type]
+        e.kind, e.scope_tag, e.request_id, e.ts_us
+    )
+    for idx, leaf, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
+        try:
+            obj = json.loads(leaf)
+            expected = [obj["kind"], obj["scope_tag"], obj["request_id"], ts_micros(parse_ts(obj["ts"]))]
+        except (ValueError, KeyError, TypeError):
+            raise VerificationError(f"entry {idx}: leaf is not a valid event") from None
+        if columns != expected:
+            raise VerificationError(f"entry {idx}: index columns do not match the leaf")
         yield int(idx), bytes(leaf)
 
 
@@ -130,7 +143,13 @@ def _stored_proof(
 
 def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, size: int) -> None:
     latest: dict[int, str] = {}
+    previous = None
     for row in ledger.store.checkpoints(conn):
+        cp = parse_checkpoint(note.split_note(row.note)[0])
+        if (cp.origin, cp.size, cp.root, row.prev_size) != (ledger.origin, row.size, row.root, previous):
+            raise VerificationError(f"stored checkpoint of size {row.size} does not match its note "
+                                    "or its predecessor")
+        previous = row.size
         if 0 < row.size < size:
             latest[row.size] = row.note
     if not latest:

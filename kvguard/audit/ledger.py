@@ -180,7 +180,8 @@ class Ledger:
             text = format_checkpoint(Checkpoint(self.origin, size, root))
             signed = note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
             if last is None or last.size < size:  # one stored checkpoint per size: the first
-                self.store.insert_checkpoint(conn, size, root, signed)
+                prev = last.size if last is not None else None
+                self.store.insert_checkpoint(conn, size, root, signed, prev)
         return signed
 
     def _check_extends(

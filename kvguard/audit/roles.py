@@ -26,7 +26,7 @@ def app_role_grants(app_role: str) -> list[str]:
     statements += [f"GRANT SELECT, INSERT ON {t} TO {app_role}" for t in tables]
     statements += [
         f"GRANT SELECT ON {_VERSION_TABLE} TO {app_role}",
-        f"GRANT UPDATE (size) ON ledger_head TO {app_role}",
+        f"GRANT UPDATE (size, checkpoint_size) ON ledger_head TO {app_role}",
         f"GRANT DELETE ON ledger_payloads TO {app_role}",
     ]
     return statements

@@ -4,15 +4,18 @@ Other kvguard packages share the database URL with their own tables, so nothing 
 The live schema is created and upgraded by the Alembic migrations in `kvguard/audit/migrations/`
 (a test checks that they produce exactly these tables).
 
-- `ledger_head`: the single row holding the tree size. Every append locks it, which makes indices
-  gapless without a sequence (sequences skip values on rollback).
+- `ledger_head`: the single row holding the tree size and the size of the latest checkpoint. Every
+  append locks it, which makes indices gapless without a sequence (sequences skip values on
+  rollback).
 - `ledger_entries`: one row per leaf: the exact leaf bytes, its RFC 6962 leaf hash (the level-0
   stored hash) and copies of the queryable fields (`verify()` checks every copy against the leaf).
 - `ledger_entry_blocks`: (block id, index) pairs for block-id queries.
 - `ledger_hashes`: the hash of every *complete* subtree of 2 or more leaves, keyed by
   `hash_key(level, index)`; any root or proof needs O(log n) of them (the sumdb `StoredHashIndex`
   idea with a simpler key). Level 0 lives in `ledger_entries.leaf_hash`, one row fewer per entry.
-- `ledger_checkpoints`: the first signed checkpoint issued at each tree size (keyed by size).
+- `ledger_checkpoints`: the first signed checkpoint issued at each tree size (keyed by size), each
+  naming the size of the one before (`prev_size`): with the head's `checkpoint_size`, deleting any
+  checkpoint row breaks the chain.
 - `ledger_payloads`: erasable personal detail and the salt of its commitment (deletable, never
   updatable).
 """
@@ -33,6 +36,7 @@ head = sa.Table(
     metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("size", sa.BigInteger, nullable=False),
+    sa.Column("checkpoint_size", sa.BigInteger, nullable=True),
     sa.CheckConstraint("id = 1", name="ledger_head_single_row"),
     sa.CheckConstraint("size >= 0", name="ledger_head_size_nonnegative"),
 )
@@ -73,6 +77,7 @@ checkpoints = sa.Table(
     sa.Column("size", _ROWID, primary_key=True, autoincrement=False),
     sa.Column("root", sa.LargeBinary(32), nullable=False),
     sa.Column("note", sa.Text, nullable=False),
+    sa.Column("prev_size", sa.BigInteger, nullable=True),
 )
 
 payloads = sa.Table(

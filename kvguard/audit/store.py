@@ -41,6 +41,7 @@ class CheckpointRow(NamedTuple):
     size: int
     root: bytes
     note: str
+    prev_size: int | None
 
 
 AfterAppend = Callable[[sa.Connection, int], None]
@@ -59,9 +60,9 @@ class LedgerStore:
     def size(self, conn: sa.Connection | None = None) -> int:
         stmt = sa.select(t.head.c.size).where(t.head.c.id == 1)
         if conn is not None:
-            return int(conn.execute(stmt).scalar_one())
+            return _head_size(conn.execute(stmt).scalar_one_or_none())
         with self.engine.connect() as c:
-            return int(c.execute(stmt).scalar_one())
+            return _head_size(c.execute(stmt).scalar_one_or_none())
 
     def reader(self, conn: sa.Connection) -> merkle.HashReader:
         """A `merkle.HashReader` over the stored hashes, within `conn`'s transaction."""
@@ -91,20 +92,30 @@ class LedgerStore:
 
     def checkpoints(self, conn: sa.Connection) -> list[CheckpointRow]:
         c = t.checkpoints.c
-        rows = conn.execute(sa.select(c.size, c.root, c.note).order_by(c.size))
-        return [CheckpointRow(int(s), bytes(r), str(n)) for s, r, n in rows]
+        rows = conn.execute(sa.select(c.size, c.root, c.note, c.prev_size).order_by(c.size))
+        return [CheckpointRow(int(s), bytes(r), str(n), p) for s, r, n, p in rows]
 
     def latest_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
+        """The checkpoint the head row names as latest (VerificationError if it is gone)."""
+        size = conn.execute(
+            sa.select(t.head.c.checkpoint_size).where(t.head.c.id == 1)
+        ).scalar_one_or_none()
+        if size is None:
+            return None
         c = t.checkpoints.c
-        row = conn.execute(sa.select(c.size, c.root, c.note).order_by(c.size.desc()).limit(1)).first()
-        return CheckpointRow(int(row[0]), bytes(row[1]), str(row[2])) if row else None
+        row = conn.execute(
+            sa.select(c.size, c.root, c.note, c.prev_size).where(c.size == size)
+        ).first()
+        if row is None:
+            raise VerificationError(f"the latest checkpoint (size {size}) is missing")
+        return CheckpointRow(int(row[0]), bytes(row[1]), str(row[2]), row[3])
 
     # -- writes --------------------------------------------------------------------------------
 
     def lock_head(self, conn: sa.Connection) -> int:
         """Lock the head row for the rest of the transaction and return the tree size."""
         stmt = sa.select(t.head.c.size).where(t.head.c.id == 1).with_for_update()
-        return int(conn.execute(stmt).scalar_one())
+        return _head_size(conn.execute(stmt).scalar_one_or_none())
 
     def _load_frontier(self, conn: sa.Connection, size: int) -> merkle.Frontier:
         subtrees = merkle.range_subtrees(0, size) if size else []
@@ -149,8 +160,14 @@ class LedgerStore:
         ):
             _insert_many(conn, table, rows)
 
-    def insert_checkpoint(self, conn: sa.Connection, size: int, root: bytes, note: str) -> None:
-        conn.execute(sa.insert(t.checkpoints).values(size=size, root=root, note=note))
+    def insert_checkpoint(
+        self, conn: sa.Connection, size: int, root: bytes, note: str, prev_size: int | None
+    ) -> None:
+        """Store a checkpoint, chained to the previous one, and name it in the head row."""
+        conn.execute(
+            sa.insert(t.checkpoints).values(size=size, root=root, note=note, prev_size=prev_size)
+        )
+        conn.execute(sa.update(t.head).where(t.head.c.id == 1).values(checkpoint_size=size))
 
 
 def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[tuple[object, ...]]) -> None:
@@ -175,3 +192,9 @@ def _select_in(
         rows = conn.execute(sa.select(key, value).where(key.in_(keys[i : i + _IN_CHUNK])))
         found.update((int(k), bytes(v)) for k, v in rows)
     return found
+
+
+def _head_size(value: int | None) -> int:
+    if value is None:  # the migration creates it and triggers forbid deleting it
+        raise VerificationError("the ledger head row is missing: the log was tampered with")
+    return int(value)

@@ -8,7 +8,8 @@ Checked, in one consistent read snapshot:
 2. every stored subtree hash equals the recomputed one, and none is missing or extra;
 3. every payload opens its leaf's commitment; a missing payload has a `payload.erase` record;
 4. every checkpoint is signed by a trusted key, names this origin, matches its row (its size is its
-   key), and its root is the recomputed root of that prefix of the log.
+   key), chains to the one before it (the head names the last), and its root is the recomputed
+   root of that prefix of the log.
 """
 
 from __future__ import annotations
@@ -153,9 +154,18 @@ def _check_checkpoints(
     verifiers: Sequence[note.Verifier],
 ) -> int:
     c = t.checkpoints.c
-    rows = conn.execute(sa.select(c.size, c.root, c.note).order_by(c.size)).all()
-    for cp_size, cp_root, signed in rows:
+    rows = conn.execute(sa.select(c.size, c.root, c.note, c.prev_size).order_by(c.size)).all()
+    latest = conn.execute(sa.select(t.head.c.checkpoint_size)).scalar_one_or_none()
+    if latest != (rows[-1][0] if rows else None):
+        raise VerificationError(f"the head names checkpoint size {latest}, the latest stored is "
+                                f"{rows[-1][0] if rows else None}: a checkpoint row was removed")
+    previous = None
+    for cp_size, cp_root, signed, prev_size in rows:
         where = f"checkpoint of size {cp_size}"
+        if prev_size != previous:
+            raise VerificationError(f"{where}: chained to size {prev_size}, but the checkpoint "
+                                    f"before it has size {previous}: a checkpoint row was removed")
+        previous = cp_size
         try:
             text, _ = note.open_note(str(signed), verifiers)
             cp = parse_checkpoint(text)

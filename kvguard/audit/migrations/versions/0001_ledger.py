@@ -26,6 +26,7 @@ def _tables() -> None:
         "ledger_head",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("size", sa.BigInteger, nullable=False),
+        sa.Column("checkpoint_size", sa.BigInteger, nullable=True),
         sa.CheckConstraint("id = 1", name="ledger_head_single_row"),
         sa.CheckConstraint("size >= 0", name="ledger_head_size_nonnegative"),
     )
@@ -58,6 +59,7 @@ def _tables() -> None:
         sa.Column("size", _ROWID, primary_key=True, autoincrement=False),
         sa.Column("root", sa.LargeBinary(32), nullable=False),
         sa.Column("note", sa.Text, nullable=False),
+        sa.Column("prev_size", sa.BigInteger, nullable=True),
     )
     op.create_table(
         "ledger_payloads",
@@ -81,7 +83,8 @@ def _sqlite_triggers() -> None:
     trigger("ledger_head_no_delete", "DELETE", "ledger_head")
     trigger(
         "ledger_head_no_shrink", "UPDATE", "ledger_head",
-        "FOR EACH ROW WHEN NEW.size < OLD.size OR NEW.id <> OLD.id",
+        "FOR EACH ROW WHEN NEW.size < OLD.size OR NEW.id <> OLD.id "
+        "OR COALESCE(NEW.checkpoint_size, -1) < COALESCE(OLD.checkpoint_size, -1)",
     )
     trigger("ledger_payloads_no_update", "UPDATE", "ledger_payloads")
 
@@ -96,7 +99,8 @@ END $$
 _PG_HEAD_GUARD = """
 CREATE OR REPLACE FUNCTION ledger_head_guard() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  IF TG_OP <> 'UPDATE' OR NEW.size < OLD.size OR NEW.id <> OLD.id THEN
+  IF TG_OP <> 'UPDATE' OR NEW.size < OLD.size OR NEW.id <> OLD.id
+     OR COALESCE(NEW.checkpoint_size, -1) < COALESCE(OLD.checkpoint_size, -1) THEN
     RAISE EXCEPTION 'kvguard ledger: % on ledger_head may only grow the log', TG_OP
       USING ERRCODE = 'integrity_constraint_violation';
   END IF;
