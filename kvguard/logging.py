@@ -172,5 +172,12 @@ def configure_logging(
 
 
 def get_logger(name: str) -> Any:
-    """A structlog logger bound to a component name."""
+    """A structlog logger bound to a component name.
+
+    If the process never called `configure_logging` (kvguard imported as a library, e.g. inside a vLLM
+    engine), a redacting WARNING-level configuration is installed first: structlog's own default
+    prints every level and has no redaction.
+    """
+    if not structlog.is_configured():
+        configure_logging("WARNING")
     return structlog.get_logger(component=name)

@@ -83,6 +83,21 @@ class Custody:
         )
         return {s: tally.get(s, 0) for s in BlockStatus}
 
+    def request_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The blocks a registered request holds (empty if it is not registered)."""
+        req = self._requests.get(RequestId(request_id))
+        return tuple(dict.fromkeys(req.blocks)) if req else ()
+
+    def has_pending_plan(self) -> bool:
+        return bool(self._pending_release or self._pending_handover)
+
+    def requeue(self, block_ids: Iterable[int]) -> None:
+        """Zeroization of these blocks failed: plan them again (quarantined ones stay out of the pool)."""
+        for bid in block_ids:
+            rec = self._blocks[self._check_id(bid)]
+            if rec.status is BlockStatus.QUARANTINED:
+                self._pending_release.add(rec.block_id)
+
     def take_events(self) -> list[CustodyEvent]:
         """Drain the events produced since the last call (vLLM `take_events` pattern)."""
         events, self._events = self._events, []
@@ -118,8 +133,10 @@ class Custody:
         handover: list[int] = []
         for bid in block_ids:
             rec = self._blocks[self._check_id(bid)]
-            if rec.status is BlockStatus.ACTIVE or rec.status is BlockStatus.QUARANTINED:
-                raise CustodyError(f"block {bid} allocated while {rec.status.value}")
+            if rec.status is BlockStatus.ACTIVE:
+                raise CustodyError(f"block {bid} allocated while active")
+            if rec.status is BlockStatus.QUARANTINED:
+                self._engine_took_quarantined(rec)
             if rec.status is BlockStatus.CACHED:
                 self._engine_evicted(rec, now)
             if rec.owner is not None and self._needs_clear(rec, req.scope, now):
@@ -350,6 +367,16 @@ class Custody:
                 EventKind.EVICT, now, rec.owner_tag, None, (rec.block_id,), {"reason": "engine_lru"}
             )
         )
+        self._tenant_dec(rec)
+        rec.status = BlockStatus.FREE
+
+    def _engine_took_quarantined(self, rec: BlockRecord) -> None:
+        """The engine re-allocated a block custody had just quarantined (it freed it on a path that
+        bypasses the connector, e.g. preemption) before the worker cleared it. It still holds its
+        old owner's bytes, so it becomes a handover clear of this step (G3)."""
+        if rec.block_id not in self._pending_release:
+            raise CustodyError(f"block {rec.block_id} allocated while quarantined for zeroization")
+        self._pending_release.discard(rec.block_id)
         self._tenant_dec(rec)
         rec.status = BlockStatus.FREE
 

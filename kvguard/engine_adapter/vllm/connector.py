@@ -1,0 +1,131 @@
+"""`KVGuardConnector`: kvguard as a vLLM v1 KV connector (one class, two roles).
+
+vLLM builds one instance with role SCHEDULER in the engine core and one with role WORKER next to the
+model runner, both from `kv_transfer_config`. The scheduler instance delegates to `SchedulerGuard`, the
+worker instance to `WorkerGuard`. kvguard loads and saves no KV from outside: `get_num_new_matched_tokens`
+returns no external tokens and the per-layer hooks do nothing. Only one worker (tensor parallel 1) is
+supported: evidence from several workers would have to be joined per block.
+
+Raw KV events carry token ids and the plain salt (ARCHITECTURE.md, engine facts): the connector refuses
+to start when `kv_events_config.enable_kv_cache_events` is on (G6).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta
+from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
+from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
+from kvguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class KVGuardConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        events = vllm_config.kv_events_config
+        if events is not None and events.enable_kv_cache_events:
+            raise ConfigError(
+                "kvguard refuses to run with vLLM KV cache events enabled: BlockStored events carry "
+                "raw token ids and the cache salt in plain text (disable kv_events_config)"
+            )
+        if vllm_config.parallel_config.world_size > 1:
+            raise ConfigError(
+                "kvguard's vLLM connector supports one worker (tensor parallel 1) for now"
+            )
+        options = GuardOptions.from_extra_config(
+            dict(self._kv_transfer_config.kv_connector_extra_config)
+        )
+        self.scheduler_guard: SchedulerGuard | None = None
+        self.worker_guard: WorkerGuard | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_guard = SchedulerGuard(
+                options,
+                model_name=str(vllm_config.model_config.model),
+                block_size=vllm_config.cache_config.block_size,
+            )
+        else:
+            self.worker_guard = WorkerGuard(canary=options.canary)
+
+    # --- scheduler side -------------------------------------------------------------------------
+
+    @property
+    def _sched(self) -> SchedulerGuard:
+        assert self.scheduler_guard is not None, "scheduler-side call on a worker connector"
+        return self.scheduler_guard
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._sched.bind_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None  # allocations are read from the scheduler output in build_connector_meta
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_step(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.request_finished(request)
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine loop stepping until every quarantined block is cleared and released.
+        return self.scheduler_guard is not None and self.scheduler_guard.has_pending()
+
+    def shutdown(self) -> None:
+        if self.scheduler_guard is not None:
+            self.scheduler_guard.close()
+
+    # --- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_guard is not None, "worker-side call on a scheduler connector"
+        self.worker_guard.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_guard is not None and isinstance(connector_metadata, GuardStepMeta):
+            self.worker_guard.on_step(connector_metadata)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_guard.take_results() if self.worker_guard is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,185 @@
+"""`GuardedLLM`: `vllm.LLM` with server-side salts, policy admission and kvguard's connector.
+
+The caller names a tenant (and optionally a session); `GuardedLLM` builds the scope, asks policy how
+the request may run, derives the salt with the server's keyring and sends the scope to the engine in
+the request's `extra_args` (see `transport`). A caller-supplied `cache_salt` is refused (G1).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+from kvguard.engine_adapter.records import PurgeSelector
+from kvguard.engine_adapter.vllm.connector import KVGuardConnector
+from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.transport import Envelope
+from kvguard.errors import AdmissionError, ConfigError, UntrustedSaltError
+from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
+from kvguard.policy import Usage, admit
+
+CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
+_SETTLE_STEPS = 64
+
+
+def tiny_llama_dir() -> Path:
+    """The packaged tiny Llama config (dummy weights) used by the demo and the tests."""
+    return Path(str(resources.files("kvguard.engine_adapter.vllm") / "assets" / "tiny-llama"))
+
+
+class GuardedLLM:
+    """A governed `vllm.LLM` (offline inference). See docs/vllm.md."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        options: GuardOptions,
+        model_revision: str = "main",
+        weights_digest: str | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        for refused in ("kv_transfer_config", "kv_events_config"):
+            if llm_kwargs.get(refused) is not None:
+                raise ConfigError(f"GuardedLLM sets {refused} itself; do not pass it")
+        self.options = options
+        self._deriver = options.deriver()
+        self._policies = options.policy_set()
+        transfer = KVTransferConfig(
+            kv_connector=KVGuardConnector.__name__,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=options.to_extra_config(),
+        )
+        llm_kwargs.setdefault("enable_prefix_caching", True)
+        self.llm = LLM(model=model, kv_transfer_config=transfer, **llm_kwargs)
+        config = self.llm.llm_engine.vllm_config
+        self._model = ModelRef(id=model, revision=model_revision, weights_digest=weights_digest)
+        self._tokenizer = TokenizerRef(
+            id=str(config.model_config.tokenizer or model), revision=model_revision
+        )
+        self._cache = CacheConfig(
+            kv_dtype=str(config.cache_config.cache_dtype), block_size=config.cache_config.block_size
+        )
+
+    def scope(
+        self,
+        tenant: str,
+        *,
+        session: str | None = None,
+        group: str | None = None,
+        public: bool = False,
+        adapter: AdapterRef | None = None,
+    ) -> Scope:
+        share = (
+            Share.SESSION
+            if session
+            else Share.GROUP
+            if group
+            else Share.PUBLIC
+            if public
+            else Share.TENANT
+        )
+        return Scope(
+            tenant_id=tenant,
+            share=share,
+            session_id=session,
+            group_id=group,
+            model=self._model,
+            tokenizer=self._tokenizer,
+            adapter=adapter,
+            cache_config=self._cache,
+            policy_epoch=self._policies.epoch,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tenant: str,
+        session: str | None = None,
+        group: str | None = None,
+        public: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[Any]:
+        """Generate for one tenant. `prompts` are token-id lists (or TokensPrompt dicts without a salt)."""
+        scope = self.scope(tenant, session=session, group=group, public=public)
+        decision = admit(self._policies, scope, Usage())
+        if not decision.admitted or decision.scope is None:
+            raise AdmissionError(f"request refused by policy: {decision.reason.value}")
+        envelope = Envelope(scope=decision.scope, use_cache=decision.use_cache)
+        # No-cache requests get a one-off salt so their blocks can never match anything.
+        salt = (
+            self._deriver.salt(decision.scope)
+            if decision.use_cache
+            else "nocache:" + secrets.token_urlsafe(16)
+        )
+        params = (sampling_params or SamplingParams()).clone()
+        params.extra_args = {**(params.extra_args or {}), **envelope.to_extra_args()}
+        if not decision.use_cache:
+            params.skip_reading_prefix_cache = True
+        outputs = self.llm.generate(
+            [self._prompt(p, salt) for p in prompts], params, use_tqdm=use_tqdm
+        )
+        self.settle()
+        return list(outputs)
+
+    @staticmethod
+    def _prompt(prompt: Sequence[int] | dict[str, Any], salt: str) -> TokensPrompt:
+        if isinstance(prompt, dict):
+            if prompt.get("cache_salt") is not None:
+                raise UntrustedSaltError(
+                    "a caller-supplied cache_salt was refused: kvguard derives salts"
+                )
+            return TokensPrompt(prompt_token_ids=list(prompt["prompt_token_ids"]), cache_salt=salt)
+        return TokensPrompt(prompt_token_ids=list(prompt), cache_salt=salt)
+
+    # --- in-process control (VLLM_ENABLE_V1_MULTIPROCESSING=0) ------------------------------------
+
+    def _engine_core(self) -> Any | None:
+        client = self.llm.llm_engine.engine_core
+        return getattr(client, "engine_core", None)
+
+    @property
+    def connector(self) -> KVGuardConnector | None:
+        """The scheduler-side connector when the engine runs in this process, else None."""
+        core = self._engine_core()
+        return core.scheduler.get_kv_connector() if core is not None else None
+
+    def settle(self) -> None:
+        """Step the in-process engine until every quarantined block is zeroized and released.
+
+        `LLM.generate` stops stepping as soon as outputs are complete; blocks released by the last
+        step are cleared in the next one. (A multiprocess engine keeps stepping by itself while the
+        connector reports pending work.)"""
+        core, conn = self._engine_core(), self.connector
+        if core is None or conn is None or conn.scheduler_guard is None:
+            return
+        for _ in range(_SETTLE_STEPS):
+            if not conn.scheduler_guard.has_pending():
+                return
+            core.step_fn()
+        raise RuntimeError("kvguard: zeroization did not settle; blocks remain quarantined")
+
+    def purge(self, selector: PurgeSelector) -> None:
+        """Purge in-process (the admin API's command path serves separate engine processes)."""
+        conn = self.connector
+        if conn is None or conn.scheduler_guard is None:
+            raise ConfigError(
+                "purge() needs the in-process engine; use the admin API for a served engine"
+            )
+        conn.scheduler_guard.request_purge(selector)
+        self.settle()
+
+    def close(self) -> None:
+        conn = self.connector
+        if conn is not None:
+            conn.shutdown()

@@ -1,0 +1,41 @@
+"""Messages between kvguard's scheduler-side and worker-side connector halves (picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class GuardStepMeta(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: what to clear before this step's forward pass."""
+
+    step: int
+    release: tuple[int, ...] = ()  # quarantined blocks leaving their scope for good (G2)
+    handover: tuple[int, ...] = ()  # blocks given to a new scope this step (G3)
+    verify: str = "sample"
+    canary: tuple[int, ...] = ()  # test-only: blocks that must read all-zero before the forward
+
+
+@dataclass
+class ZeroizeResult:
+    blocks: tuple[int, ...]
+    ok: bool
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GuardWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: which blocks were cleared and the evidence."""
+
+    results: list[ZeroizeResult] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, GuardWorkerMeta):
+            return self
+        return GuardWorkerMeta(results=[*self.results, *other.results])

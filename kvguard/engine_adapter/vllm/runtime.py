@@ -1,0 +1,99 @@
+"""The kvguard objects an engine process needs, built from `kv_connector_extra_config`.
+
+Keys (all paths absolute or relative to the engine's working directory):
+
+| key | meaning | default |
+|---|---|---|
+| `salt_keyring_file` | salt keyring (0600) shared with the front end | required (G7) |
+| `policy_file` | policy set (YAML/JSON) | built-in secure defaults |
+| `ledger_url` | audit ledger database URL | required (G7) |
+| `signing_key_file` | checkpoint signing key (0600) | required with `ledger_url` |
+| `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
+| `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
+| `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
+| `canary` | test-only: check every block entering a new scope is all-zero before the forward | false |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvguard.audit.ledger import Ledger
+from kvguard.audit.signing import SigningKey
+from kvguard.errors import ConfigError, FailClosedError
+from kvguard.isolation.keyring import Keyring
+from kvguard.isolation.salts import SaltDeriver
+from kvguard.policy import PolicySet, load_policy_file
+
+
+DEFAULT_ORIGIN = "kvguard.local/ledger"
+
+
+@dataclass(frozen=True, slots=True)
+class GuardOptions:
+    salt_keyring_file: Path
+    ledger_url: str
+    signing_key_file: Path
+    policy_file: Path | None = None
+    ledger_origin: str = DEFAULT_ORIGIN
+    ledger_overflow: str = "fail_closed"
+    verify_override: str | None = None
+    canary: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> GuardOptions:
+        missing = [
+            k for k in ("salt_keyring_file", "ledger_url", "signing_key_file") if not extra.get(k)
+        ]
+        if missing:
+            raise FailClosedError(
+                "kvguard connector refuses to start: kv_connector_extra_config lacks "
+                + ", ".join(missing)
+            )
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}"
+            )
+        return cls(
+            salt_keyring_file=Path(extra["salt_keyring_file"]),
+            ledger_url=str(extra["ledger_url"]),
+            signing_key_file=Path(extra["signing_key_file"]),
+            policy_file=Path(extra["policy_file"]) if extra.get("policy_file") else None,
+            ledger_origin=str(extra.get("ledger_origin", DEFAULT_ORIGIN)),
+            ledger_overflow=str(extra.get("ledger_overflow", "fail_closed")),
+            verify_override=extra.get("verify_override"),
+            canary=bool(extra.get("canary", False)),
+        )
+
+    def to_extra_config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "salt_keyring_file": str(self.salt_keyring_file),
+            "ledger_url": self.ledger_url,
+            "signing_key_file": str(self.signing_key_file),
+            "ledger_origin": self.ledger_origin,
+            "ledger_overflow": self.ledger_overflow,
+            "canary": self.canary,
+        }
+        if self.policy_file is not None:
+            out["policy_file"] = str(self.policy_file)
+        if self.verify_override is not None:
+            out["verify_override"] = self.verify_override
+        return out
+
+    def deriver(self) -> SaltDeriver:
+        return SaltDeriver(Keyring.load(self.salt_keyring_file))
+
+    def policy_set(self) -> PolicySet:
+        return load_policy_file(self.policy_file) if self.policy_file else PolicySet()
+
+    def open_ledger(self) -> Ledger:
+        return Ledger.open(
+            self.ledger_url,
+            origin=self.ledger_origin,
+            signing_key=SigningKey.load(self.signing_key_file),
+            overflow=self.ledger_overflow,
+        )

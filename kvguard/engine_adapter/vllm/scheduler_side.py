@@ -1,0 +1,298 @@
+"""The scheduler half of the vLLM connector: custody, policy, block-pool holds and the ledger.
+
+vLLM's scheduler owns block ids and the free queue; this class keeps `Custody` in step with it and
+enforces custody's answers on the pool:
+
+- a quarantined block is *held*: `BlockPool.touch` takes it out of the free queue (or adds a reference
+  while the finishing request still holds it) and its prefix hash is evicted, so nobody can allocate it
+  or hit it; when the worker reports it zeroized, `BlockPool.free_blocks` returns it, unhashed;
+- every step, blocks newly given to a request are checked: one that holds another domain's bytes goes
+  into the step's handover list, which the worker clears before the forward pass (G3). This also
+  catches frees that bypass the connector (preemption);
+- prefix hits are re-checked against the request's reuse domain (defence in depth, G1).
+
+All of this runs in the scheduler's single thread; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvguard.engine_adapter.custody import Custody
+from kvguard.engine_adapter.ledger_bridge import LedgerBridge
+from kvguard.engine_adapter.records import BlockStatus, PurgeSelector
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
+from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
+from kvguard.errors import CustodyError, ScopeError
+from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
+from kvguard.logging import get_logger
+from kvguard.policy import AuditLevel, Usage, Verify, admit
+
+_log = get_logger("vllm.scheduler")
+_VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
+UNGOVERNED_TENANT = "kvguard:ungoverned"
+
+
+class SchedulerGuard:
+    """Custody and policy for one vLLM scheduler (see the module docstring)."""
+
+    def __init__(
+        self,
+        options: GuardOptions,
+        *,
+        model_name: str,
+        block_size: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.options = options
+        self.deriver = options.deriver()
+        self.policies = options.policy_set()
+        self.ledger = options.open_ledger()
+        self.bridge = LedgerBridge(self.ledger, self._level_for_tag)
+        self._clock = clock
+        self._model_name = model_name
+        self._block_size = block_size
+        self._pool: Any = None
+        self.custody: Custody | None = None
+        self._envelopes: dict[str, Envelope] = {}
+        self._begun: set[str] = set()
+        self._held: set[int] = set()
+        self._tag_tenant: dict[str, str] = {}
+        self._purges: list[PurgeSelector] = []
+        self._step = 0
+        self.stats = {
+            "requests": 0,
+            "untrusted_salts": 0,
+            "ungoverned": 0,
+            "reused_tokens": 0,
+            "blocks_zeroized": 0,
+            "zeroize_failures": 0,
+        }
+
+    # --- wiring ---------------------------------------------------------------------------------
+
+    def bind_pool(self, pool: Any) -> None:
+        self._pool = pool
+        self.custody = Custody(len(pool.blocks), policy=self.policies.policy_for, tagger=self._tag)
+
+    def _tag(self, scope: Scope) -> str:
+        tag = self.deriver.scope_tag(scope)
+        self._tag_tenant[tag] = scope.tenant_id
+        return tag
+
+    def _level_for_tag(self, tag: str | None) -> AuditLevel:
+        tenant = self._tag_tenant.get(tag or "")
+        return self.policies.policy_for(tenant).audit if tenant else AuditLevel.FULL
+
+    @property
+    def _c(self) -> Custody:
+        if self.custody is None:
+            raise CustodyError("the block pool was never bound to the kvguard connector")
+        return self.custody
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """Decide how the request may use the cache, before the scheduler looks it up."""
+        self.stats["requests"] += 1
+        params = getattr(request, "sampling_params", None)
+        try:
+            envelope = read_envelope(getattr(params, "extra_args", None))
+        except ScopeError as exc:
+            _log.warning("kvguard envelope refused", error=str(exc))
+            envelope = None
+        if envelope is None:
+            self.stats["ungoverned"] += 1
+            envelope = Envelope(scope=self._ungoverned_scope(request.request_id), use_cache=False)
+        elif envelope.use_cache and request.cache_salt != self.deriver.salt(envelope.scope):
+            # A salt the server did not derive for this scope: forged, copied or stale (G1).
+            self.stats["untrusted_salts"] += 1
+            _log.warning(
+                "untrusted cache salt; prefix caching disabled for the request",
+                scope_tag=self._tag(envelope.scope),
+            )
+            envelope = Envelope(scope=envelope.scope, use_cache=False)
+        if envelope.use_cache:
+            usage = Usage(
+                blocks_active=self._c.tenant_counts(envelope.scope.tenant_id)[BlockStatus.ACTIVE],
+                blocks_cached=self._c.tenant_counts(envelope.scope.tenant_id)[BlockStatus.CACHED],
+            )
+            if not admit(self.policies, envelope.scope, usage).use_cache:
+                envelope = Envelope(scope=envelope.scope, use_cache=False)
+        if not envelope.use_cache:
+            request.skip_reading_prefix_cache = True
+        self._envelopes[request.request_id] = envelope
+
+    def _ungoverned_scope(self, request_id: str) -> Scope:
+        # A private, single-request scope: nothing of ungoverned traffic is shared or retained.
+        return Scope(
+            tenant_id=UNGOVERNED_TENANT,
+            share=Share.SESSION,
+            session_id=request_id,
+            model=ModelRef(id=self._model_name, revision="unknown"),
+            tokenizer=TokenizerRef(id=self._model_name, revision="unknown"),
+            cache_config=CacheConfig(kv_dtype="auto", block_size=self._block_size),
+        )
+
+    def request_finished(self, request: Any) -> None:
+        """The request is done: quarantine what policy releases, keep what it retains."""
+        rid = request.request_id
+        if rid not in self._begun:
+            self._envelopes.pop(rid, None)
+            return
+        self._end(rid, self._clock())
+        self._envelopes.pop(rid, None)
+
+    def _end(self, rid: str, now: float, *, hold: bool = True) -> None:
+        c = self._c
+        held_by = c.request_blocks(rid)
+        self._mark_hashed(b for b in held_by if c.record(b).status is BlockStatus.ACTIVE)
+        c.finish(rid, now)
+        self._begun.discard(rid)
+        for b in held_by:
+            if (
+                c.record(b).status is not BlockStatus.CACHED
+                and c.record(b).status is not BlockStatus.ACTIVE
+            ):
+                self._evict_hash(b)
+        if hold:
+            self._hold_quarantined()
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def build_step(self, so: Any) -> GuardStepMeta:
+        """Bring custody up to date with this step's schedule and say what the worker must clear."""
+        c, now = self._c, self._clock()
+        self._step += 1
+        for rid in so.preempted_req_ids or ():
+            if rid in self._begun:
+                # The engine already freed these blocks and may have re-allocated some of them in
+                # this very schedule; hold what is left only after the allocations below.
+                self._end(rid, now, hold=False)
+        canary: list[int] = []
+        for new in so.scheduled_new_reqs:
+            canary += self._scheduled(
+                new.req_id, list(new.block_ids[0]), new.num_computed_tokens, now
+            )
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                canary += self._scheduled(
+                    rid, list(ids[0]) if ids else [], cached.num_computed_tokens[i], now
+                )
+            elif ids and ids[0]:
+                canary += self._allocate(rid, list(ids[0]), now)
+        c.sweep(now)
+        while self._purges:
+            c.purge(self._purges.pop(0), now)
+        self._hold_quarantined()
+        plan = c.take_plan()
+        self.bridge.forward(c.take_events())
+        return GuardStepMeta(
+            step=self._step,
+            release=plan.release,
+            handover=plan.handover,
+            verify=self._verify_mode(plan.all_blocks),
+            canary=tuple(sorted(set(canary))) if self.options.canary else (),
+        )
+
+    def _scheduled(
+        self, rid: str, block_ids: list[int], num_computed: int, now: float
+    ) -> list[int]:
+        c = self._c
+        env = self._envelopes.get(rid)
+        if env is None:
+            raise CustodyError(f"request {rid!r} was scheduled without on_new_request")
+        if rid not in self._begun:
+            c.begin(rid, env.scope, use_cache=env.use_cache)
+            self._begun.add(rid)
+        n_hit = num_computed // self._block_size if env.use_cache else 0
+        hits, fresh = block_ids[:n_hit], block_ids[n_hit:]
+        if hits:
+            # Raises CustodyError on a cross-domain hit: the engine stops rather than serve it (G1).
+            c.reuse(rid, hits, now, tokens_matched=num_computed)
+            self.stats["reused_tokens"] += num_computed
+        return self._allocate(rid, fresh, now)
+
+    def _allocate(self, rid: str, block_ids: list[int], now: float) -> list[int]:
+        c = self._c
+        scope = self._envelopes[rid].scope
+        entering = [b for b in block_ids if not self._same_owner(b, scope)]
+        for b in block_ids:
+            self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
+        c.allocate(rid, block_ids, now)
+        self._mark_hashed(block_ids)
+        return entering
+
+    def _same_owner(self, block_id: int, scope: Scope) -> bool:
+        owner = self._c.record(block_id).owner
+        return owner is not None and owner.same_domain(scope)
+
+    def _mark_hashed(self, block_ids: Iterable[int]) -> None:
+        hashed = [b for b in block_ids if self._pool.blocks[b].block_hash is not None]
+        if hashed:
+            self._c.mark_hashed(hashed)
+
+    def _verify_mode(self, block_ids: Iterable[int]) -> str:
+        if self.options.verify_override:
+            return self.options.verify_override
+        best = Verify.NONE
+        for b in block_ids:
+            owner = self._c.record(b).owner
+            mode = (
+                self.policies.policy_for(owner.tenant_id).zeroize.verify if owner else Verify.SAMPLE
+            )
+            best = max(best, mode, key=_VERIFY_RANK.__getitem__)
+        return best.value
+
+    # --- pool holds -----------------------------------------------------------------------------
+
+    def _hold_quarantined(self) -> None:
+        c = self._c
+        for b in range(c.num_blocks):
+            if c.record(b).status is BlockStatus.QUARANTINED and b not in self._held:
+                block = self._pool.blocks[b]
+                self._evict_hash(b)
+                self._pool.touch([block])  # out of the free queue, or one more reference
+                self._held.add(b)
+
+    def _evict_hash(self, block_id: int) -> None:
+        block = self._pool.blocks[block_id]
+        if block.block_hash is not None:
+            self._pool._maybe_evict_cached_block(block)
+
+    def on_worker_output(self, worker_meta: Any) -> None:
+        """The worker cleared blocks: release held ones, record the evidence."""
+        if not isinstance(worker_meta, GuardWorkerMeta):
+            return
+        c, now = self._c, self._clock()
+        for result in worker_meta.results:
+            if not result.ok:
+                self.stats["zeroize_failures"] += 1
+                _log.error(
+                    "zeroization failed; blocks stay quarantined", block_count=len(result.blocks)
+                )
+                c.requeue(result.blocks)
+                continue
+            c.zeroized(result.blocks, now, dict(result.details))
+            self.stats["blocks_zeroized"] += len(result.blocks)
+            release = [self._pool.blocks[b] for b in result.blocks if b in self._held]
+            self._held.difference_update(result.blocks)
+            if release:
+                self._pool.free_blocks(release)
+        self.bridge.forward(c.take_events())
+
+    def has_pending(self) -> bool:
+        """True while blocks wait for zeroization (keeps the engine loop stepping)."""
+        return bool(self._held) or bool(self._purges) or self._c.has_pending_plan()
+
+    def request_purge(self, selector: PurgeSelector) -> None:
+        self._purges.append(selector)
+
+    def close(self) -> None:
+        self.ledger.flush()
+        self.ledger.close()
