@@ -96,17 +96,21 @@ def plan_zeroize(block_ids: Iterable[int], num_blocks: int) -> ZeroizePlan:
 
 
 def _unique_ints(block_ids: Iterable[int]) -> set[int]:
-    values = block_ids if isinstance(block_ids, list | tuple) else list(block_ids)
-    # `array("q")` converts at C speed and raises TypeError for floats, strings and None.
     try:
-        unique = set(array.array("q", values))
-    except (TypeError, OverflowError) as exc:
-        raise BlockIdError(f"block ids must be integers in range: {exc}") from None
-    # `array` takes True as 1; a boolean id is a bug upstream. Only 0 and 1 can hide one, so the
-    # extra pass over the types runs only when they are present.
-    if (0 in unique or 1 in unique) and bool in set(map(type, values)):
+        unique = set(block_ids)
+    except TypeError as exc:  # unhashable items
+        raise BlockIdError(f"block ids must be integers: {exc}") from None
+    kinds = set(map(type, unique))  # one C-level pass; plain ints are the common case
+    if kinds <= {int}:
+        return unique
+    # `True == 1`, so a boolean already merged with an equal int is harmless; one left standing is
+    # a bug upstream, not block 1.
+    if bool in kinds:
         raise BlockIdError("block ids must be integers, not booleans")
-    return unique
+    try:
+        return set(map(operator.index, unique))  # numpy integers and other __index__ types
+    except TypeError as exc:
+        raise BlockIdError(f"block ids must be integers: {exc}") from None
 
 
 def _coalesce(ids: tuple[int, ...]) -> tuple[BlockRun, ...]:

@@ -44,10 +44,14 @@ def test_out_of_range_ids_are_refused(bad: int) -> None:
         plan_zeroize([0, bad], num_blocks=8)
 
 
-@pytest.mark.parametrize("bad", [1.0, "3", None, True, False])
+@pytest.mark.parametrize("bad", [1.0, "3", None, True, False, [1]])
 def test_non_integer_ids_are_refused(bad: object) -> None:
     with pytest.raises(BlockIdError, match="integers"):
-        plan_zeroize([0, bad], num_blocks=8)  # type: ignore[list-item]
+        plan_zeroize([3, bad], num_blocks=8)  # type: ignore[list-item]
+
+
+def test_a_boolean_equal_to_a_listed_id_merges_harmlessly() -> None:
+    assert plan_zeroize([1, True, 0, False], num_blocks=8).block_ids == (0, 1)
 
 
 @pytest.mark.parametrize("num_blocks", [0, -3, True, 4.0])
