@@ -35,7 +35,14 @@ PROOF_SUFFIX = ".tlog-proof"
 KNOWN_FILES = frozenset({CHECKPOINT, ENTRIES, CSV, OCSF, CONSISTENCY})
 
 CSV_COLUMNS = (
-    "index", "ts", "kind", "scope_tag", "request_id", "block_ids", "details", "payload_commitment",
+    "index",
+    "ts",
+    "kind",
+    "scope_tag",
+    "request_id",
+    "block_ids",
+    "details",
+    "payload_commitment",
 )
 _OCSF_VERSION = "1.3.0"
 
@@ -44,7 +51,9 @@ def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def entry_line(index: int, leaf: bytes, proof_b64: Sequence[str], leaf_b64: str | None = None) -> str:
+def entry_line(
+    index: int, leaf: bytes, proof_b64: Sequence[str], leaf_b64: str | None = None
+) -> str:
     """The exact `entries.jsonl` line of one entry (canonical JSON; `leaf` is canonical JSON)."""
     proof = ",".join(f'"{p}"' for p in proof_b64)
     leaf_b64 = b64(leaf) if leaf_b64 is None else leaf_b64
@@ -65,10 +74,18 @@ def csv_header() -> str:
 
 def csv_line(index: int, leaf: dict[str, Any]) -> str:
     details = json.dumps(leaf["details"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return _csv_text((
-        str(index), leaf["ts"], leaf["kind"], leaf["scope_tag"] or "", leaf["request_id"] or "",
-        " ".join(str(b) for b in leaf["block_ids"]), details, leaf["payload_commitment"] or "",
-    ))
+    return _csv_text(
+        (
+            str(index),
+            leaf["ts"],
+            leaf["kind"],
+            leaf["scope_tag"] or "",
+            leaf["request_id"] or "",
+            " ".join(str(b) for b in leaf["block_ids"]),
+            details,
+            leaf["payload_commitment"] or "",
+        )
+    )
 
 
 def _csv_text(row: Sequence[str]) -> str:

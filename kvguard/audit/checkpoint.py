@@ -78,7 +78,7 @@ def format_tlog_proof(
 
 
 class TlogProof(NamedTuple):
-    index: int
+    leaf_index: int
     proof: list[bytes]
     signed_checkpoint: str
     extra: bytes | None

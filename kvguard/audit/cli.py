@@ -13,32 +13,39 @@ only the progress bar here uses rich.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvguard.audit.note import parse_verifier_key
 from kvguard.audit.offline import verify_bundle
+from kvguard.audit.signing import SigningKey
 from kvguard.errors import KvguardError, VerificationError
+
+if TYPE_CHECKING:
+    from kvguard.audit.ledger import Ledger
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 audit_app = typer.Typer(help="Tamper-evident audit ledger: checkpoints, exports, verification.")
 keys_app = typer.Typer(help="Key management.")
 
-DbOpt = Annotated[str, typer.Option("--db", help="Ledger database URL (sqlite:///... or postgresql+psycopg://...)")]
+DbOpt = Annotated[
+    str,
+    typer.Option("--db", help="Ledger database URL (sqlite:///... or postgresql+psycopg://...)"),
+]
 OriginOpt = Annotated[str, typer.Option("--origin", help="Log origin line of the checkpoints")]
 KeyFileOpt = Annotated[
     list[Path], typer.Option("--key", help="Signing key file (0600); repeat during a rotation")
 ]
 
 
-def _open(db: str, origin: str, key_files: list[Path]):  # type: ignore[no-untyped-def]
-    from kvguard.audit.ledger import Ledger
-    from kvguard.audit.signing import SigningKey
+def _open(db: str, origin: str, key_files: list[Path]) -> Ledger:
+    from kvguard.audit.ledger import Ledger  # noqa: PLC0415 - `kvguard verify` must not load SQL
 
     keys = [SigningKey.load(p) for p in key_files]
     return Ledger.open(db, origin=origin, signing_key=keys)
@@ -63,27 +70,39 @@ def checkpoint_command(db: DbOpt, origin: OriginOpt, key: KeyFileOpt) -> None:
 
 
 @audit_app.command("export")
-def export_command(
+def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI option
     db: DbOpt,
     origin: OriginOpt,
     key: KeyFileOpt,
     out: Annotated[Path, typer.Option("--out", help="New or empty directory for the bundle")],
     tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant scope tag")] = None,
-    since: Annotated[datetime | None, typer.Option(help="Earliest event time (UTC, inclusive)")] = None,
-    until: Annotated[datetime | None, typer.Option(help="Latest event time (UTC, exclusive)")] = None,
-    tlog_proofs: Annotated[bool, typer.Option("--tlog-proofs", help="Write proofs/*.tlog-proof")] = False,
-    renderings: Annotated[bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")] = True,
+    since: Annotated[
+        datetime | None, typer.Option(help="Earliest event time (UTC, inclusive)")
+    ] = None,
+    until: Annotated[
+        datetime | None, typer.Option(help="Latest event time (UTC, exclusive)")
+    ] = None,
+    tlog_proofs: Annotated[
+        bool, typer.Option("--tlog-proofs", help="Write proofs/*.tlog-proof")
+    ] = False,
+    renderings: Annotated[
+        bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")
+    ] = True,
 ) -> None:
     """Export entries with inclusion proofs against a freshly signed checkpoint."""
-    from datetime import UTC
-
     since = since.replace(tzinfo=since.tzinfo or UTC) if since else None
     until = until.replace(tzinfo=until.tzinfo or UTC) if until else None
     try:
         ledger = _open(db, origin, key)
         try:
-            summary = ledger.export(out, scope_tag=tenant, since=since, until=until,
-                                    tlog_proofs=tlog_proofs, renderings=renderings)
+            summary = ledger.export(
+                out,
+                scope_tag=tenant,
+                since=since,
+                until=until,
+                tlog_proofs=tlog_proofs,
+                renderings=renderings,
+            )
         finally:
             ledger.close()
     except KvguardError as exc:
@@ -109,12 +128,12 @@ def verify_db_command(db: DbOpt, origin: OriginOpt, key: KeyFileOpt) -> None:
 
 @keys_app.command("signing-key")
 def signing_key_command(
-    name: Annotated[str, typer.Argument(help="Key name, e.g. the log origin host: log.example.com")],
+    name: Annotated[
+        str, typer.Argument(help="Key name, e.g. the log origin host: log.example.com")
+    ],
     out: Annotated[Path, typer.Option("--out", help="Private key file to create (mode 0600)")],
 ) -> None:
     """Create a checkpoint signing key; print its verifier key for auditors."""
-    from kvguard.audit.signing import SigningKey
-
     try:
         key = SigningKey.generate(name)
         key.save(out)
@@ -126,21 +145,25 @@ def signing_key_command(
 def verify_command(
     directory: Annotated[Path, typer.Argument(help="Export bundle directory")],
     key: Annotated[list[str], typer.Option("--key", help="Trusted verifier key (repeatable)")],
-    full: Annotated[bool, typer.Option("--full", help="Complete export: recompute the root")] = False,
+    full: Annotated[
+        bool, typer.Option("--full", help="Complete export: recompute the root")
+    ] = False,
 ) -> None:
     """Verify an export bundle offline. Exit 0 valid, 1 invalid, 2 usage error."""
     if not directory.is_dir():
         raise _fail(f"usage error: {directory} is not a directory", EXIT_USAGE)
-    from kvguard.audit.note import parse_verifier_key
-
     try:
         for k in key:
             parse_verifier_key(k)
     except VerificationError as exc:
         raise _fail(f"usage error: --key: {exc}", EXIT_USAGE) from None
     console = Console(stderr=True)
-    columns = (TextColumn("verifying"), BarColumn(), TextColumn("{task.completed} entries"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("verifying"),
+        BarColumn(),
+        TextColumn("{task.completed} entries"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task("verify", total=None)
 

@@ -62,7 +62,7 @@ def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
 
     Commits on normal exit (durably, see the module docstring) and rolls back on error.
     """
-    with engine.connect() as conn:
-        conn = conn.execution_options(**{_WRITE: True})
+    with engine.connect() as plain:
+        conn = plain.execution_options(**{_WRITE: True})
         with conn.begin():
             yield conn

@@ -16,14 +16,14 @@ import math
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvguard.errors import SensitiveFieldError
 from kvguard.logging import is_sensitive_name
 
-EVENT_SCHEMA_VERSION = 1
+EVENT_SCHEMA_VERSION: Final = 1
 MAX_TEXT = 200  # a detail longer than this reads like free text (a prompt), not a fact
 MAX_BLOCK_IDS = 4096
 

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import sqlalchemy as sa
 
@@ -60,7 +60,12 @@ def export_bundle(
     out.mkdir(parents=True, exist_ok=True)
     signed = ledger.checkpoint()
     cp = parse_checkpoint(note.split_note(signed)[0])
-    filters = {"scope_tag": scope_tag, "since": since, "until": until, "kinds": kinds}
+    filters: dict[str, Any] = {
+        "scope_tag": scope_tag,
+        "since": since,
+        "until": until,
+        "kinds": kinds,
+    }
     complete = all(v is None for v in filters.values())
     (out / bundle.CHECKPOINT).write_text(signed, encoding="utf-8")
     with ledger.store.engine.connect() as conn, ExitStack() as files:
@@ -82,7 +87,10 @@ def export_bundle(
 
 def _open_outputs(out: Path, files: ExitStack, renderings: bool) -> dict[str, TextIO]:
     names = [bundle.ENTRIES, *([bundle.CSV, bundle.OCSF] if renderings else [])]
-    writers = {n: files.enter_context(open(out / n, "w", encoding="utf-8", newline="")) for n in names}
+    writers: dict[str, TextIO] = {
+        n: files.enter_context(open(out / n, "w", encoding="utf-8", newline=""))  # noqa: SIM115
+        for n in names
+    }
     if bundle.CSV in writers:
         writers[bundle.CSV].write(bundle.csv_header())
     return writers
@@ -98,17 +106,22 @@ def _write_entry(
         writers[bundle.OCSF].write(bundle.ocsf_line(index, obj, origin))
 
 
-def _rows(conn: sa.Connection, filters: dict[str, object], size: int) -> Iterator[tuple[int, bytes]]:
+def _rows(conn: sa.Connection, filters: dict[str, Any], size: int) -> Iterator[tuple[int, bytes]]:
     """Matching (index, leaf) rows. Each row's index columns are checked against its leaf, so a
     doctored column (which could hide an entry from a filtered export) stops the export."""
     e = t.entries.c
-    stmt = select_indices(below=size, **filters).add_columns(  # type: ignore[arg-type]
+    stmt = select_indices(below=size, **filters).add_columns(
         e.kind, e.scope_tag, e.request_id, e.ts_us
     )
     for idx, leaf, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
         try:
             obj = json.loads(leaf)
-            expected = [obj["kind"], obj["scope_tag"], obj["request_id"], ts_micros(parse_ts(obj["ts"]))]
+            expected = [
+                obj["kind"],
+                obj["scope_tag"],
+                obj["request_id"],
+                ts_micros(parse_ts(obj["ts"])),
+            ]
         except (ValueError, KeyError, TypeError):
             raise VerificationError(f"entry {idx}: leaf is not a valid event") from None
         if columns != expected:
@@ -120,7 +133,9 @@ def _complete_proofs(conn: sa.Connection, size: int, root: bytes) -> ProofFn:
     """Build the tree from the stored leaf hashes; each proof call re-checks its leaf's hash."""
     e = t.entries.c
     stmt = sa.select(e.leaf_hash).where(e.idx < size).order_by(e.idx)
-    levels = merkle.tree_levels(bytes(h) for (h,) in conn.execute(stmt.execution_options(yield_per=10_000)))
+    levels = merkle.tree_levels(
+        bytes(h) for (h,) in conn.execute(stmt.execution_options(yield_per=10_000))
+    )
     if len(levels[0]) != size or merkle.levels_root(levels) != root:
         raise VerificationError("the stored entries do not reproduce the signed root: run verify()")
 
@@ -136,7 +151,9 @@ def _stored_proof(
     ledger: Ledger, conn: sa.Connection, index: int, cp: Checkpoint, leaf: bytes
 ) -> list[bytes]:
     size, root = cp.size, cp.root
-    proof = merkle.hashes_for_ranges(merkle.inclusion_ranges(index, size), ledger.store.reader(conn))
+    proof = merkle.hashes_for_ranges(
+        merkle.inclusion_ranges(index, size), ledger.store.reader(conn)
+    )
     merkle.verify_inclusion(index, size, merkle.leaf_hash(leaf), proof, root)
     return proof
 
@@ -146,9 +163,15 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, size: int
     previous = None
     for row in ledger.store.checkpoints(conn):
         cp = parse_checkpoint(note.split_note(row.note)[0])
-        if (cp.origin, cp.size, cp.root, row.prev_size) != (ledger.origin, row.size, row.root, previous):
-            raise VerificationError(f"stored checkpoint of size {row.size} does not match its note "
-                                    "or its predecessor")
+        if (cp.origin, cp.size, cp.root, row.prev_size) != (
+            ledger.origin,
+            row.size,
+            row.root,
+            previous,
+        ):
+            raise VerificationError(
+                f"stored checkpoint of size {row.size} does not match its note or its predecessor"
+            )
         previous = row.size
         if 0 < row.size < size:
             latest[row.size] = row.note

@@ -134,6 +134,12 @@ def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry
         payload = (salt, body)
     leaf = encode_leaf(event, commitment)
     return PreparedEntry(
-        leaf, merkle.leaf_hash(leaf), str(event.kind), event.scope_tag, event.request_id,
-        ts_micros(event.ts), event.block_ids, payload,
+        leaf,
+        merkle.leaf_hash(leaf),
+        str(event.kind),
+        event.scope_tag,
+        event.request_id,
+        ts_micros(event.ts),
+        event.block_ids,
+        payload,
     )

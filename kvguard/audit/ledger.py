@@ -26,11 +26,13 @@ from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
 from kvguard.audit.db import create_engine, write_transaction
 from kvguard.audit.events import AuditEvent, EventKind
+from kvguard.audit.export import ExportSummary, export_bundle
 from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.migrate import upgrade
 from kvguard.audit.query import QueryPage, run_query
 from kvguard.audit.signing import SigningKey
-from kvguard.audit.store import LedgerStore
+from kvguard.audit.store import CheckpointRow, LedgerStore
+from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
 from kvguard.errors import AuditError, VerificationError
 from kvguard.logging import get_logger
@@ -93,9 +95,15 @@ class Ledger:
         upgrade(engine)
         store = LedgerStore(engine)
         holder: list[Ledger] = []
+
+        def write(events: Sequence[AuditEvent]) -> None:
+            holder[0].append_many(events)
+
         writer = BackgroundWriter(
-            lambda events: holder[0].append_many(events),
-            capacity=queue_capacity, batch_size=batch_size, interval=batch_interval,
+            write,
+            capacity=queue_capacity,
+            batch_size=batch_size,
+            interval=batch_interval,
             overflow=Overflow(overflow),
         )
         ledger = cls(store, origin=origin, signing_keys=keys, clock=clock, writer=writer)
@@ -153,7 +161,8 @@ class Ledger:
         commitment, which cannot be opened once the salt is gone.
         """
         event = AuditEvent(
-            kind=EventKind.PAYLOAD_ERASE, ts=self._clock(),
+            kind=EventKind.PAYLOAD_ERASE,
+            ts=self._clock(),
             details={"erased_index": index, "reason": reason},
         )
 
@@ -176,7 +185,7 @@ class Ledger:
             root = self.store.root(size, conn)
             last = self.store.latest_checkpoint(conn)
             if last is not None:
-                self._check_extends(conn, last.size, last.root, last.note, size, root)
+                self._check_extends(conn, last, size, root)
             text = format_checkpoint(Checkpoint(self.origin, size, root))
             signed = note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
             if last is None or last.size < size:  # one stored checkpoint per size: the first
@@ -185,15 +194,17 @@ class Ledger:
         return signed
 
     def _check_extends(
-        self, conn: sa.Connection, old_size: int, old_root: bytes, old_note: str, size: int,
-        root: bytes,
+        self, conn: sa.Connection, last: CheckpointRow, size: int, root: bytes
     ) -> None:
-        cp = parse_checkpoint(note.split_note(old_note)[0])
+        old_size, old_root = last.size, last.root
+        cp = parse_checkpoint(note.split_note(last.note)[0])
         if (cp.origin, cp.size, cp.root) != (self.origin, old_size, old_root):
             raise VerificationError("the stored latest checkpoint does not match its own note")
         if old_size > size:
-            raise VerificationError(f"tree shrank from {old_size} to {size} entries since the "
-                                    "last checkpoint: refusing to sign")
+            raise VerificationError(
+                f"tree shrank from {old_size} to {size} entries since the "
+                "last checkpoint: refusing to sign"
+            )
         if old_size == 0:
             return
         ranges = merkle.consistency_ranges(old_size, size)
@@ -235,14 +246,13 @@ class Ledger:
         with self.store.engine.connect() as conn:
             return run_query(conn, limit=limit, **filters)
 
-    def export(self, path: str | Path, **options: Any) -> Any:
-        """Write an export bundle (see `kvguard.audit.export.export_bundle`)."""
-        from kvguard.audit.export import export_bundle
-
+    def export(self, path: str | Path, **options: Any) -> ExportSummary:
+        """Write an export bundle: options `scope_tag`, `since`, `until`, `kinds`, `tlog_proofs`,
+        `renderings`, `consistency` (see `kvguard.audit.export.export_bundle`)."""
         return export_bundle(self, Path(path), **options)
 
-    def verify(self, extra_verifiers: Sequence[str] = ()) -> Any:
-        """Recompute everything from the database (see `kvguard.audit.verify_db`)."""
-        from kvguard.audit.verify_db import verify_ledger
-
+    def verify(self, extra_verifiers: Sequence[str] = ()) -> VerifyReport:
+        """Recompute everything from the database (see `kvguard.audit.verify_db`); raises
+        VerificationError naming the first failing entry. `extra_verifiers`: verifier key strings
+        of retired signing keys whose checkpoints should still be accepted."""
         return verify_ledger(self, extra_verifiers)

@@ -33,10 +33,10 @@ EMPTY_ROOT = hashlib.sha256(b"").digest()  # RFC 6962 section 2.1: MTH({}) = SHA
 
 
 class Subtree(NamedTuple):
-    """A complete subtree of 2**level leaves starting at leaf `index * 2**level`."""
+    """A complete subtree of 2**level leaves starting at leaf `position * 2**level`."""
 
     level: int
-    index: int
+    position: int
 
 
 def leaf_hash(leaf: bytes) -> bytes:
@@ -201,9 +201,20 @@ def verify_consistency(
         return
     if not proof:  # step 1
         raise VerificationError("consistency proof is empty")
-    path = list(proof)
-    for p in path:
+    for p in proof:
         _check_hash(p, "consistency proof hash")
+    fr, sr = _consistency_roots(old_size, new_size, old_root, proof)
+    if not hmac.compare_digest(fr, old_root):  # step 7
+        raise VerificationError("consistency proof does not lead to the old root")
+    if not hmac.compare_digest(sr, new_root):
+        raise VerificationError("consistency proof does not lead to the new root")
+
+
+def _consistency_roots(
+    old_size: int, new_size: int, old_root: bytes, proof: Sequence[bytes]
+) -> tuple[bytes, bytes]:
+    """RFC 9162 section 2.1.4.2 steps 2-7: the (old, new) roots a consistency proof implies."""
+    path = list(proof)
     if old_size & (old_size - 1) == 0:  # step 2: first is an exact power of two
         path.insert(0, old_root)
     fn, sn = old_size - 1, new_size - 1  # step 3
@@ -226,10 +237,7 @@ def verify_consistency(
         sn >>= 1
     if sn != 0:  # step 7
         raise VerificationError("consistency proof is shorter than the tree is deep")
-    if not hmac.compare_digest(fr, old_root):
-        raise VerificationError("consistency proof does not lead to the old root")
-    if not hmac.compare_digest(sr, new_root):
-        raise VerificationError("consistency proof does not lead to the new root")
+    return fr, sr
 
 
 def tree_levels(leaf_hashes: Iterable[bytes]) -> list[list[bytes]]:
@@ -317,4 +325,4 @@ def levels_prefix_root(levels: Sequence[Sequence[bytes]], size: int) -> bytes:
     """MTH of the first `size` leaves of a tree built by `tree_levels` (for checkpoint checks)."""
     if size == 0:
         return EMPTY_ROOT
-    return fold_range([levels[s.level][s.index] for s in range_subtrees(0, size)])
+    return fold_range([levels[s.level][s.position] for s in range_subtrees(0, size)])

@@ -25,10 +25,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
 from kvguard.audit import bundle, merkle, note
-from kvguard.audit.checkpoint import Checkpoint, b64decode_strict, parse_checkpoint, parse_tlog_proof
+from kvguard.audit.checkpoint import (
+    Checkpoint,
+    b64decode_strict,
+    parse_checkpoint,
+    parse_tlog_proof,
+)
 from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
@@ -105,7 +109,9 @@ def _leaf_of(line: str, where: str) -> tuple[bytes, str]:
     return b64decode_strict(text, f"{where}: leaf"), text
 
 
-def _verify_entries(d: Path, cp: Checkpoint, full: bool, progress: Progress | None) -> dict[int, bytes]:
+def _verify_entries(
+    d: Path, cp: Checkpoint, full: bool, progress: Progress | None
+) -> dict[int, bytes]:
     """Check entries.jsonl (and the renderings). Returns leaf hashes by index."""
     levels = _full_levels(d, cp, progress) if full else None
     hashes: dict[int, bytes] = {}
@@ -165,7 +171,9 @@ def _full_levels(d: Path, cp: Checkpoint, progress: Progress | None) -> list[lis
     leaf_hashes: list[bytes] = []
     with ExitStack() as stack:
         for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
-            leaf_hashes.append(merkle.leaf_hash(_leaf_of(line, f"{bundle.ENTRIES} line {number}")[0]))
+            leaf_hashes.append(
+                merkle.leaf_hash(_leaf_of(line, f"{bundle.ENTRIES} line {number}")[0])
+            )
             if progress is not None and number % _PROGRESS_EVERY == 0:
                 progress(number // 2, cp.size)
     if len(leaf_hashes) != cp.size:
@@ -212,11 +220,15 @@ def _check_renderings(
     if not renderings:
         return
     obj = json.loads(leaf)
-    expected = {bundle.CSV: lambda: bundle.csv_line(index, obj),
-                bundle.OCSF: lambda: bundle.ocsf_line(index, obj, origin)}
+    expected = {
+        bundle.CSV: lambda: bundle.csv_line(index, obj),
+        bundle.OCSF: lambda: bundle.ocsf_line(index, obj, origin),
+    }
     for name, lines in renderings.items():
         if next(lines, None) != expected[name]():
-            raise VerificationError(f"{name} (entry {index}): differs from the proven leaf ({where})")
+            raise VerificationError(
+                f"{name} (entry {index}): differs from the proven leaf ({where})"
+            )
 
 
 def _verify_consistency(d: Path, cp: Checkpoint, verifiers: Sequence[note.Verifier]) -> int:
@@ -255,7 +267,7 @@ def _verify_tlog_proofs(d: Path, cp: Checkpoint, signed: str, hashes: dict[int, 
         where = f"proofs/{bundle.proof_name(index)}"
         try:
             proof = parse_tlog_proof(_read_text(folder / bundle.proof_name(index)))
-            if proof.index != index or proof.signed_checkpoint != signed:
+            if proof.leaf_index != index or proof.signed_checkpoint != signed:
                 raise VerificationError("index or checkpoint differs from the bundle's")
             merkle.verify_inclusion(index, cp.size, h, proof.proof, cp.root)
         except VerificationError as exc:

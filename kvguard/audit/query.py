@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -43,7 +44,7 @@ def select_indices(
     block_id: int | None = None,
     after: int | None = None,
     below: int | None = None,
-) -> sa.Select[tuple[int, bytes]]:
+) -> sa.Select[Any]:
     """SELECT idx, leaf of the matching entries in index order (`since` inclusive, `until` not)."""
     e = t.entries.c
     stmt = sa.select(e.idx, e.leaf).order_by(e.idx)
@@ -67,14 +68,14 @@ def select_indices(
     return stmt
 
 
-def run_query(conn: sa.Connection, *, limit: int = 100, **filters: object) -> QueryPage:
+def run_query(conn: sa.Connection, *, limit: int = 100, **filters: Any) -> QueryPage:
     """One page of matching records (see `select_indices` for the filters)."""
     if not 0 < limit <= MAX_PAGE:
         raise ValueError(f"limit must be in 1..{MAX_PAGE}")
-    rows = conn.execute(select_indices(**filters).limit(limit + 1)).all()  # type: ignore[arg-type]
-    more = len(rows) > limit
-    rows = rows[:limit]
-    payloads = _payloads(conn, [int(r[0]) for r in rows])
+    found = conn.execute(select_indices(**filters).limit(limit + 1)).all()
+    more = len(found) > limit
+    rows: list[tuple[int, bytes]] = [(int(r[0]), bytes(r[1])) for r in found[:limit]]
+    payloads = _payloads(conn, [idx for idx, _ in rows])
     records = []
     for idx, leaf in rows:
         event, commitment = decode_leaf(bytes(leaf))

@@ -88,7 +88,12 @@ payloads = sa.Table(
     sa.Column("body", sa.LargeBinary, nullable=False),
 )
 
-APPEND_ONLY_TABLES = ("ledger_entries", "ledger_entry_blocks", "ledger_hashes", "ledger_checkpoints")
+APPEND_ONLY_TABLES = (
+    "ledger_entries",
+    "ledger_entry_blocks",
+    "ledger_hashes",
+    "ledger_checkpoints",
+)
 
 
 def hash_key(level: int, index: int) -> int:

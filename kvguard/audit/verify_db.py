@@ -52,9 +52,10 @@ class _Scan:
 
 def verify_ledger(ledger: Ledger, extra_verifiers: Sequence[str] = ()) -> VerifyReport:
     verifiers = ledger.verifiers() + [note.parse_verifier_key(v) for v in extra_verifiers]
-    with ledger.store.engine.connect() as conn:
-        if conn.dialect.name == "postgresql":
-            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+    with ledger.store.engine.connect() as plain:
+        conn = plain  # one snapshot for every check: REPEATABLE READ on PostgreSQL
+        if plain.dialect.name == "postgresql":
+            conn = plain.execution_options(isolation_level="REPEATABLE READ")
         with conn.begin():
             size = ledger.store.size(conn)
             scan = _check_entries(conn, size)
@@ -63,8 +64,9 @@ def verify_ledger(ledger: Ledger, extra_verifiers: Sequence[str] = ()) -> Verify
             _check_hashes(conn, levels, size)
             payloads = _check_payloads(conn, scan)
             count = _check_checkpoints(conn, levels, size, ledger.origin, verifiers)
-    return VerifyReport(size, merkle.levels_prefix_root(levels, size), count, payloads,
-                        len(scan.erased))
+    return VerifyReport(
+        size, merkle.levels_prefix_root(levels, size), count, payloads, len(scan.erased)
+    )
 
 
 def _check_entries(conn: sa.Connection, size: int) -> _Scan:
@@ -72,12 +74,12 @@ def _check_entries(conn: sa.Connection, size: int) -> _Scan:
     stmt = sa.select(e.idx, e.leaf, e.leaf_hash, e.kind, e.scope_tag, e.request_id, e.ts_us)
     scan = _Scan([], {}, set(), set())
     expected = 0
-    for idx, leaf, stored_hash, kind, scope_tag, request_id, ts_us in conn.execute(
+    for idx, raw_leaf, stored_hash, kind, scope_tag, request_id, ts_us in conn.execute(
         stmt.order_by(e.idx).execution_options(yield_per=_CHUNK)
     ):
         if idx != expected:
             raise VerificationError(f"entry {expected}: missing (next stored index is {idx})")
-        leaf = bytes(leaf)
+        leaf = bytes(raw_leaf)
         try:
             event, commitment = decode_leaf(leaf)
         except VerificationError as exc:
@@ -157,14 +159,18 @@ def _check_checkpoints(
     rows = conn.execute(sa.select(c.size, c.root, c.note, c.prev_size).order_by(c.size)).all()
     latest = conn.execute(sa.select(t.head.c.checkpoint_size)).scalar_one_or_none()
     if latest != (rows[-1][0] if rows else None):
-        raise VerificationError(f"the head names checkpoint size {latest}, the latest stored is "
-                                f"{rows[-1][0] if rows else None}: a checkpoint row was removed")
+        raise VerificationError(
+            f"the head names checkpoint size {latest}, the latest stored is "
+            f"{rows[-1][0] if rows else None}: a checkpoint row was removed"
+        )
     previous = None
     for cp_size, cp_root, signed, prev_size in rows:
         where = f"checkpoint of size {cp_size}"
         if prev_size != previous:
-            raise VerificationError(f"{where}: chained to size {prev_size}, but the checkpoint "
-                                    f"before it has size {previous}: a checkpoint row was removed")
+            raise VerificationError(
+                f"{where}: chained to size {prev_size}, but the checkpoint "
+                f"before it has size {previous}: a checkpoint row was removed"
+            )
         previous = cp_size
         try:
             text, _ = note.open_note(str(signed), verifiers)
@@ -174,8 +180,9 @@ def _check_checkpoints(
         if (cp.origin, cp.size, cp.root) != (origin, cp_size, bytes(cp_root)):
             raise VerificationError(f"{where}: row does not match its signed note")
         if cp.size > size:
-            raise VerificationError(f"{where}: signed size exceeds the {size} stored entries "
-                                    "(the log was truncated)")
+            raise VerificationError(
+                f"{where}: signed size exceeds the {size} stored entries (the log was truncated)"
+            )
         if merkle.levels_prefix_root(levels, cp.size) != cp.root:
             raise VerificationError(f"{where}: signed root differs from the recomputed root")
     return len(rows)

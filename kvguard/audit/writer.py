@@ -139,8 +139,11 @@ class BackgroundWriter:
             try:
                 self._write(batch)
             except Exception as exc:  # keep the events, retry: never drop evidence
-                _log.error("ledger write failed; retrying", error=exc.__class__.__name__,
-                           pending=len(batch))
+                _log.error(
+                    "ledger write failed; retrying",
+                    error=exc.__class__.__name__,
+                    pending=len(batch),
+                )
                 with self._cond:
                     self._failing = True
                 time.sleep(backoff)

@@ -72,8 +72,6 @@ def pg_url() -> Iterator[str]:
         admin.dispose()
 
 
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest) -> str:
     """The same test on a fresh SQLite file and on a fresh PostgreSQL database."""

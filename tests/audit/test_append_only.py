@@ -32,8 +32,17 @@ FORBIDDEN = [
     "DELETE FROM ledger_head",
     "UPDATE ledger_payloads SET body = body",
 ]
-PG_ONLY = [f"TRUNCATE {t}" for t in ("ledger_entries", "ledger_entry_blocks", "ledger_hashes",
-                                      "ledger_checkpoints", "ledger_head", "ledger_payloads")]
+PG_ONLY = [
+    f"TRUNCATE {t}"
+    for t in (
+        "ledger_entries",
+        "ledger_entry_blocks",
+        "ledger_hashes",
+        "ledger_checkpoints",
+        "ledger_head",
+        "ledger_payloads",
+    )
+]
 
 
 def _filled(open_ledger: Opener, url: str) -> Ledger:
@@ -48,7 +57,7 @@ def _refused(engine: sa.Engine, statement: str, setup: str | None = None) -> Non
     with engine.connect() as conn:
         if setup:
             conn.exec_driver_sql(setup)
-        with pytest.raises(sa.exc.DBAPIError, match="forbidden|may only grow|permission denied"):
+        with pytest.raises(sa.exc.DBAPIError, match=r"forbidden|may only grow|permission denied"):
             conn.exec_driver_sql(statement)
         conn.rollback()
 
@@ -94,8 +103,12 @@ def test_G5_postgres_app_role_can_append_but_not_rewrite(pg_url: str, open_ledge
         ledger.append(make_event(5, payload={"user": "dave"}))
         ledger.checkpoint()
         ledger.erase_payload(5, reason="gdpr")
-        for statement in [*FORBIDDEN, *PG_ONLY, "DROP TRIGGER ledger_entries_append_only ON ledger_entries",
-                          "ALTER TABLE ledger_entries DISABLE TRIGGER ALL"]:
+        for statement in [
+            *FORBIDDEN,
+            *PG_ONLY,
+            "DROP TRIGGER ledger_entries_append_only ON ledger_entries",
+            "ALTER TABLE ledger_entries DISABLE TRIGGER ALL",
+        ]:
             with ledger.store.engine.connect() as conn, pytest.raises(sa.exc.DBAPIError):
                 conn.exec_driver_sql(statement)
         assert ledger.verify().size == 7

@@ -41,12 +41,15 @@ _WRITER = textwrap.dedent(
 )
 
 
-def _spawn(tmp_path: Path, url: str, key_file: Path, tag: str, count: int, batch: int) -> subprocess.Popen[str]:
+def _spawn(
+    tmp_path: Path, url: str, key_file: Path, tag: str, count: int, batch: int
+) -> subprocess.Popen[str]:
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
     return subprocess.Popen(
         [sys.executable, str(script), url, str(key_file), tag, str(count), str(batch)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -61,7 +64,9 @@ def _seqs(ledger: Ledger, tag: str) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("batch", [1, 50])
-def test_sigkill_mid_stream_loses_no_returned_append(tmp_path: Path, key: SigningKey, batch: int) -> None:
+def test_sigkill_mid_stream_loses_no_returned_append(
+    tmp_path: Path, key: SigningKey, batch: int
+) -> None:
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     key_file = key.save(tmp_path / "k")
     Ledger.open(url, origin="log.kvguard.test/procs", signing_key=key).close()  # migrate first
@@ -91,8 +96,10 @@ def test_two_processes_appending_to_postgres_make_one_consistent_log(
     tmp_path: Path, key: SigningKey, pg_url: str
 ) -> None:
     key_file = key.save(tmp_path / "k")
-    procs = [_spawn(tmp_path, pg_url, key_file, tag, 600, batch)
-             for tag, batch in (("st-proc-a", 7), ("st-proc-b", 1))]
+    procs = [
+        _spawn(tmp_path, pg_url, key_file, tag, 600, batch)
+        for tag, batch in (("st-proc-a", 7), ("st-proc-b", 1))
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     with Ledger.open(pg_url, origin="log.kvguard.test/procs", signing_key=key) as ledger:

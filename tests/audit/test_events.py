@@ -15,9 +15,25 @@ from .conftest import T0, make_event
 
 @pytest.mark.parametrize(
     "field",
-    ["prompt", "prompt_text", "token_ids", "tokens", "cache_salt", "salt", "api_key", "secret",
-     "signing_key", "private_key", "password", "completion", "messages", "content", "seed",
-     "promptTokenIds", "hmac_key"],
+    [
+        "prompt",
+        "prompt_text",
+        "token_ids",
+        "tokens",
+        "cache_salt",
+        "salt",
+        "api_key",
+        "secret",
+        "signing_key",
+        "private_key",
+        "password",
+        "completion",
+        "messages",
+        "content",
+        "seed",
+        "promptTokenIds",
+        "hmac_key",
+    ],
 )
 @pytest.mark.parametrize("where", ["details", "payload"])
 def test_G6_sensitive_field_names_are_refused(field: str, where: str) -> None:
@@ -44,16 +60,31 @@ def test_G6_sensitive_values_are_refused_without_echoing_them(value: str) -> Non
 
 @pytest.mark.parametrize(
     "details",
-    [{"num_tokens": 96}, {"tokens_matched": 32}, {"blocks": 3, "bytes": 65536},
-     {"key_id": "k2"}, {"policy_version": 7, "ok": True, "ratio": 0.5, "none": None}],
+    [
+        {"num_tokens": 96},
+        {"tokens_matched": 32},
+        {"blocks": 3, "bytes": 65536},
+        {"key_id": "k2"},
+        {"policy_version": 7, "ok": True, "ratio": 0.5, "none": None},
+    ],
 )
 def test_counts_and_public_identifiers_are_allowed(details: dict[str, object]) -> None:
     assert make_event(0, details=details).details == details
 
 
 def test_event_kinds_cover_the_issue() -> None:
-    wanted = {"block.alloc", "block.reuse", "block.release", "block.evict", "block.zeroize",
-              "session.purge", "tenant.purge", "policy.change", "admin.action", "key.rotate"}
+    wanted = {
+        "block.alloc",
+        "block.reuse",
+        "block.release",
+        "block.evict",
+        "block.zeroize",
+        "session.purge",
+        "tenant.purge",
+        "policy.change",
+        "admin.action",
+        "key.rotate",
+    }
     assert wanted <= {k.value for k in EventKind}
     with pytest.raises(ValidationError):
         make_event(0, kind="block.teleport")

@@ -14,8 +14,11 @@ from kvguard.errors import VerificationError
 from .conftest import make_event
 
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**53), 2**53),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
 )
 _names = st.sampled_from(["blocks", "bytes", "layer", "note", "reason", "policy_version", "ok"])
 

@@ -28,7 +28,9 @@ def _cp(signed: str, key: SigningKey) -> tuple[int, bytes]:
     return cp.size, cp.root
 
 
-def test_G5_appends_are_gapless_and_provable(db_url: str, open_ledger: Opener, key: SigningKey) -> None:
+def test_G5_appends_are_gapless_and_provable(
+    db_url: str, open_ledger: Opener, key: SigningKey
+) -> None:
     ledger = open_ledger(db_url)
     assert ledger.append(make_event(0)) == 0
     assert ledger.append_many([make_event(i) for i in range(1, 40)]) == list(range(1, 40))
@@ -70,7 +72,9 @@ def test_query_filters_and_pagination(db_url: str, open_ledger: Opener) -> None:
     assert [r.index for r in ledger.query(kinds=["block.zeroize"], limit=100).records] == list(
         range(3, 60, 4)
     )
-    window = ledger.query(since=T0 + timedelta(milliseconds=10), until=T0 + timedelta(milliseconds=13))
+    window = ledger.query(
+        since=T0 + timedelta(milliseconds=10), until=T0 + timedelta(milliseconds=13)
+    )
     assert [r.index for r in window.records] == [10, 11, 12]
     assert [r.index for r in ledger.query(request_id="req-2").records] == [8, 9, 10, 11]
     by_block = [r.index for r in ledger.query(block_id=14, limit=100).records]
@@ -108,7 +112,9 @@ def test_erasure_removes_the_payload_and_keeps_every_proof_valid(
     assert ledger.size == 21  # the failed erasure appended nothing
 
 
-def test_payload_deleted_without_erasure_record_is_detected(sqlite_url: str, open_ledger: Opener) -> None:
+def test_payload_deleted_without_erasure_record_is_detected(
+    sqlite_url: str, open_ledger: Opener
+) -> None:
     ledger = open_ledger(sqlite_url)
     ledger.append(make_event(0, payload={"user": "bob"}))
     with ledger.store.engine.begin() as conn:  # DELETE on payloads is allowed by the schema...
@@ -117,7 +123,9 @@ def test_payload_deleted_without_erasure_record_is_detected(sqlite_url: str, ope
         ledger.verify()  # ...but not without the erasure entry
 
 
-def test_key_rotation_signs_with_both_keys_during_overlap(sqlite_url: str, open_ledger: Opener) -> None:
+def test_key_rotation_signs_with_both_keys_during_overlap(
+    sqlite_url: str, open_ledger: Opener
+) -> None:
     old, new = SigningKey.generate("log.kvguard.test"), SigningKey.generate("log.kvguard.test-2")
     ledger = open_ledger(sqlite_url, signing_key=old)
     ledger.append(make_event(0))
@@ -136,7 +144,9 @@ def test_key_rotation_signs_with_both_keys_during_overlap(sqlite_url: str, open_
     assert only_new.verify(extra_verifiers=[old.verifier_key()]).checkpoints == 2  # ...trusted here
 
 
-def test_never_signs_a_checkpoint_inconsistent_with_the_previous(sqlite_url: str, open_ledger: Opener) -> None:
+def test_never_signs_a_checkpoint_inconsistent_with_the_previous(
+    sqlite_url: str, open_ledger: Opener
+) -> None:
     ledger = open_ledger(sqlite_url)
     ledger.append_many([make_event(i) for i in range(8)])
     ledger.checkpoint()
@@ -151,7 +161,9 @@ def test_never_signs_a_checkpoint_inconsistent_with_the_previous(sqlite_url: str
         assert len(ledger.store.checkpoints(conn)) == 1
 
 
-def test_schema_migrations_are_idempotent_and_match_the_models(db_url: str, open_ledger: Opener) -> None:
+def test_schema_migrations_are_idempotent_and_match_the_models(
+    db_url: str, open_ledger: Opener
+) -> None:
     first = open_ledger(db_url)
     first.append(make_event(0))
     second = open_ledger(db_url)  # upgrading an up-to-date schema is a no-op

@@ -89,7 +89,7 @@ def _reader(leaves: Sequence[bytes]) -> merkle.HashReader:
     def read(subtrees: Sequence[merkle.Subtree]) -> list[bytes]:
         out = []
         for s in subtrees:
-            lo = s.index << s.level
+            lo = s.position << s.level
             out.append(_naive_root(leaves[lo : lo + (1 << s.level)]))
         return out
 

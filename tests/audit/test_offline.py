@@ -65,14 +65,21 @@ def test_offline_verifier_imports_only_cryptography_and_stdlib() -> None:
     assert {"kvguard", "cryptography"} <= third_party
 
 
-def test_complete_export_verifies_fully(sqlite_url: str, open_ledger: Opener, key: SigningKey,
-                                        tmp_path: Path) -> None:
+def test_complete_export_verifies_fully(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
     ledger = _ledger(open_ledger, sqlite_url, 200)
     summary = ledger.export(tmp_path / "b", tlog_proofs=True)
     assert (summary.entries, summary.tree_size, summary.complete) == (201, 201, True)
     names = sorted(p.name for p in (tmp_path / "b").iterdir())
-    assert names == ["checkpoint", "consistency.jsonl", "entries.csv", "entries.jsonl",
-                     "entries.ocsf.jsonl", "proofs"]
+    assert names == [
+        "checkpoint",
+        "consistency.jsonl",
+        "entries.csv",
+        "entries.jsonl",
+        "entries.ocsf.jsonl",
+        "proofs",
+    ]
     report = verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
     assert (report.entries, report.consistency_proofs, report.tlog_proofs) == (201, 1, 201)
     code, out = _verify(tmp_path / "b", key.verifier_key(), full=True)
@@ -82,8 +89,9 @@ def test_complete_export_verifies_fully(sqlite_url: str, open_ledger: Opener, ke
     assert b"erin" not in b"".join(p.read_bytes() for p in (tmp_path / "b").glob("entries*"))
 
 
-def test_filtered_export_verifies_but_is_not_complete(db_url: str, open_ledger: Opener,
-                                                      key: SigningKey, tmp_path: Path) -> None:
+def test_filtered_export_verifies_but_is_not_complete(
+    db_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
     ledger = _ledger(open_ledger, db_url, 90)
     summary = ledger.export(tmp_path / "t", scope_tag="st-tenant2", since=T0)
     assert summary.entries == len([i for i in range(90) if i % 3 == 2]) and not summary.complete
@@ -103,7 +111,9 @@ def test_wrong_key_and_usage_errors(sqlite_url: str, open_ledger: Opener, tmp_pa
     assert CliRunner().invoke(_app(), ["verify", str(tmp_path / "b")]).exit_code == 2
 
 
-def test_rotated_keys_verify_with_either(sqlite_url: str, open_ledger: Opener, tmp_path: Path) -> None:
+def test_rotated_keys_verify_with_either(
+    sqlite_url: str, open_ledger: Opener, tmp_path: Path
+) -> None:
     old, new = SigningKey.generate("log.a"), SigningKey.generate("log.b")
     ledger = open_ledger(sqlite_url, signing_key=[old, new])
     ledger.append_many([make_event(i) for i in range(5)])
@@ -116,8 +126,9 @@ def _all_bytes(root: Path) -> list[tuple[Path, int]]:
     return [(p, i) for p in sorted(root.rglob("*")) if p.is_file() for i in range(p.stat().st_size)]
 
 
-def test_flipping_any_single_byte_of_an_export_is_detected(sqlite_url: str, open_ledger: Opener,
-                                                           key: SigningKey, tmp_path: Path) -> None:
+def test_flipping_any_single_byte_of_an_export_is_detected(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
     ledger = _ledger(open_ledger, sqlite_url, 24)
     ledger.export(tmp_path / "b", tlog_proofs=True)
     positions = _all_bytes(tmp_path / "b")
@@ -139,8 +150,9 @@ def test_flipping_any_single_byte_of_an_export_is_detected(sqlite_url: str, open
     verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)  # restored: valid again
 
 
-def test_flipped_byte_in_a_large_export_names_the_entry(sqlite_url: str, open_ledger: Opener,
-                                                        key: SigningKey, tmp_path: Path) -> None:
+def test_flipped_byte_in_a_large_export_names_the_entry(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
     ledger = _ledger(open_ledger, sqlite_url, 3_000)
     ledger.export(tmp_path / "b", renderings=False)
     entries = tmp_path / "b" / bundle.ENTRIES
@@ -154,8 +166,9 @@ def test_flipped_byte_in_a_large_export_names_the_entry(sqlite_url: str, open_le
         assert code == 1 and "entry 1234" in out, out
 
 
-def test_extra_files_are_refused(sqlite_url: str, open_ledger: Opener, key: SigningKey,
-                                 tmp_path: Path) -> None:
+def test_extra_files_are_refused(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
     ledger = _ledger(open_ledger, sqlite_url, 6)
     ledger.export(tmp_path / "b")
     (tmp_path / "b" / "notes.txt").write_text("trust me\n")
@@ -165,8 +178,9 @@ def test_extra_files_are_refused(sqlite_url: str, open_ledger: Opener, key: Sign
 
 def test_cli_keys_checkpoint_and_export(sqlite_url: str, tmp_path: Path) -> None:
     runner = CliRunner()
-    created = runner.invoke(_app(), ["keys", "signing-key", "log.kvguard.test", "--out",
-                                     str(tmp_path / "k")])
+    created = runner.invoke(
+        _app(), ["keys", "signing-key", "log.kvguard.test", "--out", str(tmp_path / "k")]
+    )
     assert created.exit_code == 0
     vkey = created.output.strip()
     assert vkey.startswith("log.kvguard.test+")
@@ -176,8 +190,19 @@ def test_cli_keys_checkpoint_and_export(sqlite_url: str, tmp_path: Path) -> None
     common = ["--db", sqlite_url, "--origin", "o/1", "--key", str(tmp_path / "k")]
     cp = runner.invoke(_app(), ["audit", "checkpoint", *common])
     assert cp.exit_code == 0 and cp.output.startswith("o/1\n30\n")
-    out = runner.invoke(_app(), ["audit", "export", *common, "--out", str(tmp_path / "e"),
-                                 "--tenant", "st-tenant0", "--tlog-proofs"])
+    out = runner.invoke(
+        _app(),
+        [
+            "audit",
+            "export",
+            *common,
+            "--out",
+            str(tmp_path / "e"),
+            "--tenant",
+            "st-tenant0",
+            "--tlog-proofs",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert len(list((tmp_path / "e" / "proofs").iterdir())) == 10
     assert _verify(tmp_path / "e", vkey)[0] == 0

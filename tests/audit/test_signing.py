@@ -63,7 +63,7 @@ def test_unknown_keys_are_ignored_but_one_trusted_signature_is_required() -> Non
 def test_key_id_changes_with_name_so_a_key_cannot_be_relabelled() -> None:
     key = SigningKey.generate("log.a")
     vkey = key.verifier_key()
-    name, hex_id, blob = vkey.split("+", 2)
+    _name, hex_id, blob = vkey.split("+", 2)
     with pytest.raises(VerificationError, match="key ID"):
         note.parse_verifier_key(f"log.b+{hex_id}+{blob}")
     assert note.parse_verifier_key(vkey) == key.verifier()
@@ -89,8 +89,13 @@ def test_checkpoint_body_format_is_exact() -> None:
     text = format_checkpoint(cp)
     assert text == "example.com/log\n42\nAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=\n"
     assert parse_checkpoint(text) == cp
-    for bad in [text[:-1], text.replace("42", "042"), text.replace("42", "-1"),
-                text.replace("AQE=", "AQF="), "example.com/log\n42\n"]:
+    for bad in [
+        text[:-1],
+        text.replace("42", "042"),
+        text.replace("42", "-1"),
+        text.replace("AQE=", "AQF="),
+        "example.com/log\n42\n",
+    ]:
         with pytest.raises(VerificationError):
             parse_checkpoint(bad)
 
@@ -102,6 +107,10 @@ def test_tlog_proof_file_round_trips_strictly() -> None:
     text = format_tlog_proof(5, [b"\x03" * 32, b"\x04" * 32], signed, extra=b"ctx")
     assert text.startswith("c2sp.org/tlog-proof@v1\nextra Y3R4\nindex 5\n")
     parsed = parse_tlog_proof(text)
-    assert (parsed.index, parsed.proof, parsed.signed_checkpoint) == (5, [b"\x03" * 32, b"\x04" * 32], signed)
+    assert (parsed.leaf_index, parsed.proof, parsed.signed_checkpoint) == (
+        5,
+        [b"\x03" * 32, b"\x04" * 32],
+        signed,
+    )
     with pytest.raises(VerificationError):
         parse_tlog_proof(text.replace("index 5", "index 05"))

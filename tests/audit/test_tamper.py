@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from kvguard.audit import merkle
 from kvguard.audit.cli import audit_app, verify_command
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
@@ -29,8 +30,14 @@ pytestmark = pytest.mark.slow
 
 N = 3_000
 ORIGIN = "log.kvguard.test/tamper"
-TABLES = ("ledger_head", "ledger_entries", "ledger_entry_blocks", "ledger_hashes",
-          "ledger_checkpoints", "ledger_payloads")
+TABLES = (
+    "ledger_head",
+    "ledger_entries",
+    "ledger_entry_blocks",
+    "ledger_hashes",
+    "ledger_checkpoints",
+    "ledger_payloads",
+)
 # Derived or side data: block links (a query index), payloads (outside the leaves by design) and the
 # stored subtree hashes (a cache of what the leaves determine). An export rebuilds its proofs from
 # the leaves, so its evidence is unchanged and valid; these edits are caught by the database-side
@@ -43,7 +50,9 @@ class TamperDb:
         self.path, self.key_file, self.key, self.workdir = path, key_file, key, workdir
         self.url = f"sqlite:///{path}"
         self.raw = sqlite3.connect(path, isolation_level=None)
-        for (name,) in self.raw.execute("SELECT name FROM sqlite_master WHERE type='trigger'").fetchall():
+        for (name,) in self.raw.execute(
+            "SELECT name FROM sqlite_master WHERE type='trigger'"
+        ).fetchall():
             self.raw.execute(f"DROP TRIGGER {name}")
         self.pristine = self.digest()
         self.exports = 0
@@ -82,7 +91,17 @@ class TamperDb:
         app = typer.Typer()
         app.add_typer(audit_app, name="audit")
         result = CliRunner().invoke(
-            app, ["audit", "verify-db", "--db", self.url, "--origin", ORIGIN, "--key", str(self.key_file)]
+            app,
+            [
+                "audit",
+                "verify-db",
+                "--db",
+                self.url,
+                "--origin",
+                ORIGIN,
+                "--key",
+                str(self.key_file),
+            ],
         )
         assert result.exit_code == 1, result.output
         assert "INVALID" in result.output
@@ -128,7 +147,11 @@ def _changed(value: object) -> object:
     if value is None:
         return "st-forged"
     text = str(value)
-    return "block.evict" if text.startswith("block.") else text[:-1] + ("x" if text[-1] != "x" else "y")
+    return (
+        "block.evict"
+        if text.startswith("block.")
+        else text[:-1] + ("x" if text[-1] != "x" else "y")
+    )
 
 
 def _cases() -> Iterator[tuple[str, str]]:
@@ -145,10 +168,12 @@ def _cases() -> Iterator[tuple[str, str]]:
             yield table, col
 
 
-@pytest.mark.parametrize(("table", "column"), list(_cases()), ids=lambda v: str(v))
+@pytest.mark.parametrize(("table", "column"), list(_cases()), ids=str)
 def test_editing_any_column_of_any_row_is_detected(tdb: TamperDb, table: str, column: str) -> None:
     pk = tdb.pk(table) or ["rowid"]
-    keys = tdb.raw.execute(f"SELECT {', '.join(pk)} FROM {table} ORDER BY {', '.join(pk)}").fetchall()
+    keys = tdb.raw.execute(
+        f"SELECT {', '.join(pk)} FROM {table} ORDER BY {', '.join(pk)}"
+    ).fetchall()
     for key in dict.fromkeys([keys[0], keys[len(keys) // 2], keys[-1]]):
         where = " AND ".join(f"{c} = ?" for c in pk)
         (old,) = tdb.raw.execute(f"SELECT {column} FROM {table} WHERE {where}", key).fetchone()
@@ -165,7 +190,9 @@ def test_editing_any_column_of_any_row_is_detected(tdb: TamperDb, table: str, co
 def test_deleting_a_row_is_detected(tdb: TamperDb, table: str) -> None:
     pk = tdb.pk(table) or ["rowid"]
     cols = tdb.columns(table)
-    keys = tdb.raw.execute(f"SELECT {', '.join(pk)} FROM {table} ORDER BY {', '.join(pk)}").fetchall()
+    keys = tdb.raw.execute(
+        f"SELECT {', '.join(pk)} FROM {table} ORDER BY {', '.join(pk)}"
+    ).fetchall()
     key = keys[len(keys) // 2]
     where = " AND ".join(f"{c} = ?" for c in pk)
     row = tdb.raw.execute(f"SELECT {', '.join(cols)} FROM {table} WHERE {where}", key).fetchone()
@@ -177,13 +204,24 @@ def test_deleting_a_row_is_detected(tdb: TamperDb, table: str) -> None:
         tdb.restore([(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})", tuple(row))])
 
 
-@pytest.mark.parametrize(("table", "a", "b"), [("ledger_entries", 10, 2_500), ("ledger_entries", 1_000, 1_001),
-                                               ("ledger_hashes", None, None)])
-def test_swapping_two_rows_is_detected(tdb: TamperDb, table: str, a: int | None, b: int | None) -> None:
+@pytest.mark.parametrize(
+    ("table", "a", "b"),
+    [
+        ("ledger_entries", 10, 2_500),
+        ("ledger_entries", 1_000, 1_001),
+        ("ledger_hashes", None, None),
+    ],
+)
+def test_swapping_two_rows_is_detected(
+    tdb: TamperDb, table: str, a: int | None, b: int | None
+) -> None:
     key = tdb.pk(table)[0]
     cols = [c for c in tdb.columns(table) if c != key]
     if a is None:
-        a, b = [r[0] for r in tdb.raw.execute(f"SELECT {key} FROM {table} ORDER BY {key} LIMIT 2 OFFSET 40")]
+        a, b = [
+            r[0]
+            for r in tdb.raw.execute(f"SELECT {key} FROM {table} ORDER BY {key} LIMIT 2 OFFSET 40")
+        ]
     ra = tdb.raw.execute(f"SELECT {', '.join(cols)} FROM {table} WHERE {key} = ?", (a,)).fetchone()
     rb = tdb.raw.execute(f"SELECT {', '.join(cols)} FROM {table} WHERE {key} = ?", (b,)).fetchone()
     setter = ", ".join(f"{c} = ?" for c in cols)
@@ -192,8 +230,12 @@ def test_swapping_two_rows_is_detected(tdb: TamperDb, table: str, a: int | None,
     try:
         tdb.assert_detected(evidence=table not in INDEX_ONLY)
     finally:
-        tdb.restore([(f"UPDATE {table} SET {setter} WHERE {key} = ?", (*ra, a)),
-                     (f"UPDATE {table} SET {setter} WHERE {key} = ?", (*rb, b))])
+        tdb.restore(
+            [
+                (f"UPDATE {table} SET {setter} WHERE {key} = ?", (*ra, a)),
+                (f"UPDATE {table} SET {setter} WHERE {key} = ?", (*rb, b)),
+            ]
+        )
 
 
 def test_truncating_the_tail_is_detected(tdb: TamperDb) -> None:
@@ -202,13 +244,20 @@ def test_truncating_the_tail_is_detected(tdb: TamperDb) -> None:
     (size,) = tdb.raw.execute("SELECT size FROM ledger_head").fetchone()
     cut = size - 5
     saved: list[tuple[str, tuple[object, ...]]] = []
-    for table, cond in [("ledger_entries", "idx >= ?"), ("ledger_entry_blocks", "idx >= ?"),
-                        ("ledger_payloads", "idx >= ?"), ("ledger_hashes", "1")]:
+    for table, cond in [
+        ("ledger_entries", "idx >= ?"),
+        ("ledger_entry_blocks", "idx >= ?"),
+        ("ledger_payloads", "idx >= ?"),
+        ("ledger_hashes", "1"),
+    ]:
         cols = tdb.columns(table)
-        rows = tdb.raw.execute(f"SELECT {', '.join(cols)} FROM {table} WHERE {cond}",
-                               (cut,) if "?" in cond else ()).fetchall()
+        rows = tdb.raw.execute(
+            f"SELECT {', '.join(cols)} FROM {table} WHERE {cond}", (cut,) if "?" in cond else ()
+        ).fetchall()
         marks = ", ".join("?" for _ in cols)
-        saved += [(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})", tuple(r)) for r in rows]
+        saved += [
+            (f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})", tuple(r)) for r in rows
+        ]
         tdb.run(f"DELETE FROM {table} WHERE {cond}", (cut,) if "?" in cond else ())
     # rebuild the stored hashes for the shorter log, as a careful forger would
     shorter = Ledger.open(tdb.url, origin=ORIGIN, signing_key=tdb.key)
@@ -224,14 +273,16 @@ def test_truncating_the_tail_is_detected(tdb: TamperDb) -> None:
 
 
 def _rebuild_hashes(tdb: TamperDb, size: int) -> None:
-    from kvguard.audit import merkle
-
-    leaves = [bytes(h) for (h,) in tdb.raw.execute("SELECT leaf_hash FROM ledger_entries ORDER BY idx")]
+    leaves = [
+        bytes(h) for (h,) in tdb.raw.execute("SELECT leaf_hash FROM ledger_entries ORDER BY idx")
+    ]
     levels = merkle.tree_levels(leaves)
     for level in range(1, len(levels)):
         for index in range(size >> level):
-            tdb.run("INSERT INTO ledger_hashes (id, hash) VALUES (?, ?)",
-                    (merkle.stored_hash_key(level, index), levels[level][index]))
+            tdb.run(
+                "INSERT INTO ledger_hashes (id, hash) VALUES (?, ?)",
+                (merkle.stored_hash_key(level, index), levels[level][index]),
+            )
 
 
 def test_untouched_ledger_verifies(tdb: TamperDb) -> None:

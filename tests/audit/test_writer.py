@@ -73,8 +73,9 @@ def test_interval_commits_a_partial_group() -> None:
 def test_G7_fail_closed_raises_when_the_queue_is_full() -> None:
     sink = GatedSink()
     sink.open.clear()
-    writer = BackgroundWriter(sink, capacity=10, batch_size=5, interval=0.01,
-                              overflow=Overflow.FAIL_CLOSED)
+    writer = BackgroundWriter(
+        sink, capacity=10, batch_size=5, interval=0.01, overflow=Overflow.FAIL_CLOSED
+    )
     for i in range(10):
         writer.submit(make_event(i))
     with pytest.raises(LedgerUnavailableError, match="refusing work"):
@@ -92,7 +93,9 @@ def test_block_policy_waits_for_room_instead_of_dropping() -> None:
     for i in range(10):
         writer.submit(make_event(i))
     done = threading.Event()
-    threading.Thread(target=lambda: (writer.submit(make_event(10)), done.set()), daemon=True).start()
+    threading.Thread(
+        target=lambda: (writer.submit(make_event(10)), done.set()), daemon=True
+    ).start()
     assert not done.wait(0.2)  # blocked while full
     sink.open.set()
     assert done.wait(5)

@@ -20,7 +20,9 @@ def _run() -> None:
         connection=connection,
         target_metadata=metadata,
         version_table=VERSION_TABLE,
-        include_name=lambda name, type_, _parent: type_ != "table" or name.startswith("ledger_"),
+        include_name=lambda name, type_, _parent: (
+            type_ != "table" or str(name).startswith("ledger_")
+        ),
     )
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":

@@ -82,7 +82,9 @@ def _sqlite_triggers() -> None:
         trigger(f"{table}_no_delete", "DELETE", table)
     trigger("ledger_head_no_delete", "DELETE", "ledger_head")
     trigger(
-        "ledger_head_no_shrink", "UPDATE", "ledger_head",
+        "ledger_head_no_shrink",
+        "UPDATE",
+        "ledger_head",
         "FOR EACH ROW WHEN NEW.size < OLD.size OR NEW.id <> OLD.id "
         "OR COALESCE(NEW.checkpoint_size, -1) < COALESCE(OLD.checkpoint_size, -1)",
     )
@@ -120,16 +122,28 @@ def _pg_triggers() -> None:
     op.execute(_PG_HEAD_GUARD)
     row, stmt = "FOR EACH ROW EXECUTE FUNCTION", "FOR EACH STATEMENT EXECUTE FUNCTION"
     for table in _FROZEN:
-        _pg_trigger(f"{table}_append_only", table, "BEFORE UPDATE OR DELETE", f"{row} ledger_forbid()")
+        _pg_trigger(
+            f"{table}_append_only", table, "BEFORE UPDATE OR DELETE", f"{row} ledger_forbid()"
+        )
         _pg_trigger(f"{table}_no_truncate", table, "BEFORE TRUNCATE", f"{stmt} ledger_forbid()")
-    _pg_trigger("ledger_head_grow_only", "ledger_head", "BEFORE UPDATE OR DELETE",
-                f"{row} ledger_head_guard()")
-    _pg_trigger("ledger_head_no_truncate", "ledger_head", "BEFORE TRUNCATE",
-                f"{stmt} ledger_forbid()")
-    _pg_trigger("ledger_payloads_no_update", "ledger_payloads", "BEFORE UPDATE",
-                f"{row} ledger_forbid()")
-    _pg_trigger("ledger_payloads_no_truncate", "ledger_payloads", "BEFORE TRUNCATE",
-                f"{stmt} ledger_forbid()")
+    _pg_trigger(
+        "ledger_head_grow_only",
+        "ledger_head",
+        "BEFORE UPDATE OR DELETE",
+        f"{row} ledger_head_guard()",
+    )
+    _pg_trigger(
+        "ledger_head_no_truncate", "ledger_head", "BEFORE TRUNCATE", f"{stmt} ledger_forbid()"
+    )
+    _pg_trigger(
+        "ledger_payloads_no_update", "ledger_payloads", "BEFORE UPDATE", f"{row} ledger_forbid()"
+    )
+    _pg_trigger(
+        "ledger_payloads_no_truncate",
+        "ledger_payloads",
+        "BEFORE TRUNCATE",
+        f"{stmt} ledger_forbid()",
+    )
 
 
 def upgrade() -> None:
