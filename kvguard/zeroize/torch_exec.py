@@ -8,6 +8,7 @@ guarantee of `triton_exec` holds here too; it only takes more launches.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,20 @@ MAX_SLICED_RUNS = 16
 _CHECK_BATCH = 1024
 
 
+def int64_tensor(*parts: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of the concatenated parts.
+
+    Through `array` and `frombuffer` rather than `torch.tensor(list)`: 98 vs 168 us for 2,208 ids on
+    the CI machine (2026-11-26), the largest host cost of a scattered release on this path.
+    """
+    words = array.array("q")
+    for part in parts:
+        words.extend(part)
+    if not words:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(words, dtype=torch.int64)
+
+
 def zero_blocks(spec: KVCacheSpec, runs: Sequence[BlockRun], block_ids: Sequence[int]) -> None:
     """Clear the planned blocks of every segment."""
     if not block_ids:
@@ -32,7 +47,7 @@ def zero_blocks(spec: KVCacheSpec, runs: Sequence[BlockRun], block_ids: Sequence
             for start, length in runs:
                 segment[start : start + length].zero_()
         return
-    index = torch.tensor(block_ids, dtype=torch.int64).to(spec.device, non_blocking=True)
+    index = int64_tensor(block_ids).to(spec.device, non_blocking=True)
     for segment in segments:
         segment.index_fill_(0, index, 0)
 
@@ -42,7 +57,7 @@ def dirty_blocks(spec: KVCacheSpec, block_ids: Sequence[int]) -> list[int]:
     if not block_ids:
         return []
     found = torch.zeros(len(block_ids), dtype=torch.bool, device=spec.device)
-    index = torch.tensor(block_ids, dtype=torch.int64).to(spec.device, non_blocking=True)
+    index = int64_tensor(block_ids).to(spec.device, non_blocking=True)
     for segment in spec.segment_views():
         for first in range(0, len(block_ids), _CHECK_BATCH):
             rows = segment.index_select(0, index[first : first + _CHECK_BATCH])
