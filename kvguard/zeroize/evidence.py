@@ -47,7 +47,7 @@ class ZeroizeEvidence:
     device: str  # device name, e.g. "NVIDIA H100 80GB HBM3", or "cpu"
     verify_mode: VerifyMode
     blocks_verified: int  # blocks read back: 0 for `none`, k for `sample`, all for `full`
-    verified: bool  # True when every block read back was all-zero (vacuously so for `none`)
+    verified: bool | None  # True: every block read back was all-zero; None: none was read back
     device_time_us: float | None  # CUDA-event time of the clearing launch; None off the GPU
     verify_time_us: float | None  # CUDA-event time of the read-back launch; None off the GPU
     wall_time_us: float  # host time of the whole call, read-back included

@@ -13,18 +13,23 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
-from kvguard.errors import ZeroizeVerificationError
 from kvguard.zeroize import backend, triton_exec
 from kvguard.zeroize.backend import MethodChoice
-from kvguard.zeroize.evidence import VerifyMode, ZeroizeEvidence
+from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
 from kvguard.zeroize.layout import KVCacheSpec
 from kvguard.zeroize.plan import ZeroizePlan
-from kvguard.zeroize.verify import DEFAULT_SAMPLE_SIZE, blocks_to_check, parse_mode
+from kvguard.zeroize.verify import (
+    DEFAULT_SAMPLE_SIZE,
+    blocks_to_check,
+    dirty_blocks_error,
+    parse_mode,
+)
 
 Clock = Callable[[], datetime]
 
@@ -54,28 +59,11 @@ def zeroize(
     executor = backend.resolve_method(cache, method)
     checked = blocks_to_check(plan, mode, sample_size, seed)
     started_at = clock()
-    started = time.perf_counter()
-    with triton_exec.on_stream(cache, stream):
-        clear_timer = backend.DeviceTimer(cache)
-        with clear_timer:
-            backend.clear(cache, plan, executor)
-        check_timer = backend.DeviceTimer(cache)
-        with check_timer:
-            dirty = backend.find_dirty(cache, checked, executor) if checked else []
-        clear_us = clear_timer.elapsed_us() if plan.block_ids else None
-        check_us = check_timer.elapsed_us() if checked else None
-    wall_us = (time.perf_counter() - started) * 1e6
-    if dirty:
-        _log_event(
-            logging.ERROR,
-            "zeroize.verify_failed",
-            dirty_count=len(dirty),
-            checked_count=len(checked),
-        )
-        raise ZeroizeVerificationError(
-            f"{len(dirty)} of {len(checked)} checked blocks are not all-zero after zeroization "
-            f"(mode {mode}, method {executor}, first ids {dirty[:8]}); keep them quarantined"
-        )
+    outcome = _execute(cache, plan, checked, executor, stream)
+    if outcome.dirty:
+        _log_event(logging.ERROR, "zeroize.verify_failed",
+                   dirty_count=len(outcome.dirty), checked_count=len(checked))  # fmt: skip
+        raise dirty_blocks_error(outcome.dirty, len(checked), mode)
     evidence = ZeroizeEvidence(
         block_count=len(plan.block_ids),
         block_ids_sha256=plan.block_ids_digest(),
@@ -88,15 +76,44 @@ def zeroize(
         device=device_name(cache.device),
         verify_mode=mode,
         blocks_verified=len(checked),
-        verified=True,
-        device_time_us=clear_us,
-        verify_time_us=check_us,
-        wall_time_us=wall_us,
+        verified=True if checked else None,
+        device_time_us=outcome.clear_us,
+        verify_time_us=outcome.check_us,
+        wall_time_us=outcome.wall_us,
         timestamp=started_at,
     )
     # Debug: an engine releases blocks every step; the ledger, not the log, is the record.
     _log_event(logging.DEBUG, "zeroize.done", **evidence.as_audit_details())
     return evidence
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    dirty: list[int]
+    clear_us: float | None
+    check_us: float | None
+    wall_us: float
+
+
+def _execute(
+    cache: KVCacheSpec,
+    plan: ZeroizePlan,
+    checked: list[int],
+    executor: Method,
+    stream: torch.cuda.Stream | None,
+) -> _Outcome:
+    """Clear, then read back `checked`, both on `stream`; wait only for this call's own events."""
+    started = time.perf_counter()
+    with triton_exec.on_stream(cache, stream):
+        clear_timer = backend.DeviceTimer(cache)
+        with clear_timer:
+            backend.clear(cache, plan, executor)
+        check_timer = backend.DeviceTimer(cache)
+        with check_timer:
+            dirty = backend.find_dirty(cache, checked, executor) if checked else []
+        clear_us = clear_timer.elapsed_us() if plan.block_ids else None
+        check_us = check_timer.elapsed_us() if checked else None
+    return _Outcome(dirty, clear_us, check_us, (time.perf_counter() - started) * 1e6)
 
 
 @functools.cache

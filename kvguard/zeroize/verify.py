@@ -67,6 +67,16 @@ def blocks_to_check(
     return sample_blocks(plan, sample_size, seed)
 
 
+def dirty_blocks_error(
+    dirty: list[int], checked: int, mode: VerifyMode
+) -> ZeroizeVerificationError:
+    """The one error for a failed read-back: how many, of how many, and the first few ids."""
+    return ZeroizeVerificationError(
+        f"{len(dirty)} of {checked} checked blocks are not all-zero after zeroization "
+        f"(mode {mode}, first ids {dirty[:_LISTED_IDS]}); the blocks must stay quarantined"
+    )
+
+
 def verify_zeroized(
     cache: KVCacheSpec,
     plan: ZeroizePlan,
@@ -93,8 +103,5 @@ def verify_zeroized(
         device_us = timer.elapsed_us() if ids else None
     wall_us = (time.perf_counter() - started) * 1e6
     if dirty:
-        raise ZeroizeVerificationError(
-            f"{len(dirty)} of {len(ids)} checked blocks are not all-zero after zeroization "
-            f"(mode {chosen_mode}, first ids {dirty[:_LISTED_IDS]}); the blocks must stay quarantined"
-        )
+        raise dirty_blocks_error(dirty, len(ids), chosen_mode)
     return VerifyReport(chosen_mode, len(ids), device_us, wall_us)

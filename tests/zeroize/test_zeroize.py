@@ -72,6 +72,7 @@ def test_empty_plan_touches_nothing_and_says_so() -> None:
     evidence = zeroize(spec, plan_zeroize([], spec.num_blocks), verify="full")
     check_cleared(spec, before, plan_zeroize([], spec.num_blocks))
     assert (evidence.block_count, evidence.bytes_cleared, evidence.blocks_verified) == (0, 0, 0)
+    assert evidence.verified is None and evidence.device_time_us is None
 
 
 def test_out_of_range_ids_never_reach_an_executor() -> None:
@@ -135,6 +136,8 @@ def test_sample_is_seeded_and_bounded() -> None:
     assert verify_zeroized(spec, plan, "sample", sample_size=5, seed=7).blocks_checked == 5
     assert verify_zeroized(spec, plan, "sample", sample_size=99).blocks_checked == 32
     assert verify_zeroized(spec, plan, VerifyMode.NONE).blocks_checked == 0
+    unchecked = zeroize(spec, plan, verify="none")
+    assert (unchecked.blocks_verified, unchecked.verified) == (0, None)  # never a vacuous True
 
 
 def test_evidence_is_ledger_ready_and_carries_no_payload() -> None:
