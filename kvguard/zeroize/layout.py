@@ -22,7 +22,7 @@ import enum
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,7 +77,8 @@ LayerTensors = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 class KVCacheSpec:
     """A validated description of a paged KV cache. Build it with one of the layout constructors."""
 
-    layers: tuple[torch.Tensor, ...]
+    # Never in the repr: a tensor's repr prints its values, and a spec may reach a log or an error (G6).
+    layers: tuple[torch.Tensor, ...] = field(repr=False)
     layout: KVLayout
     num_blocks: int
     chunks_per_block: int  # 2 for the flash layout's K and V halves, else 1
@@ -133,6 +134,13 @@ class KVCacheSpec:
         return cls(tuple(tensors), kind, num_blocks, chunks, chunk_bytes)
 
     # --- derived facts ----------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        shape = tuple(self.layers[0].shape)
+        return (
+            f"KVCacheSpec({self.layout}, {self.num_layers} layers of {shape} {self.dtype} on "
+            f"{self.device}, {self.num_blocks} blocks of {self.bytes_per_block} bytes)"
+        )
 
     @property
     def device(self) -> torch.device:

@@ -96,3 +96,12 @@ def test_empty_and_foreign_inputs_are_refused() -> None:
         KVCacheSpec.mla([[1, 2, 3]])  # type: ignore[list-item]
     with pytest.raises(CacheLayoutError, match="unknown layout 'not_a_layout'"):
         KVCacheSpec.from_layout("not_a_layout", [torch.ones(4, 2, 3)])
+
+
+def test_G6_repr_names_the_geometry_never_the_bytes() -> None:
+    spec = KVCacheSpec.mla([torch.full((4, 2, 3), 123, dtype=torch.uint8)])
+    text = repr(spec)
+    assert "123" not in text
+    assert text == (
+        "KVCacheSpec(mla, 1 layers of (4, 2, 3) torch.uint8 on cpu, 4 blocks of 6 bytes)"
+    )
