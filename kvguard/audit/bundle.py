@@ -51,15 +51,16 @@ def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def entry_line(
-    index: int, leaf: bytes, proof_b64: Sequence[str], leaf_b64: str | None = None
-) -> str:
+def entry_line(index: int, leaf: bytes, proof_b64: Sequence[str]) -> str:
     """The exact `entries.jsonl` line of one entry (canonical JSON; `leaf` is canonical JSON)."""
-    proof = ",".join(f'"{p}"' for p in proof_b64)
-    leaf_b64 = b64(leaf) if leaf_b64 is None else leaf_b64
+    return entry_line_joined(index, leaf, ",".join(f'"{p}"' for p in proof_b64))
+
+
+def entry_line_joined(index: int, leaf: bytes, quoted_proof: str) -> str:
+    """`entry_line` with the proof already rendered as `"b64","b64",...` (the fast path)."""
     return (
-        f'{{"event":{leaf.decode("utf-8")},"inclusion_proof":[{proof}],'
-        f'"index":{index},"leaf":"{leaf_b64}"}}\n'
+        f'{{"event":{leaf.decode("utf-8")},"inclusion_proof":[{quoted_proof}],'
+        f'"index":{index},"leaf":"{b64(leaf)}"}}\n'
     )
 
 

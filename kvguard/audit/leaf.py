@@ -33,16 +33,23 @@ _COMMITMENT_PREFIX = b"kvguard/audit/payload-commitment/v1\x00"
 _TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
+# One shared encoder: `json.dumps` with options builds a new encoder per call (measured ~4 us).
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, compact separators, UTF-8, finite numbers only (RFC 8785 style)."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return _ENCODER.encode(value).encode("utf-8")
 
 
 def format_ts(ts: datetime) -> str:
-    """UTC ISO 8601 with microseconds and a `Z`: one spelling per instant."""
-    return ts.astimezone(UTC).strftime(_TS_FORMAT)
+    """UTC ISO 8601 with microseconds and a `Z`: one spelling per instant (`_TS_FORMAT`).
+
+    `isoformat` rather than `strftime`: same text, several times faster on the append path.
+    """
+    return ts.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def parse_ts(text: str) -> datetime:

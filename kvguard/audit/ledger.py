@@ -219,15 +219,14 @@ class Ledger:
 
     def inclusion_proof(self, index: int, tree_size: int) -> list[bytes]:
         """RFC 9162 section 2.1.3.1 audit path for entry `index` in the tree of `tree_size`."""
-        self._check_size(tree_size)
-        return self.store.hashes_for_ranges(merkle.inclusion_ranges(index, tree_size))
+        return self.store.hashes_for_ranges(merkle.inclusion_ranges(index, tree_size), tree_size)
 
     def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
         """RFC 9162 section 2.1.4.1 proof that tree `old_size` is a prefix of tree `new_size`."""
-        self._check_size(new_size)
         if old_size == new_size:
+            self._check_size(new_size)
             return []
-        return self.store.hashes_for_ranges(merkle.consistency_ranges(old_size, new_size))
+        return self.store.hashes_for_ranges(merkle.consistency_ranges(old_size, new_size), new_size)
 
     def root(self, tree_size: int) -> bytes:
         self._check_size(tree_size)

@@ -19,7 +19,7 @@ The first failure raises `VerificationError` naming the file, line and entry.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -109,40 +109,90 @@ def _leaf_of(line: str, where: str) -> tuple[bytes, str]:
     return b64decode_strict(text, f"{where}: leaf"), text
 
 
+def _fast_leaf(line: str, where: str) -> bytes:
+    """The leaf of a line, strict base64 but not checked for canonical form: only for `--full`,
+    whose second pass compares each whole line with its re-encoded canonical form."""
+    try:
+        return binascii.a2b_base64(
+            line[line.rfind(_LEAF_KEY) + len(_LEAF_KEY) : -3], strict_mode=True
+        )
+    except binascii.Error:
+        raise VerificationError(f"{where}: leaf is not base64") from None
+
+
 def _verify_entries(
     d: Path, cp: Checkpoint, full: bool, progress: Progress | None
 ) -> dict[int, bytes]:
     """Check entries.jsonl (and the renderings). Returns leaf hashes by index."""
-    levels = _full_levels(d, cp, progress) if full else None
-    hashes: dict[int, bytes] = {}
-    b64_cache: dict[tuple[int, int], str] = {}
+    if full:
+        levels = _full_levels(d, cp, progress)
+        hashes = _verify_full_lines(d, levels, progress)
+    else:
+        hashes = _verify_proven_lines(d, cp, progress)
     with ExitStack() as stack:
         renderings = _open_renderings(d, stack)
-        previous = -1
+        if renderings:
+            _check_all_renderings(d, stack, renderings, cp.origin)
+    return hashes
+
+
+def _where(number: int, index: int | None = None) -> str:
+    return f"{bundle.ENTRIES} line {number}" + (f" (entry {index})" if index is not None else "")
+
+
+def _verify_full_lines(
+    d: Path, levels: list[list[bytes]], progress: Progress | None
+) -> dict[int, bytes]:
+    """Second `--full` pass: each line must equal the canonical line built from the recomputed
+    tree (so each inclusion proof is exactly the right one). The hot loop of `kvguard verify`."""
+    paths, leaf_level, total = _ProofText(levels), levels[0], len(levels[0])
+    with ExitStack() as stack:
+        for index, line in enumerate(_lines(d / bundle.ENTRIES, stack)):
+            leaf = _fast_leaf(line, _where(index + 1))
+            if line != bundle.entry_line_joined(index, leaf, paths.path(index)):
+                raise VerificationError(
+                    f"{_where(index + 1, index)}: line differs from the canonical entry"
+                )
+            if merkle.leaf_hash(leaf) != leaf_level[index]:
+                raise VerificationError(f"{_where(index + 1, index)}: leaf changed while verifying")
+            if progress is not None and index % _PROGRESS_EVERY == 0:
+                progress(total // 2 + index // 2, total)
+    if progress is not None:
+        progress(total, total)
+    return dict(enumerate(leaf_level))
+
+
+def _verify_proven_lines(d: Path, cp: Checkpoint, progress: Progress | None) -> dict[int, bytes]:
+    """Without `--full`: each line carries its own proof, checked against the signed root."""
+    hashes: dict[int, bytes] = {}
+    previous = -1
+    with ExitStack() as stack:
         for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
-            where = f"{bundle.ENTRIES} line {number}"
-            if levels is not None:
-                index, leaf = number - 1, _leaf_of(line, where)[0]
-                proof = _levels_proof_b64(levels, index, b64_cache)
-            else:
-                index, leaf, proof = _check_line_proof(line, where, cp, previous)
-            where = f"{where} (entry {index})"
+            index, leaf, proof = _check_line_proof(line, _where(number), cp, previous)
             if line != bundle.entry_line(index, leaf, proof):
-                raise VerificationError(f"{where}: line differs from the canonical entry")
-            h = merkle.leaf_hash(leaf)
-            if levels is not None and h != levels[0][index]:
-                raise VerificationError(f"{where}: leaf changed while verifying")
-            hashes[index] = h
-            _check_renderings(renderings, index, leaf, cp.origin, where)
+                raise VerificationError(
+                    f"{_where(number, index)}: line differs from the canonical entry"
+                )
+            hashes[index] = merkle.leaf_hash(leaf)
             previous = index
             if progress is not None and number % _PROGRESS_EVERY == 0:
-                progress(number, cp.size if full else 0)
-        for name, lines in renderings.items():
-            if next(lines, None) is not None:
-                raise VerificationError(f"{name}: more lines than entries")
+                progress(number, 0)
     if progress is not None:
-        progress(len(hashes), cp.size if full else len(hashes))
+        progress(len(hashes), len(hashes))
     return hashes
+
+
+def _check_all_renderings(
+    d: Path, stack: ExitStack, renderings: dict[str, Iterator[str]], origin: str
+) -> None:
+    """Third pass, only where renderings exist: regenerate each from the (now proven) leaves."""
+    for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
+        obj = json.loads(line)
+        index, leaf = obj["index"], _fast_leaf(line, _where(number))
+        _check_renderings(renderings, index, leaf, origin, _where(number, index))
+    for name, lines in renderings.items():
+        if next(lines, None) is not None:
+            raise VerificationError(f"{name}: more lines than entries")
 
 
 def _check_line_proof(
@@ -172,7 +222,7 @@ def _full_levels(d: Path, cp: Checkpoint, progress: Progress | None) -> list[lis
     with ExitStack() as stack:
         for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
             leaf_hashes.append(
-                merkle.leaf_hash(_leaf_of(line, f"{bundle.ENTRIES} line {number}")[0])
+                merkle.leaf_hash(_fast_leaf(line, f"{bundle.ENTRIES} line {number}"))
             )
             if progress is not None and number % _PROGRESS_EVERY == 0:
                 progress(number // 2, cp.size)
@@ -187,21 +237,35 @@ def _full_levels(d: Path, cp: Checkpoint, progress: Progress | None) -> list[lis
     return levels
 
 
-def _levels_proof_b64(
-    levels: list[list[bytes]], index: int, cache: dict[tuple[int, int], str]
-) -> list[str]:
-    out: list[str] = []
-    for level, hashes in enumerate(levels[:-1]):
-        sibling = index ^ 1
-        if sibling < len(hashes):
-            text = cache.get((level, sibling)) if level else None
-            if text is None:
-                text = base64.b64encode(hashes[sibling]).decode("ascii")
-                if level:
-                    cache[(level, sibling)] = text
-            out.append(text)
-        index >>= 1
-    return out
+class _ProofText:
+    """Rendered audit paths (`"b64","b64",...`) of consecutive entries of a complete tree.
+
+    PATH(i) is the sibling at level 0 followed by the path of the parent, so the rendered path of
+    each node is cached per level and rebuilt only where the index changed: about two string
+    joins per entry instead of one base64 encoding per proof hash (the first `--full`
+    implementation spent 22 us of its 23 us per entry here).
+    """
+
+    def __init__(self, levels: list[list[bytes]]) -> None:
+        self._levels = levels
+        self._previous = -1
+        self._text = [""] * len(levels)  # the root level's path is empty
+
+    def path(self, index: int) -> str:
+        levels, text, top = self._levels, self._text, len(self._levels) - 1
+        previous, self._previous = self._previous, index
+        # the node at level l changes only if index and previous differ at or above bit l
+        changed = top if previous < 0 else min(top, (index ^ previous).bit_length())
+        for level in range(changed - 1, -1, -1):
+            hashes = levels[level]
+            sibling = (index >> level) ^ 1
+            above = text[level + 1]
+            if sibling < len(hashes):
+                own = '"' + binascii.b2a_base64(hashes[sibling], newline=False).decode() + '"'
+                text[level] = own + "," + above if above else own
+            else:
+                text[level] = above
+        return text[0]
 
 
 def _open_renderings(d: Path, stack: ExitStack) -> dict[str, Iterator[str]]:

@@ -1,0 +1,225 @@
+"""Audit ledger benchmarks (issue 3, item 11). Results go to docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/audit_bench.py [--proof-entries 1000000] [--pg URL]
+
+Measures, each with the durability setting it used:
+1. durable `append_many` throughput on SQLite (WAL, synchronous=FULL) and PostgreSQL
+   (synchronous_commit=on, COPY in one transaction per batch);
+2. `submit` latency (the engine hot path) and the group-committed throughput behind it;
+3. inclusion and consistency proof time at `--proof-entries` entries (default 1M), with the number of
+   stored hashes each proof reads, and that read count computed for 10M (extrapolation: reads, not
+   time);
+4. `verify --full` (offline) speed on a complete export, with and without the SIEM renderings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from kvguard.audit import merkle
+from kvguard.audit.events import AuditEvent
+from kvguard.audit.ledger import Ledger
+from kvguard.audit.offline import verify_bundle
+from kvguard.audit.signing import SigningKey
+
+T0 = datetime(2026, 11, 26, tzinfo=UTC)
+ORIGIN = "bench.kvguard/audit"
+
+
+def events(n: int, start: int = 0) -> list[AuditEvent]:
+    kinds = ["block.alloc", "block.reuse", "block.release", "block.zeroize"]
+    return [
+        AuditEvent(
+            kind=kinds[i % 4],
+            scope_tag=f"st-{i % 16:04x}",
+            request_id=f"req-{i // 4}",
+            block_ids=[i % 4096, (i + 1) % 4096],
+            details={"blocks": 2, "layer_bytes": 65536},
+            ts=T0 + timedelta(microseconds=i),
+        )
+        for i in range(start, start + n)
+    ]
+
+
+def append_rate(ledger: Ledger, total: int, batch: int) -> float:
+    pool = events(batch)
+    start = time.perf_counter()
+    for _ in range(total // batch):
+        ledger.append_many(pool)
+    return total / (time.perf_counter() - start)
+
+
+def bench_append(url: str, total: int, batch: int, key: SigningKey) -> float:
+    ledger = Ledger.open(url, origin=ORIGIN, signing_key=key)
+    try:
+        append_rate(ledger, batch, batch)  # warm-up: schema, caches
+        return append_rate(ledger, total, batch)
+    finally:
+        ledger.close()
+
+
+def bench_submit(url: str, total: int, key: SigningKey) -> dict[str, float]:
+    ledger = Ledger.open(url, origin=ORIGIN, signing_key=key, queue_capacity=total + 1)
+    pool = events(1_000)
+    lat = []
+    try:
+        start = time.perf_counter()
+        for i in range(total):
+            t = time.perf_counter_ns()
+            ledger.submit(pool[i % 1_000])
+            lat.append(time.perf_counter_ns() - t)
+        submitted = time.perf_counter() - start
+        ledger.flush(timeout=600)
+        durable = time.perf_counter() - start
+    finally:
+        ledger.close()
+    lat.sort()
+    return {
+        "median_us": lat[len(lat) // 2] / 1000,
+        "p99_us": lat[int(len(lat) * 0.99)] / 1000,
+        "mean_us": statistics.fmean(lat) / 1000,
+        "submit_s": submitted,
+        "durable_rate": total / durable,
+    }
+
+
+def timed(fn: Callable[[], object], runs: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6, samples[int(len(samples) * 0.99)] * 1e6
+
+
+def reads(ranges: list[tuple[int, int]]) -> int:
+    return len({s for lo, hi in ranges for s in merkle.range_subtrees(lo, hi)})
+
+
+def bench_proofs(url: str, n: int, key: SigningKey) -> dict[str, float]:
+    ledger = Ledger.open(url, origin=ORIGIN, signing_key=key)
+    try:
+        if ledger.size < n:
+            append_rate(ledger, n - ledger.size, 10_000)
+        rng = random.Random(1)
+        size = ledger.size
+        inc = timed(lambda: ledger.inclusion_proof(rng.randrange(size), size), 1_000)
+        old = [rng.randrange(1, size) for _ in range(1_000)]
+        it = iter(old)
+        con = timed(lambda: ledger.consistency_proof(next(it), size), 1_000)
+    finally:
+        ledger.close()
+    big = 10_000_000
+    return {
+        "size": size,
+        "inclusion_median_us": inc[0],
+        "inclusion_p99_us": inc[1],
+        "consistency_median_us": con[0],
+        "consistency_p99_us": con[1],
+        "inclusion_reads": max(
+            reads(merkle.inclusion_ranges(i, size)) for i in (0, size // 3, size - 1)
+        ),
+        "consistency_reads": max(reads(merkle.consistency_ranges(o, size)) for o in old[:50]),
+        "inclusion_reads_10m": max(
+            reads(merkle.inclusion_ranges(i, big)) for i in (0, big // 3, big - 1)
+        ),
+        "consistency_reads_10m": max(
+            reads(merkle.consistency_ranges(o, big)) for o in (1, 777_777, big // 3, big - 1)
+        ),
+    }
+
+
+def bench_verify(url: str, n: int, key: SigningKey, work: Path) -> dict[str, float]:
+    ledger = Ledger.open(url, origin=ORIGIN, signing_key=key)
+    out: dict[str, float] = {}
+    try:
+        append_rate(ledger, n, 10_000)
+        for renderings in (False, True):
+            target = work / f"bundle-{renderings}"
+            t = time.perf_counter()
+            ledger.export(target, renderings=renderings)
+            out[f"export_rate_{renderings}"] = n / (time.perf_counter() - t)
+            t = time.perf_counter()
+            verify_bundle(target, [key.verifier_key()], full=True)
+            out[f"verify_full_rate_{renderings}"] = n / (time.perf_counter() - t)
+            out[f"bundle_mb_{renderings}"] = sum(p.stat().st_size for p in target.iterdir()) / 1e6
+            shutil.rmtree(target)
+    finally:
+        ledger.close()
+    return out
+
+
+def pg_database(base: str) -> tuple[str, Callable[[], None]]:
+    name = f"kvg_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+    return sa.engine.make_url(base).set(database=name).render_as_string(False), drop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--append-entries", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--submit-entries", type=int, default=100_000)
+    parser.add_argument("--proof-entries", type=int, default=1_000_000)
+    parser.add_argument("--verify-entries", type=int, default=200_000)
+    parser.add_argument(
+        "--pg",
+        default=os.environ.get(
+            "KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    args = parser.parse_args()
+    key = SigningKey.generate("bench.kvguard")
+    work = Path(tempfile.mkdtemp(prefix="kvg-audit-bench-"))
+    print(
+        f"# {platform.node()} {platform.processor() or platform.machine()} "
+        f"cpus={os.cpu_count()} python={platform.python_version()} {datetime.now(UTC):%Y-%m-%d}"
+    )
+    try:
+        rate = bench_append(f"sqlite:///{work / 'a.db'}", args.append_entries, args.batch, key)
+        print(
+            f"append_many sqlite (WAL, synchronous=FULL), batch {args.batch}: {rate:,.0f} events/s"
+        )
+        pg_url, drop = pg_database(args.pg)
+        try:
+            rate = bench_append(pg_url, args.append_entries, args.batch, key)
+            print(
+                f"append_many postgresql (synchronous_commit=on), batch {args.batch}: "
+                f"{rate:,.0f} events/s"
+            )
+        finally:
+            drop()
+        sub = bench_submit(f"sqlite:///{work / 's.db'}", args.submit_entries, key)
+        print("submit (sqlite behind it): " + ", ".join(f"{k}={v:,.2f}" for k, v in sub.items()))
+        proofs = bench_proofs(f"sqlite:///{work / 'p.db'}", args.proof_entries, key)
+        print("proofs (sqlite): " + ", ".join(f"{k}={v:,.1f}" for k, v in proofs.items()))
+        ver = bench_verify(f"sqlite:///{work / 'v.db'}", args.verify_entries, key, work)
+        print("export/verify --full: " + ", ".join(f"{k}={v:,.1f}" for k, v in ver.items()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
