@@ -1,4 +1,5 @@
-"""The ledger's SQL tables (SQLAlchemy Core, its own MetaData, every name prefixed `ledger_`).
+"""The ledger's SQL tables: SQLAlchemy 2.0 typed models (`Mapped[...]`), their own MetaData, every
+name prefixed `ledger_`.
 
 Other kvguard packages share the database URL with their own tables, so nothing here is unprefixed.
 The live schema is created and upgraded by the Alembic migrations in `kvguard/audit/migrations/`
@@ -22,71 +23,92 @@ The live schema is created and upgraded by the Alembic migrations in `kvguard/au
 
 from __future__ import annotations
 
+from typing import cast
+
 import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kvguard.audit import merkle
-
-metadata = sa.MetaData()
 
 # 64-bit everywhere; on SQLite an INTEGER PRIMARY KEY is the rowid itself (no second index to write).
 _ROWID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
-head = sa.Table(
-    "ledger_head",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("size", sa.BigInteger, nullable=False),
-    sa.Column("checkpoint_size", sa.BigInteger, nullable=True),
-    sa.CheckConstraint("id = 1", name="ledger_head_single_row"),
-    sa.CheckConstraint("size >= 0", name="ledger_head_size_nonnegative"),
-)
 
-entries = sa.Table(
-    "ledger_entries",
-    metadata,
-    sa.Column("idx", _ROWID, primary_key=True, autoincrement=False),
-    sa.Column("leaf", sa.LargeBinary, nullable=False),
-    sa.Column("leaf_hash", sa.LargeBinary(32), nullable=False),
-    sa.Column("kind", sa.String(32), nullable=False),
-    sa.Column("scope_tag", sa.String(128), nullable=True),
-    sa.Column("request_id", sa.String(128), nullable=True),
-    sa.Column("ts_us", sa.BigInteger, nullable=False),
-    sa.Index("ledger_entries_scope_idx", "scope_tag", "idx"),
-    sa.Index("ledger_entries_ts_idx", "ts_us"),
-    sa.Index("ledger_entries_request_idx", "request_id"),
-)
+class LedgerBase(DeclarativeBase):
+    """The ledger's own declarative base: its own MetaData, shared with no other package."""
 
-entry_blocks = sa.Table(
-    "ledger_entry_blocks",
-    metadata,
-    sa.Column("block_id", sa.BigInteger, primary_key=True, autoincrement=False),
-    sa.Column("idx", sa.BigInteger, primary_key=True, autoincrement=False),
-    sqlite_with_rowid=False,
-)
+    metadata = sa.MetaData()
 
-hashes = sa.Table(
-    "ledger_hashes",
-    metadata,
-    sa.Column("id", _ROWID, primary_key=True, autoincrement=False),
-    sa.Column("hash", sa.LargeBinary(32), nullable=False),
-)
 
-checkpoints = sa.Table(
-    "ledger_checkpoints",
-    metadata,
-    sa.Column("size", _ROWID, primary_key=True, autoincrement=False),
-    sa.Column("root", sa.LargeBinary(32), nullable=False),
-    sa.Column("note", sa.Text, nullable=False),
-    sa.Column("prev_size", sa.BigInteger, nullable=True),
-)
+class LedgerHead(LedgerBase):
+    __tablename__ = "ledger_head"
+    __table_args__ = (
+        sa.CheckConstraint("id = 1", name="ledger_head_single_row"),
+        sa.CheckConstraint("size >= 0", name="ledger_head_size_nonnegative"),
+    )
 
-payloads = sa.Table(
-    "ledger_payloads",
-    metadata,
-    sa.Column("idx", _ROWID, primary_key=True, autoincrement=False),
-    sa.Column("salt", sa.LargeBinary(32), nullable=False),
-    sa.Column("body", sa.LargeBinary, nullable=False),
-)
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    size: Mapped[int] = mapped_column(sa.BigInteger)
+    checkpoint_size: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+
+class LedgerEntry(LedgerBase):
+    __tablename__ = "ledger_entries"
+    __table_args__ = (
+        sa.Index("ledger_entries_scope_idx", "scope_tag", "idx"),
+        sa.Index("ledger_entries_ts_idx", "ts_us"),
+        sa.Index("ledger_entries_request_idx", "request_id"),
+    )
+
+    idx: Mapped[int] = mapped_column(_ROWID, primary_key=True, autoincrement=False)
+    leaf: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    leaf_hash: Mapped[bytes] = mapped_column(sa.LargeBinary(32))
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    scope_tag: Mapped[str | None] = mapped_column(sa.String(128))
+    request_id: Mapped[str | None] = mapped_column(sa.String(128))
+    ts_us: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class LedgerEntryBlock(LedgerBase):
+    __tablename__ = "ledger_entry_blocks"
+    __table_args__ = {"sqlite_with_rowid": False}  # noqa: RUF012 - SQLAlchemy's own convention
+
+    block_id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
+
+
+class LedgerHash(LedgerBase):
+    __tablename__ = "ledger_hashes"
+
+    id: Mapped[int] = mapped_column(_ROWID, primary_key=True, autoincrement=False)
+    hash: Mapped[bytes] = mapped_column(sa.LargeBinary(32))
+
+
+class LedgerCheckpoint(LedgerBase):
+    __tablename__ = "ledger_checkpoints"
+
+    size: Mapped[int] = mapped_column(_ROWID, primary_key=True, autoincrement=False)
+    root: Mapped[bytes] = mapped_column(sa.LargeBinary(32))
+    note: Mapped[str] = mapped_column(sa.Text)
+    prev_size: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+
+class LedgerPayload(LedgerBase):
+    __tablename__ = "ledger_payloads"
+
+    idx: Mapped[int] = mapped_column(_ROWID, primary_key=True, autoincrement=False)
+    salt: Mapped[bytes] = mapped_column(sa.LargeBinary(32))
+    body: Mapped[bytes] = mapped_column(sa.LargeBinary)
+
+
+metadata = LedgerBase.metadata
+# Core handles on the same tables: the bulk and proof paths use SQL expressions, not ORM sessions.
+head = cast(sa.Table, LedgerHead.__table__)
+entries = cast(sa.Table, LedgerEntry.__table__)
+entry_blocks = cast(sa.Table, LedgerEntryBlock.__table__)
+hashes = cast(sa.Table, LedgerHash.__table__)
+checkpoints = cast(sa.Table, LedgerCheckpoint.__table__)
+payloads = cast(sa.Table, LedgerPayload.__table__)
 
 APPEND_ONLY_TABLES = (
     "ledger_entries",

@@ -42,6 +42,29 @@ def test_leaf_round_trips(details: dict[str, object], block_ids: list[int]) -> N
     assert lf.encode_leaf(decoded, None) == leaf
 
 
+_text = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=20)
+
+
+@given(
+    st.dictionaries(_names, _scalars, max_size=5),
+    st.lists(st.integers(0, 2**40), max_size=8),
+    st.none() | _text,
+    st.none() | _text,
+    st.none() | st.binary(min_size=32, max_size=32),
+)
+def test_fast_leaf_renderer_equals_the_canonical_definition(
+    details: dict[str, object],
+    block_ids: list[int],
+    scope_tag: str | None,
+    request_id: str | None,
+    commitment: bytes | None,
+) -> None:
+    event = make_event(
+        0, details=details, block_ids=block_ids, scope_tag=scope_tag, request_id=request_id
+    )
+    assert lf.render_leaf(event, commitment) == lf.canonical_json(lf.leaf_object(event, commitment))
+
+
 def test_non_canonical_leaf_bytes_are_refused() -> None:
     leaf = lf.encode_leaf(make_event(0), None)
     spaced = json.dumps(json.loads(leaf), sort_keys=True).encode()

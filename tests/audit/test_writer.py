@@ -135,3 +135,21 @@ def test_submit_latency_is_microseconds() -> None:
         samples.append((time.perf_counter() - start) / 1_000)
     writer.close()
     assert statistics.median(samples) < 50e-6
+
+
+def test_periodic_checkpoints_follow_growth(sqlite_url: str, open_ledger: Opener) -> None:
+    ledger = open_ledger(sqlite_url, checkpoint_interval=0.05)
+    ledger.append_many([make_event(i) for i in range(5)])
+    deadline = time.monotonic() + 10
+    sizes: list[int] = []
+    while time.monotonic() < deadline and 5 not in sizes:
+        with ledger.store.engine.connect() as conn:
+            sizes = [row.size for row in ledger.store.checkpoints(conn)]
+        time.sleep(0.02)
+    assert sizes == [5]
+    ledger.append(make_event(5))
+    while time.monotonic() < deadline and 6 not in sizes:
+        with ledger.store.engine.connect() as conn:
+            sizes = [row.size for row in ledger.store.checkpoints(conn)]
+        time.sleep(0.02)
+    assert sizes == [5, 6]
