@@ -82,6 +82,13 @@ class VerificationError(AuditError):
     """
 
 
+class LogRewrittenError(VerificationError, AppendOnlyViolationError):
+    """The stored audit log no longer extends a checkpoint it signed: history was removed or changed.
+
+    Both a verification failure and an append-only violation, so handlers of either catch it.
+    """
+
+
 class ZeroizeError(KvguardError):
     """A zeroization could not be planned or executed."""
 

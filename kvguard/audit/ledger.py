@@ -34,7 +34,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.audit.store import CheckpointRow, LedgerStore
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
-from kvguard.errors import AuditError, VerificationError
+from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.audit.ledger")
@@ -201,7 +201,7 @@ class Ledger:
         if (cp.origin, cp.size, cp.root) != (self.origin, old_size, old_root):
             raise VerificationError("the stored latest checkpoint does not match its own note")
         if old_size > size:
-            raise VerificationError(
+            raise LogRewrittenError(
                 f"tree shrank from {old_size} to {size} entries since the "
                 "last checkpoint: refusing to sign"
             )
@@ -209,7 +209,13 @@ class Ledger:
             return
         ranges = merkle.consistency_ranges(old_size, size)
         proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn)) if size > old_size else []
-        merkle.verify_consistency(old_size, size, old_root, root, proof)
+        try:
+            merkle.verify_consistency(old_size, size, old_root, root, proof)
+        except VerificationError as exc:
+            raise LogRewrittenError(
+                f"the log no longer extends its checkpoint of size {old_size} "
+                f"(consistency proof: {exc}): refusing to sign"
+            ) from None
 
     def _periodic_checkpoint(self) -> None:
         with self.store.engine.connect() as conn:

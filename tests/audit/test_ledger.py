@@ -16,7 +16,12 @@ from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
-from kvguard.errors import AuditError, VerificationError
+from kvguard.errors import (
+    AppendOnlyViolationError,
+    AuditError,
+    LogRewrittenError,
+    VerificationError,
+)
 
 from .conftest import T0, make_event
 
@@ -155,10 +160,11 @@ def test_never_signs_a_checkpoint_inconsistent_with_the_previous(
         conn.exec_driver_sql("DROP TRIGGER ledger_hashes_no_update")
         key = t.hash_key(3, 0)
         conn.execute(sa.update(t.hashes).where(t.hashes.c.id == key).values(hash=b"\x00" * 32))
-    with pytest.raises(VerificationError, match="consistency proof"):
+    with pytest.raises(LogRewrittenError, match="consistency proof"):
         ledger.checkpoint()
     with ledger.store.engine.connect() as conn:
         assert len(ledger.store.checkpoints(conn)) == 1
+    assert issubclass(LogRewrittenError, AppendOnlyViolationError)
 
 
 def test_schema_migrations_are_idempotent_and_match_the_models(
