@@ -36,9 +36,16 @@ keys_app = typer.Typer(help="Key management.")
 
 DbOpt = Annotated[
     str,
-    typer.Option("--db", help="Ledger database URL (sqlite:///... or postgresql+psycopg://...)"),
+    typer.Option(
+        "--db",
+        envvar="KVGUARD_LEDGER_URL",
+        help="Ledger database URL (sqlite:///... or postgresql+psycopg://...)",
+    ),
 ]
-OriginOpt = Annotated[str, typer.Option("--origin", help="Log origin line of the checkpoints")]
+OriginOpt = Annotated[
+    str,
+    typer.Option("--origin", envvar="KVGUARD_LEDGER_ORIGIN", help="Log origin of the checkpoints"),
+]
 KeyFileOpt = Annotated[
     list[Path], typer.Option("--key", help="Signing key file (0600); repeat during a rotation")
 ]
@@ -148,6 +155,7 @@ def verify_command(
     full: Annotated[
         bool, typer.Option("--full", help="Complete export: recompute the root")
     ] = False,
+    origin: Annotated[str | None, typer.Option(help="Expected log origin")] = None,
 ) -> None:
     """Verify an export bundle offline. Exit 0 valid, 1 invalid, 2 usage error."""
     if not directory.is_dir():
@@ -171,7 +179,7 @@ def verify_command(
             bar.update(task, completed=done, total=total or None)
 
         try:
-            report = verify_bundle(directory, key, full=full, progress=progress)
+            report = verify_bundle(directory, key, full=full, progress=progress, origin=origin)
         except VerificationError as exc:
             raise _fail(f"INVALID: {exc}", EXIT_INVALID) from None
     typer.echo(

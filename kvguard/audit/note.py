@@ -15,7 +15,6 @@ offline verifier imports it.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -23,6 +22,7 @@ from typing import NamedTuple
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from kvguard.audit.checkpoint import b64decode_strict
 from kvguard.errors import VerificationError
 
 _ED25519 = b"\x01"  # signed-note signature type for Ed25519
@@ -57,16 +57,6 @@ def verifier_key_string(name: str, public_key: bytes) -> str:
     return f"{name}+{key_id(name, public_key).hex()}+{blob}"
 
 
-def _b64(text: str, what: str) -> bytes:
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise VerificationError(f"{what} is not valid base64") from None
-    if base64.b64encode(raw).decode() != text:  # one spelling per value: no malleable padding bits
-        raise VerificationError(f"{what} is not canonical base64")
-    return raw
-
-
 def parse_verifier_key(vkey: str) -> Verifier:
     """Parse and check a verifier key string; raises VerificationError if it is malformed."""
     parts = vkey.strip().split("+", 2)  # base64 may itself contain "+"
@@ -78,7 +68,7 @@ def parse_verifier_key(vkey: str) -> Verifier:
         claimed_id = bytes.fromhex(hex_id)
     except ValueError:
         raise VerificationError("verifier key has an invalid name or key ID") from None
-    raw = _b64(blob, "verifier key")
+    raw = b64decode_strict(blob, "verifier key")
     if len(raw) != 33 or raw[:1] != _ED25519:
         raise VerificationError("verifier key is not an Ed25519 (type 0x01) key")
     if key_id(name, raw[1:]) != claimed_id or len(hex_id) != 8:
@@ -116,7 +106,7 @@ def split_note(note: str) -> tuple[str, list[tuple[str, bytes]]]:
         if not line.startswith(_SIG_PREFIX):
             raise VerificationError("malformed signature line (must start with an em dash)")
         name, space, blob = line[len(_SIG_PREFIX) :].partition(" ")
-        raw = _b64(blob, "signature") if space else b""
+        raw = b64decode_strict(blob, "signature") if space else b""
         if not name or len(raw) <= _KEY_ID_SIZE or " " in blob:
             raise VerificationError("malformed signature line")
         out.append((name, raw))

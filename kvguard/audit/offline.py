@@ -56,22 +56,35 @@ def verify_bundle(
     *,
     full: bool = False,
     progress: Progress | None = None,
+    origin: str | None = None,
 ) -> BundleReport:
-    """Verify the bundle in `directory`; raise VerificationError at the first problem."""
+    """Verify the bundle in `directory`; raise VerificationError at the first problem. With
+    `origin`, the checkpoint must also name that log (a key may sign for several logs)."""
     d = Path(directory)
     verifiers = [note.parse_verifier_key(k) for k in verifier_keys]
     if not verifiers:
         raise VerificationError("no verifier key given")
     _check_listing(d)
+    try:
+        report = _verify_files(d, verifiers, full, progress)
+    except UnicodeDecodeError:
+        raise VerificationError("a bundle file is not valid UTF-8") from None
+    except OSError as exc:  # e.g. a proof file replaced by a folder
+        raise VerificationError(f"cannot read {Path(exc.filename or '?').name}") from None
+    if origin is not None and report.origin != origin:
+        raise VerificationError(f"checkpoint: origin is {report.origin!r}, expected {origin!r}")
+    return report
+
+
+def _verify_files(
+    d: Path, verifiers: list[note.Verifier], full: bool, progress: Progress | None
+) -> BundleReport:
     signed = _read_text(d / bundle.CHECKPOINT)
     try:
         cp = parse_checkpoint(note.open_note(signed, verifiers)[0])
     except VerificationError as exc:
         raise VerificationError(f"checkpoint: {exc}") from None
-    try:
-        leaf_hashes = _verify_entries(d, cp, full, progress)
-    except UnicodeDecodeError:
-        raise VerificationError("a bundle file is not valid UTF-8") from None
+    leaf_hashes = _verify_entries(d, cp, full, progress)
     consistency = _verify_consistency(d, cp, verifiers)
     tlog = _verify_tlog_proofs(d, cp, signed, leaf_hashes)
     return BundleReport(cp.origin, cp.size, len(leaf_hashes), full, consistency, tlog)

@@ -84,6 +84,9 @@ def test_complete_export_verifies_fully(
     assert (report.entries, report.consistency_proofs, report.tlog_proofs) == (201, 1, 201)
     code, out = _verify(tmp_path / "b", key.verifier_key(), full=True)
     assert code == 0 and "valid: 201 entries" in out and "root recomputed" in out
+    verify_bundle(tmp_path / "b", [key.verifier_key()], origin="log.kvguard.test/audit")
+    with pytest.raises(VerificationError, match="origin"):
+        verify_bundle(tmp_path / "b", [key.verifier_key()], origin="other.example/log")
     first = json.loads((tmp_path / "b" / "entries.jsonl").read_text().splitlines()[0])
     assert first["index"] == 0 and first["event"]["kind"] == "block.alloc"
     assert b"erin" not in b"".join(p.read_bytes() for p in (tmp_path / "b").glob("entries*"))
@@ -164,6 +167,18 @@ def test_flipped_byte_in_a_large_export_names_the_entry(
     for full in (False, True):
         code, out = _verify(tmp_path / "b", key.verifier_key(), full=full)
         assert code == 1 and "entry 1234" in out, out
+
+
+def test_a_folder_in_place_of_a_proof_file_is_invalid_not_a_crash(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    ledger = _ledger(open_ledger, sqlite_url, 6)
+    ledger.export(tmp_path / "b", tlog_proofs=True)
+    proof = tmp_path / "b" / "proofs" / "3.tlog-proof"
+    proof.unlink()
+    proof.mkdir()
+    code, out = _verify(tmp_path / "b", key.verifier_key())
+    assert code == 1 and "3.tlog-proof" in out
 
 
 def test_extra_files_are_refused(
