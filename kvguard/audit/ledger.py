@@ -171,7 +171,9 @@ class Ledger:
             if gone != 1:
                 raise AuditError(f"entry {index} has no erasable payload (already erased?)")
 
-        return self.store.append([prepare_entry(event)], after=delete)
+        recorded = self.store.append([prepare_entry(event)], after=delete)
+        _log.info("ledger payload erased", erased_index=index, record_index=recorded)
+        return recorded
 
     # -- checkpoints and proofs ----------------------------------------------------------------
 
@@ -191,6 +193,12 @@ class Ledger:
             if last is None or last.size < size:  # one stored checkpoint per size: the first
                 prev = last.size if last is not None else None
                 self.store.insert_checkpoint(conn, size, root, signed, prev)
+                _log.info(
+                    "ledger checkpoint signed",
+                    origin=self.origin,
+                    size=size,
+                    key_ids=[k.key_id.hex() for k in self.signing_keys],
+                )
         return signed
 
     def _check_extends(

@@ -3,11 +3,14 @@ queries, erasure, rotation, schema migrations."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
+import structlog
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
@@ -22,6 +25,7 @@ from kvguard.errors import (
     LogRewrittenError,
     VerificationError,
 )
+from kvguard.logging import configure_logging
 
 from .conftest import T0, make_event
 
@@ -186,3 +190,21 @@ def test_origin_must_be_one_line_and_a_key_is_required(sqlite_url: str) -> None:
         Ledger.open(sqlite_url, origin="two\nlines", signing_key=SigningKey.generate("k"))
     with pytest.raises(AuditError, match="signing key"):
         Ledger.open(sqlite_url, origin="log", signing_key=[])
+
+
+def test_G6_ledger_logs_carry_no_payload_or_key_material(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey
+) -> None:
+    out = io.StringIO()
+    saved = structlog.get_config()
+    configure_logging("DEBUG", json_output=True, stream=out)
+    try:
+        ledger = open_ledger(sqlite_url)
+        ledger.append(make_event(0, payload={"user": "alice@example.com"}))
+        ledger.checkpoint()
+        ledger.erase_payload(0, reason="gdpr")
+    finally:
+        structlog.configure(**saved)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert {"ledger checkpoint signed", "ledger payload erased"} <= {e["event"] for e in lines}
+    assert "alice" not in out.getvalue() and key.encode() not in out.getvalue()
