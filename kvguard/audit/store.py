@@ -170,16 +170,19 @@ class LedgerStore:
     def append(self, prepared: Sequence[PreparedEntry], after: AfterAppend | None = None) -> int:
         """Append `prepared` entries durably; return the index of the first. `after(conn, first)`
         runs inside the same transaction (used to make erasures atomic with their record)."""
-        with self._lock, write_transaction(self.engine) as conn:
-            first = self.lock_head(conn)
-            frontier = self._frontier if self._frontier.size == first else None
-            frontier = (frontier or self._load_frontier(conn, first)).copy()
-            self._insert(conn, first, prepared, frontier)
-            if after is not None:
-                after(conn, first)
-            conn.execute(sa.update(t.head).where(t.head.c.id == 1).values(size=frontier.size))
-            conn.commit()
-            self._frontier = frontier
+        with self._lock:
+            with write_transaction(self.engine) as conn:
+                first = self.lock_head(conn)
+                if self._frontier.size == first:
+                    frontier = self._frontier.copy()
+                else:  # another process appended since our last append
+                    frontier = self._load_frontier(conn, first)
+                self._insert(conn, first, prepared, frontier)
+                if after is not None:
+                    after(conn, first)
+                head = sa.update(t.head).where(t.head.c.id == 1).values(size=frontier.size)
+                conn.execute(head)
+            self._frontier = frontier  # only once the transaction has committed
         return first
 
     def _insert(

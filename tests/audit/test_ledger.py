@@ -118,7 +118,10 @@ def test_erasure_removes_the_payload_and_keeps_every_proof_valid(
     assert ledger.verify().erased == 1
     with pytest.raises(AuditError):
         ledger.erase_payload(personal, reason="again")
-    assert ledger.size == 21  # the failed erasure appended nothing
+    assert ledger.size == 21  # the failed erasure appended nothing...
+    assert ledger.append(make_event(21)) == 21  # ...and left the in-memory frontier intact
+    ledger.checkpoint()
+    assert ledger.verify().size == 22
 
 
 def test_payload_deleted_without_erasure_record_is_detected(
