@@ -19,13 +19,20 @@ from kvguard.audit.signing import SigningKey
 _WRITER = textwrap.dedent(
     """
     import sys
+    import time
     from datetime import UTC, datetime, timedelta
+    from pathlib import Path
     from kvguard.audit.events import AuditEvent
     from kvguard.audit.ledger import Ledger
     from kvguard.audit.signing import SigningKey
 
     url, key_file, tag, count, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     ledger = Ledger.open(url, origin="log.kvguard.test/procs", signing_key=SigningKey.load(key_file))
+    if len(sys.argv) > 6:  # start barrier: wait until every writer is ready, so they really overlap
+        barrier, parties = Path(sys.argv[6]), int(sys.argv[7])
+        (barrier / tag).touch()
+        while len(list(barrier.iterdir())) < parties:
+            time.sleep(0.01)
     t0 = datetime(2026, 11, 26, tzinfo=UTC)
     n = 0
     while count == 0 or n < count:
@@ -42,12 +49,12 @@ _WRITER = textwrap.dedent(
 
 
 def _spawn(
-    tmp_path: Path, url: str, key_file: Path, tag: str, count: int, batch: int
+    tmp_path: Path, url: str, key_file: Path, tag: str, count: int, batch: int, *barrier: str
 ) -> subprocess.Popen[str]:
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
     return subprocess.Popen(
-        [sys.executable, str(script), url, str(key_file), tag, str(count), str(batch)],
+        [sys.executable, str(script), url, str(key_file), tag, str(count), str(batch), *barrier],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -96,8 +103,10 @@ def test_two_processes_appending_to_postgres_make_one_consistent_log(
     tmp_path: Path, key: SigningKey, pg_url: str
 ) -> None:
     key_file = key.save(tmp_path / "k")
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
     procs = [
-        _spawn(tmp_path, pg_url, key_file, tag, 600, batch)
+        _spawn(tmp_path, pg_url, key_file, tag, 600, batch, str(barrier), "2")
         for tag, batch in (("st-proc-a", 7), ("st-proc-b", 1))
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
