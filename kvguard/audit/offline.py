@@ -37,6 +37,7 @@ from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
 _LEAF_KEY = '"leaf":"'
+_LEAF_KEY_BYTES = _LEAF_KEY.encode()
 _PROGRESS_EVERY = 4096
 
 
@@ -114,23 +115,20 @@ def _lines(path: Path, stack: ExitStack) -> Iterator[str]:
     return iter(stack.enter_context(open(path, encoding="utf-8", newline="")))
 
 
-def _leaf_of(line: str, where: str) -> tuple[bytes, str]:
-    pos = line.rfind(_LEAF_KEY)
-    if pos < 0 or not line.endswith('"}\n'):
-        raise VerificationError(f"{where}: not an entry line")
-    text = line[pos + len(_LEAF_KEY) : -3]
-    return b64decode_strict(text, f"{where}: leaf"), text
-
-
-def _fast_leaf(line: str, where: str) -> bytes:
-    """The leaf of a line, strict base64 but not checked for canonical form: only for `--full`,
+def _fast_leaf(line: bytes, where: str) -> bytes:
+    """The leaf of a raw line, strict base64 but not checked for canonical form: only for `--full`,
     whose second pass compares each whole line with its re-encoded canonical form."""
     try:
         return binascii.a2b_base64(
-            line[line.rfind(_LEAF_KEY) + len(_LEAF_KEY) : -3], strict_mode=True
+            line[line.rfind(_LEAF_KEY_BYTES) + len(_LEAF_KEY_BYTES) : -3], strict_mode=True
         )
     except binascii.Error:
         raise VerificationError(f"{where}: leaf is not base64") from None
+
+
+def _raw_lines(path: Path, stack: ExitStack) -> Iterator[bytes]:
+    """Lines as bytes: `--full` compares bytes, so a line with invalid UTF-8 simply differs."""
+    return iter(stack.enter_context(open(path, "rb")))
 
 
 def _verify_entries(
@@ -160,9 +158,9 @@ def _verify_full_lines(
     tree (so each inclusion proof is exactly the right one). The hot loop of `kvguard verify`."""
     paths, leaf_level, total = _ProofText(levels), levels[0], len(levels[0])
     with ExitStack() as stack:
-        for index, line in enumerate(_lines(d / bundle.ENTRIES, stack)):
+        for index, line in enumerate(_raw_lines(d / bundle.ENTRIES, stack)):
             leaf = _fast_leaf(line, _where(index + 1))
-            if line != bundle.entry_line_joined(index, leaf, paths.path(index)):
+            if line != bundle.entry_line_joined(index, leaf, paths.path(index)).encode():
                 raise VerificationError(
                     f"{_where(index + 1, index)}: line differs from the canonical entry"
                 )
@@ -201,7 +199,7 @@ def _check_all_renderings(
     """Third pass, only where renderings exist: regenerate each from the (now proven) leaves."""
     for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
         obj = json.loads(line)
-        index, leaf = obj["index"], _fast_leaf(line, _where(number))
+        index, leaf = obj["index"], b64decode_strict(obj["leaf"], _where(number))
         _check_renderings(renderings, index, leaf, origin, _where(number, index))
     for name, lines in renderings.items():
         if next(lines, None) is not None:
@@ -233,7 +231,7 @@ def _full_levels(d: Path, cp: Checkpoint, progress: Progress | None) -> list[lis
     """First pass of `--full`: rebuild the tree from every leaf and compare with the signed root."""
     leaf_hashes: list[bytes] = []
     with ExitStack() as stack:
-        for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
+        for number, line in enumerate(_raw_lines(d / bundle.ENTRIES, stack), start=1):
             leaf_hashes.append(
                 merkle.leaf_hash(_fast_leaf(line, f"{bundle.ENTRIES} line {number}"))
             )
