@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from kvguard import __version__
+from kvguard.audit.cli import audit_app, signing_key_command, verify_command
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
@@ -27,6 +28,13 @@ app = typer.Typer(
 keys_app = typer.Typer(help="Create and rotate kvguard's secrets.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(policy_app, name="policy")
+app.add_typer(audit_app, name="audit")
+app.command(
+    "verify", help="Verify an exported audit bundle offline (exit 0 valid, 1 invalid, 2 usage)."
+)(verify_command)
+keys_app.command(
+    "signing-key", help="Create a checkpoint signing key (0600) and print its verifier key."
+)(signing_key_command)
 
 
 def _version(value: bool) -> None:

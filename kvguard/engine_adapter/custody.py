@@ -265,25 +265,26 @@ class Custody:
         return tuple(out)
 
     def zeroized(
-        self,
-        block_ids: Iterable[int],
-        now: float,
-        details: Details,
+        self, block_ids: Iterable[int], now: float, details: Details, *, handover: bool = False
     ) -> None:
-        """The worker zeroized (and verified per policy) these blocks: quarantined ones return to the
-        free pool, clean; handover blocks stay with their new owner, now clean of the old bytes."""
+        """The worker zeroized (and verified per policy) these blocks.
+
+        Release clears (`handover=False`) return quarantined blocks to the free pool, clean. Handover
+        clears ran before the new owner's forward pass, which has written into the blocks since, so
+        they change no state (the block may even be cached or quarantined again by now): the event is
+        the evidence that the old owner's bytes were gone before the new owner got the block."""
         ids = [self._check_id(b) for b in block_ids]
-        for bid in ids:
+        for bid in ids if not handover else ():
             rec = self._blocks[bid]
-            if rec.status is BlockStatus.QUARANTINED:
-                self._tenant_dec(rec)
-                rec.status = BlockStatus.FREE
-                rec.owner = rec.owner_tag = None
-                rec.hashed = rec.doomed = False
-                rec.retain = True
-            elif rec.status is not BlockStatus.ACTIVE:
+            if rec.status is not BlockStatus.QUARANTINED:
                 raise CustodyError(f"block {bid} reported zeroized while {rec.status.value}")
+            self._tenant_dec(rec)
+            rec.status = BlockStatus.FREE
+            rec.owner = rec.owner_tag = None
+            rec.hashed = rec.doomed = False
+            rec.retain = True
         if ids:
+            details = {**details, "handover": handover}
             self._events.append(
                 CustodyEvent(EventKind.ZEROIZE, now, None, None, tuple(ids), details)
             )

@@ -76,7 +76,8 @@ class CustodyMachine(RuleBasedStateMachine):
         # The worker clears the plan before the forward pass writes the new owner's bytes.
         for b in plan.all_blocks:
             self.bytes_of[b] = None
-        self.c.zeroized(plan.all_blocks, self.now, {"verified": True})
+        self.c.zeroized(plan.release, self.now, {"verified": True})
+        self.c.zeroized(plan.handover, self.now, {"verified": True}, handover=True)
         for b in free:
             prior = self.bytes_of[b]
             # G3: the forward pass never writes into a block holding another scope's bytes.
@@ -109,7 +110,8 @@ class CustodyMachine(RuleBasedStateMachine):
         plan = self.c.take_plan()
         for b in plan.all_blocks:
             self.bytes_of[b] = None
-        self.c.zeroized(plan.all_blocks, self.now, {"verified": True})
+        self.c.zeroized(plan.release, self.now, {"verified": True})
+        self.c.zeroized(plan.handover, self.now, {"verified": True}, handover=True)
 
     @invariant()
     def conservation(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,16 @@ from kvguard.policy import Usage, admit
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 _SETTLE_STEPS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRequest:
+    """Who asks: the tenant, and optionally the session, share group or public sharing."""
+
+    tenant: str
+    session: str | None = None
+    group: str | None = None
+    public: bool = False
 
 
 def tiny_llama_dir() -> Path:
@@ -111,7 +122,36 @@ class GuardedLLM:
         use_tqdm: bool = False,
     ) -> list[Any]:
         """Generate for one tenant. `prompts` are token-id lists (or TokensPrompt dicts without a salt)."""
-        scope = self.scope(tenant, session=session, group=group, public=public)
+        request = TenantRequest(tenant=tenant, session=session, group=group, public=public)
+        return self.generate_batch(
+            [(request, p) for p in prompts], sampling_params, use_tqdm=use_tqdm
+        )
+
+    def generate_batch(
+        self,
+        items: Sequence[tuple[TenantRequest, Sequence[int] | dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[Any]:
+        """Generate for many tenants in one engine batch; each item is (who asks, prompt).
+
+        Admission runs first for every item: if any is refused, nothing is sent to the engine."""
+        base = sampling_params or SamplingParams()
+        prompts: list[TokensPrompt] = []
+        params: list[SamplingParams] = []
+        for request, prompt in items:
+            salt, item_params = self._admit(request, base)
+            prompts.append(self._prompt(prompt, salt))
+            params.append(item_params)
+        outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        self.settle()
+        return list(outputs)
+
+    def _admit(self, request: TenantRequest, base: SamplingParams) -> tuple[str, SamplingParams]:
+        scope = self.scope(
+            request.tenant, session=request.session, group=request.group, public=request.public
+        )
         decision = admit(self._policies, scope, Usage())
         if not decision.admitted or decision.scope is None:
             raise AdmissionError(f"request refused by policy: {decision.reason.value}")
@@ -122,15 +162,11 @@ class GuardedLLM:
             if decision.use_cache
             else "nocache:" + secrets.token_urlsafe(16)
         )
-        params = (sampling_params or SamplingParams()).clone()
+        params = base.clone()
         params.extra_args = {**(params.extra_args or {}), **envelope.to_extra_args()}
         if not decision.use_cache:
             params.skip_reading_prefix_cache = True
-        outputs = self.llm.generate(
-            [self._prompt(p, salt) for p in prompts], params, use_tqdm=use_tqdm
-        )
-        self.settle()
-        return list(outputs)
+        return salt, params
 
     @staticmethod
     def _prompt(prompt: Sequence[int] | dict[str, Any], salt: str) -> TokensPrompt:
@@ -177,7 +213,15 @@ class GuardedLLM:
                 "purge() needs the in-process engine; use the admin API for a served engine"
             )
         conn.scheduler_guard.request_purge(selector)
+        conn.scheduler_guard.apply_now()
         self.settle()
+
+    def expire(self) -> None:
+        """Run the retention sweep now (in-process; a served engine sweeps on every request and step)."""
+        conn = self.connector
+        if conn is not None and conn.scheduler_guard is not None:
+            conn.scheduler_guard.apply_now()
+            self.settle()
 
     def close(self) -> None:
         conn = self.connector

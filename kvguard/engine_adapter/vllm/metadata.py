@@ -26,6 +26,7 @@ class GuardStepMeta(KVConnectorMetadata):
 class ZeroizeResult:
     blocks: tuple[int, ...]
     ok: bool
+    handover: bool = False
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -27,7 +27,6 @@ from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.policy import PolicySet, load_policy_file
 
-
 DEFAULT_ORIGIN = "kvguard.local/ledger"
 
 

@@ -16,6 +16,7 @@ All of this runs in the scheduler's single thread; nothing here touches tensors.
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -63,6 +64,8 @@ class SchedulerGuard:
         self._tag_tenant: dict[str, str] = {}
         self._purges: list[PurgeSelector] = []
         self._step = 0
+        self._closed = False
+        atexit.register(self.close)
         self.stats = {
             "requests": 0,
             "untrusted_salts": 0,
@@ -125,6 +128,9 @@ class SchedulerGuard:
         if not envelope.use_cache:
             request.skip_reading_prefix_cache = True
         self._envelopes[request.request_id] = envelope
+        # Expire and purge before this request's prefix lookup, so it cannot hit a block that
+        # policy has already retired. (Safe here: nothing is being allocated right now.)
+        self._housekeeping(self._clock())
 
     def _ungoverned_scope(self, request_id: str) -> Scope:
         # A private, single-request scope: nothing of ungoverned traffic is shared or retained.
@@ -186,10 +192,8 @@ class SchedulerGuard:
                 )
             elif ids and ids[0]:
                 canary += self._allocate(rid, list(ids[0]), now)
-        c.sweep(now)
-        while self._purges:
-            c.purge(self._purges.pop(0), now)
-        self._hold_quarantined()
+        # After the allocations: a cached block the engine just re-assigned is active by now.
+        self._housekeeping(now)
         plan = c.take_plan()
         self.bridge.forward(c.take_events())
         return GuardStepMeta(
@@ -249,6 +253,13 @@ class SchedulerGuard:
             best = max(best, mode, key=_VERIFY_RANK.__getitem__)
         return best.value
 
+    def _housekeeping(self, now: float) -> None:
+        c = self._c
+        c.sweep(now)
+        while self._purges:
+            c.purge(self._purges.pop(0), now)
+        self._hold_quarantined()
+
     # --- pool holds -----------------------------------------------------------------------------
 
     def _hold_quarantined(self) -> None:
@@ -272,14 +283,17 @@ class SchedulerGuard:
         c, now = self._c, self._clock()
         for result in worker_meta.results:
             if not result.ok:
+                # Only release clears report failures (a failed handover clear raises in the worker).
                 self.stats["zeroize_failures"] += 1
                 _log.error(
                     "zeroization failed; blocks stay quarantined", block_count=len(result.blocks)
                 )
                 c.requeue(result.blocks)
                 continue
-            c.zeroized(result.blocks, now, dict(result.details))
+            c.zeroized(result.blocks, now, dict(result.details), handover=result.handover)
             self.stats["blocks_zeroized"] += len(result.blocks)
+            if result.handover:
+                continue
             release = [self._pool.blocks[b] for b in result.blocks if b in self._held]
             self._held.difference_update(result.blocks)
             if release:
@@ -291,8 +305,17 @@ class SchedulerGuard:
         return bool(self._held) or bool(self._purges) or self._c.has_pending_plan()
 
     def request_purge(self, selector: PurgeSelector) -> None:
+        """Queue a purge; it takes effect at the next request arrival or engine step."""
         self._purges.append(selector)
 
+    def apply_now(self) -> None:
+        """Run expiry and queued purges now. Only from the scheduler's thread between steps."""
+        self._housekeeping(self._clock())
+
     def close(self) -> None:
+        """Flush the ledger (idempotent; also runs at interpreter exit so no submitted entry is lost)."""
+        if self._closed:
+            return
+        self._closed = True
         self.ledger.flush()
         self.ledger.close()

@@ -59,7 +59,7 @@ class WorkerGuard:
         if meta.handover:
             # Raises on a failed verification: the forward pass must not run on dirty blocks.
             evidence = zeroize(spec, plan_zeroize(meta.handover, spec.num_blocks), verify="full")
-            self._results.append(ZeroizeResult(meta.handover, True, _details(evidence, "handover")))
+            self._results.append(ZeroizeResult(meta.handover, True, True, _details(evidence)))
         if meta.release:
             try:
                 evidence = zeroize(
@@ -68,9 +68,7 @@ class WorkerGuard:
             except ZeroizeVerificationError:
                 self._results.append(ZeroizeResult(meta.release, False))
             else:
-                self._results.append(
-                    ZeroizeResult(meta.release, True, _details(evidence, "release"))
-                )
+                self._results.append(ZeroizeResult(meta.release, True, False, _details(evidence)))
         if meta.canary:
             self._check_canary(spec, meta.canary)
 
@@ -90,7 +88,5 @@ class WorkerGuard:
         return out
 
 
-def _details(evidence: Any, reason: str) -> dict[str, Any]:
-    details = dict(evidence.as_audit_details())
-    details["reason"] = reason
-    return details
+def _details(evidence: Any) -> dict[str, Any]:
+    return dict(evidence.as_audit_details())
