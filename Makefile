@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvguard --help
 	$(BIN)/kvguard policy validate examples/policies/*.yaml
+	$(BIN)/kvguard demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

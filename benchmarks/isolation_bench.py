@@ -29,7 +29,8 @@ def make_scopes(n: int) -> list[Scope]:
     tok = TokenizerRef(id="meta-llama/Llama-3-8B", revision="main")
     cfg = CacheConfig(kv_dtype="bf16", block_size=16)
     return [
-        Scope(tenant_id=f"tenant-{i}", model=model, tokenizer=tok, cache_config=cfg) for i in range(n)
+        Scope(tenant_id=f"tenant-{i}", model=model, tokenizer=tok, cache_config=cfg)
+        for i in range(n)
     ]
 
 
@@ -63,7 +64,9 @@ def main() -> None:
     for _ in range(200):
         chain_hashes(tokens, 16, "k1:salt")
     chain_us = (time.perf_counter() - t0) / 200 * 1e6
-    print(f"machine: {platform.machine()} {platform.processor() or ''} python {platform.python_version()}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} python {platform.python_version()}"
+    )
     print(f"{'operation':<40}{'us/call':>10}")
     print(f"{'salt, uncached (best of 5)':<40}{min(uncached):>10.2f}")
     print(f"{'salt, uncached (median of 5)':<40}{statistics.median(uncached):>10.2f}")

@@ -7,6 +7,7 @@ and are mounted here; this module only wires them together and sets up logging. 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -75,6 +76,31 @@ def salt_keyring(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{out}: keys {', '.join(ring.kids)}; active {ring.active}")
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[
+        Path, typer.Option(envvar="KVGUARD_DATA_DIR", help="Where keys, policy and ledger live.")
+    ] = Path("kvguard-data/demo"),
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print a JSON summary on stdout.")
+    ] = False,
+    keep: Annotated[bool, typer.Option(help="Keep an existing demo data directory.")] = False,
+) -> None:
+    """Run the multi-tenant scenario on a real vLLM engine (CPU, embedded defaults)."""
+    from kvguard.demo import run_demo  # noqa: PLC0415 (imports vLLM: only for this command)
+
+    summary = run_demo(data_dir, fresh=not keep)
+    if json_output:
+        typer.echo(json.dumps(summary, indent=2, sort_keys=True))
+    ok = (
+        summary["cross_scope_hits"] == 0
+        and summary["export_verified"]
+        and not summary["zeroize_failures"]
+    )
+    if not ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:
