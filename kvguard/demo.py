@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def run_demo(
         return int(out.num_cached_tokens)
 
     expired_initech = False
-    steps = [
+    steps: list[tuple[str, Callable[[], tuple[int, ...]]]] = [
         (
             "shared group prefix: acme computes, globex reuses inside the group",
             lambda: (
