@@ -17,8 +17,8 @@ demo: $(STAMP)
 	$(BIN)/kvguard demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check kvguard tests benchmarks
+	$(BIN)/ruff format --check kvguard tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
