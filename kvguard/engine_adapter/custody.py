@@ -59,6 +59,7 @@ class Custody:
         self._pending_release: set[BlockId] = set()
         self._pending_handover: set[BlockId] = set()
         self._events: list[CustodyEvent] = []
+        self._cached: set[BlockId] = set()  # index of CACHED blocks, for the expiry sweep
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -87,6 +88,10 @@ class Custody:
         """The blocks a registered request holds (empty if it is not registered)."""
         req = self._requests.get(RequestId(request_id))
         return tuple(dict.fromkeys(req.blocks)) if req else ()
+
+    def pending_release(self) -> tuple[int, ...]:
+        """Quarantined blocks not yet handed to the worker (the adapter holds them out of the pool)."""
+        return tuple(self._pending_release)
 
     def has_pending_plan(self) -> bool:
         return bool(self._pending_release or self._pending_handover)
@@ -205,7 +210,7 @@ class Custody:
             if rec.holders:
                 continue
             if self._keep_cached(rec, now):
-                rec.status = BlockStatus.CACHED
+                self._set(rec, BlockStatus.CACHED)
                 retained += 1
             elif self._zeroize_now(rec):
                 self._quarantine(rec)
@@ -213,7 +218,7 @@ class Custody:
             else:
                 # `cross_scope`: back to the free pool with its residue; cleared on handover (G3).
                 self._tenant_dec(rec)
-                rec.status = BlockStatus.FREE
+                self._set(rec, BlockStatus.FREE)
                 rec.hashed = False
                 residue += 1
         if quarantined or retained or residue:
@@ -226,8 +231,8 @@ class Custody:
     def sweep(self, now: float) -> tuple[int, ...]:
         """Quarantine every cached block whose owner's policy says it has expired (TTL or idle)."""
         out: list[int] = []
-        for rec in self._blocks:
-            if rec.status is not BlockStatus.CACHED or rec.owner is None:
+        for rec in [self._blocks[b] for b in self._cached]:
+            if rec.owner is None:
                 continue
             if expired(self._policy(rec.owner.tenant_id), self._state(rec), now):
                 self._quarantine(rec)
@@ -279,7 +284,7 @@ class Custody:
             if rec.status is not BlockStatus.QUARANTINED:
                 raise CustodyError(f"block {bid} reported zeroized while {rec.status.value}")
             self._tenant_dec(rec)
-            rec.status = BlockStatus.FREE
+            self._set(rec, BlockStatus.FREE)
             rec.owner = rec.owner_tag = None
             rec.hashed = rec.doomed = False
             rec.retain = True
@@ -311,10 +316,20 @@ class Custody:
                 tenants[rec.owner.tenant_id] += 1
         if +tenants != +self._tenant_blocks:
             raise CustodyError("per-tenant block counts do not add up")
+        if self._cached != {r.block_id for r in self._blocks if r.status is BlockStatus.CACHED}:
+            raise CustodyError("the cached-block index disagrees with block states")
         if sum(self.counts().values()) != len(self._blocks):
             raise CustodyError("block states do not add up to the pool size")
 
     # --- internals --------------------------------------------------------------------------------
+
+    def _set(self, rec: BlockRecord, status: BlockStatus) -> None:
+        """The only place a block's status changes (keeps the cached index exact)."""
+        if status is BlockStatus.CACHED:
+            self._cached.add(rec.block_id)
+        else:
+            self._cached.discard(rec.block_id)
+        rec.status = status
 
     def _check_id(self, block_id: int) -> BlockId:
         if isinstance(block_id, bool) or not 0 <= block_id < len(self._blocks):
@@ -356,7 +371,7 @@ class Custody:
             rec.owner, rec.owner_tag = req.scope, self._tag(req.scope)
             rec.retain = req.use_cache
             self._tenant_blocks[req.scope.tenant_id] += 1
-        rec.status = BlockStatus.ACTIVE
+        self._set(rec, BlockStatus.ACTIVE)
         rec.holders.add(rid)
         rec.last_used_at = now
         req.blocks.append(rec.block_id)
@@ -369,7 +384,7 @@ class Custody:
             )
         )
         self._tenant_dec(rec)
-        rec.status = BlockStatus.FREE
+        self._set(rec, BlockStatus.FREE)
 
     def _engine_took_quarantined(self, rec: BlockRecord) -> None:
         """The engine re-allocated a block custody had just quarantined (it freed it on a path that
@@ -379,12 +394,12 @@ class Custody:
             raise CustodyError(f"block {rec.block_id} allocated while quarantined for zeroization")
         self._pending_release.discard(rec.block_id)
         self._tenant_dec(rec)
-        rec.status = BlockStatus.FREE
+        self._set(rec, BlockStatus.FREE)
 
     def _quarantine(self, rec: BlockRecord) -> None:
         if rec.status is BlockStatus.FREE and rec.owner is not None:
             self._tenant_blocks[rec.owner.tenant_id] += 1
-        rec.status = BlockStatus.QUARANTINED
+        self._set(rec, BlockStatus.QUARANTINED)
         rec.hashed = False
         self._pending_release.add(rec.block_id)
 

@@ -13,6 +13,7 @@ its own type byte, so an absent adapter never equals an adapter named `""`.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Final
 
@@ -62,11 +63,13 @@ def _int(field: int, value: int, out: bytearray) -> None:
     out += _I64.pack(value)
 
 
+@functools.lru_cache(maxsize=65_536)
 def encode_scope(scope: Scope) -> bytes:
     """Canonical bytes of `scope`'s reuse domain (see the module docstring for the layout).
 
     For share 'group' and 'public' the tenant (and session) are not part of the domain: that is what
-    sharing means. For 'session' and 'tenant' they are.
+    sharing means. For 'session' and 'tenant' they are. Memoized (scopes are frozen): the custody
+    core compares domains on every allocation.
     """
     out = bytearray(_MAGIC)
     out.append(_VERSION)

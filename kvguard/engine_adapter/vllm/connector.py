@@ -72,7 +72,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._sched.bind_pool(gpu_block_pool)
 
     def on_new_request(self, request: Any) -> None:
-        self._sched.on_new_request(request)
+        with self._sched.timer.phase("on_new_request"):
+            self._sched.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -83,16 +84,19 @@ class KVGuardConnector(KVConnectorBase_V1):
         return None  # allocations are read from the scheduler output in build_connector_meta
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._sched.build_step(scheduler_output)
+        with self._sched.timer.phase("build_step"):
+            return self._sched.build_step(scheduler_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._sched.request_finished(request)
+        with self._sched.timer.phase("request_finished"):
+            self._sched.request_finished(request)
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
+        with self._sched.timer.phase("worker_output"):
+            self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine loop stepping until every quarantined block is cleared and released.
@@ -111,7 +115,8 @@ class KVGuardConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_guard is not None and isinstance(connector_metadata, GuardStepMeta):
-            self.worker_guard.on_step(connector_metadata)
+            with self.worker_guard.timer.phase("worker_zeroize"):
+                self.worker_guard.on_step(connector_metadata)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_guard.take_results() if self.worker_guard is not None else None

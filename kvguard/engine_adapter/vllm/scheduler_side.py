@@ -26,6 +26,7 @@ from kvguard.engine_adapter.ledger_bridge import LedgerBridge
 from kvguard.engine_adapter.records import BlockStatus, PurgeSelector
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.errors import CustodyError, ScopeError
 from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
@@ -35,6 +36,7 @@ from kvguard.policy import AuditLevel, Usage, Verify, admit
 _log = get_logger("vllm.scheduler")
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
 UNGOVERNED_TENANT = "kvguard:ungoverned"
+SWEEP_INTERVAL_S = 0.1
 
 
 class SchedulerGuard:
@@ -65,6 +67,8 @@ class SchedulerGuard:
         self._purges: list[PurgeSelector] = []
         self._step = 0
         self._closed = False
+        self.timer = PhaseTimer()
+        self._last_sweep = float("-inf")
         atexit.register(self.close)
         self.stats = {
             "requests": 0,
@@ -118,19 +122,28 @@ class SchedulerGuard:
                 scope_tag=self._tag(envelope.scope),
             )
             envelope = Envelope(scope=envelope.scope, use_cache=False)
-        if envelope.use_cache:
-            usage = Usage(
-                blocks_active=self._c.tenant_counts(envelope.scope.tenant_id)[BlockStatus.ACTIVE],
-                blocks_cached=self._c.tenant_counts(envelope.scope.tenant_id)[BlockStatus.CACHED],
-            )
-            if not admit(self.policies, envelope.scope, usage).use_cache:
-                envelope = Envelope(scope=envelope.scope, use_cache=False)
+        if (
+            envelope.use_cache
+            and not admit(
+                self.policies, envelope.scope, self._usage(envelope.scope.tenant_id)
+            ).use_cache
+        ):
+            envelope = Envelope(scope=envelope.scope, use_cache=False)
         if not envelope.use_cache:
             request.skip_reading_prefix_cache = True
         self._envelopes[request.request_id] = envelope
         # Expire and purge before this request's prefix lookup, so it cannot hit a block that
         # policy has already retired. (Safe here: nothing is being allocated right now.)
         self._housekeeping(self._clock())
+
+    def _usage(self, tenant: str) -> Usage:
+        # Counting a tenant's blocks walks the pool: only worth it when a quota can bind.
+        if self.policies.policy_for(tenant).quota.max_blocks is None:
+            return Usage()
+        counts = self._c.tenant_counts(tenant)
+        return Usage(
+            blocks_active=counts[BlockStatus.ACTIVE], blocks_cached=counts[BlockStatus.CACHED]
+        )
 
     def _ungoverned_scope(self, request_id: str) -> Scope:
         # A private, single-request scope: nothing of ungoverned traffic is shared or retained.
@@ -195,7 +208,8 @@ class SchedulerGuard:
         # After the allocations: a cached block the engine just re-assigned is active by now.
         self._housekeeping(now)
         plan = c.take_plan()
-        self.bridge.forward(c.take_events())
+        with self.timer.phase("ledger_submit"):
+            self.bridge.forward(c.take_events())
         return GuardStepMeta(
             step=self._step,
             release=plan.release,
@@ -255,7 +269,11 @@ class SchedulerGuard:
 
     def _housekeeping(self, now: float) -> None:
         c = self._c
-        c.sweep(now)
+        # Expiry has a granularity of SWEEP_INTERVAL_S: walking every cached block on every request
+        # and step would cost more than the engine's own scheduling on small models.
+        if now - self._last_sweep >= SWEEP_INTERVAL_S:
+            c.sweep(now)
+            self._last_sweep = now
         while self._purges:
             c.purge(self._purges.pop(0), now)
         self._hold_quarantined()
@@ -263,9 +281,8 @@ class SchedulerGuard:
     # --- pool holds -----------------------------------------------------------------------------
 
     def _hold_quarantined(self) -> None:
-        c = self._c
-        for b in range(c.num_blocks):
-            if c.record(b).status is BlockStatus.QUARANTINED and b not in self._held:
+        for b in self._c.pending_release():
+            if b not in self._held:
                 block = self._pool.blocks[b]
                 self._evict_hash(b)
                 self._pool.touch([block])  # out of the free queue, or one more reference
@@ -298,7 +315,8 @@ class SchedulerGuard:
             self._held.difference_update(result.blocks)
             if release:
                 self._pool.free_blocks(release)
-        self.bridge.forward(c.take_events())
+        with self.timer.phase("ledger_submit"):
+            self.bridge.forward(c.take_events())
 
     def has_pending(self) -> bool:
         """True while blocks wait for zeroization (keeps the engine loop stepping)."""
@@ -310,6 +328,7 @@ class SchedulerGuard:
 
     def apply_now(self) -> None:
         """Run expiry and queued purges now. Only from the scheduler's thread between steps."""
+        self._last_sweep = float("-inf")
         self._housekeeping(self._clock())
 
     def close(self) -> None:

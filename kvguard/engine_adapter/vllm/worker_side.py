@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta, ZeroizeResult
+from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.errors import ZeroizeError, ZeroizeVerificationError
 from kvguard.logging import get_logger
 from kvguard.zeroize import KVCacheSpec, plan_zeroize, zeroize
@@ -34,6 +35,7 @@ class WorkerGuard:
         self._results: list[ZeroizeResult] = []
         self._canary = canary
         self.canary_checked = 0
+        self.timer = PhaseTimer()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
@@ -75,7 +77,7 @@ class WorkerGuard:
     def _check_canary(self, spec: KVCacheSpec, block_ids: tuple[int, ...]) -> None:
         for view in spec.segment_views():
             idx = torch.tensor(block_ids, dtype=torch.long, device=view.device)
-            if bool(view.index_select(0, idx).ne(0).any()):
+            if bool(view.index_select(0, idx).any()):
                 raise CanaryError(
                     f"canary: a block entering a new scope holds old bytes ({len(block_ids)} checked)"
                 )
