@@ -103,6 +103,25 @@ def demo(
         raise typer.Exit(1)
 
 
+@keys_app.command("tenant-key")
+def tenant_key(
+    tenant: Annotated[str, typer.Argument(help="Tenant id the key maps to.")],
+    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Tenant registry database URL.")],
+) -> None:
+    """Issue an inference API key for `vllm serve` behind kvguard's middleware (shown once)."""
+    from kvguard.engine_adapter.tenant_keys import TenantKeys  # noqa: PLC0415
+
+    try:
+        issued = TenantKeys.open(db).issue(tenant)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"key id {issued.key_id} for tenant {issued.tenant_id} (store it now, it is not kept):"
+    )
+    typer.echo(issued.api_key)
+
+
 def main() -> None:
     app()
 

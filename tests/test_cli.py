@@ -34,3 +34,13 @@ def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
     runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
     result = runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
     assert result.exit_code == 1 and "already exists" in result.output
+
+
+def test_tenant_key_issue(tmp_path) -> None:
+    from kvguard.engine_adapter.tenant_keys import TenantKeys
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    result = runner.invoke(app, ["keys", "tenant-key", "acme", "--db", url])
+    assert result.exit_code == 0, result.output
+    key = result.output.strip().splitlines()[-1]
+    assert TenantKeys.open(url).tenant_for(key) == "acme"

@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import secrets
-from datetime import UTC, datetime
+from _json import make_encoder
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from kvguard.audit import merkle
@@ -42,6 +43,13 @@ _ENCODER = json.JSONEncoder(
 
 _encode_str = json.encoder.encode_basestring  # the (C) string encoder behind ensure_ascii=False
 
+# The C encoder that `_ENCODER.encode` builds on every call, built once: the same settings (sorted
+# keys, compact separators, UTF-8, no NaN), so the same text; no circular-reference markers, which a
+# flat dict of scalars (what `details` is by type) cannot need. Measured 2.1 -> 1.2 us per `details`.
+_FLAT_ENCODER = make_encoder(
+    None, _ENCODER.default, _encode_str, None, ":", ",", True, False, False
+)
+
 
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, compact separators, UTF-8, finite numbers only (RFC 8785 style)."""
@@ -49,11 +57,22 @@ def canonical_json(value: Any) -> bytes:
 
 
 def format_ts(ts: datetime) -> str:
-    """UTC ISO 8601 with microseconds and a `Z`: one spelling per instant (`_TS_FORMAT`).
+    """UTC ISO 8601 with microseconds and a `Z`: one spelling per instant (`_TS_FORMAT`)."""
+    return _format_micros(ts_micros(ts))
 
-    `isoformat` rather than `strftime`: same text, several times faster on the append path.
-    """
-    return ts.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+def _format_micros(micros: int) -> str:
+    """`format_ts` of the instant `micros` after the epoch. Events of one batch mostly share their
+    second, whose text is cached: 4.4 us per `isoformat` call on the loaded benchmark VM, against
+    about 1 us for this (measured)."""
+    seconds, fraction = divmod(micros, 1_000_000)
+    return f"{_second_text(seconds)}.{fraction:06d}Z"
+
+
+@lru_cache(maxsize=4096)
+def _second_text(seconds: int) -> str:
+    """`YYYY-MM-DDTHH:MM:SS` of the UTC second `seconds` after the epoch (pure, hence cached)."""
+    return (_EPOCH + timedelta(seconds=seconds)).replace(tzinfo=None).isoformat()
 
 
 def parse_ts(text: str) -> datetime:
@@ -103,27 +122,10 @@ def _json_str(value: str | None) -> str:
     return "null" if value is None else _encode_str(value)
 
 
-def _json_scalar(value: DetailValue) -> str:
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, str):
-        return _encode_str(value)
-    if isinstance(value, int):
-        return int.__repr__(value)
-    if not math.isfinite(value):
-        raise ValueError("non-finite numbers have no canonical JSON form")
-    return float.__repr__(value)  # what the json module writes for a finite float
-
-
 def _flat_json(mapping: dict[str, DetailValue]) -> str:
     """Canonical JSON of a flat dict of scalars (what `details` is by type): the stdlib encoder
     builds a C encoder object per call, which cost 10 us of the 13 us leaf encoding (profiled)."""
-    items = ",".join(f"{_encode_str(k)}:{_json_scalar(v)}" for k, v in sorted(mapping.items()))
-    return "{" + items + "}"
+    return "".join(_FLAT_ENCODER(mapping, 0))
 
 
 def render_leaf(event: AuditEvent, commitment: bytes | None) -> bytes:
@@ -132,13 +134,17 @@ def render_leaf(event: AuditEvent, commitment: bytes | None) -> bytes:
     The append path's hottest function: about half the cost of the generic encoder (measured).
     `leaf_object` + `canonical_json` stay the definition; a property test holds the two equal.
     """
+    return _render_leaf(event, commitment, ts_micros(event.ts))
+
+
+def _render_leaf(event: AuditEvent, commitment: bytes | None, micros: int) -> bytes:
     details = _flat_json(event.details)
     ids = ",".join([str(int(b)) for b in event.block_ids])
     digest = f'"{commitment.hex()}"' if commitment is not None else "null"
     text = (
         f'{{"block_ids":[{ids}],"details":{details},"kind":{_encode_str(str(event.kind))},'
         f'"payload_commitment":{digest},"request_id":{_json_str(event.request_id)},'
-        f'"scope_tag":{_json_str(event.scope_tag)},"ts":"{format_ts(event.ts)}","v":{LEAF_VERSION}}}'
+        f'"scope_tag":{_json_str(event.scope_tag)},"ts":"{_format_micros(micros)}","v":{LEAF_VERSION}}}'
     )
     return text.encode("utf-8")
 
@@ -186,14 +192,15 @@ def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry
         salt = salt if salt is not None else new_salt()
         commitment = payload_commitment(salt, event.payload)
         payload = (salt, canonical_json(event.payload))
-    leaf = encode_leaf(event, commitment)
+    micros = ts_micros(event.ts)
+    leaf = _render_leaf(event, commitment, micros)
     return PreparedEntry(
         leaf,
         merkle.leaf_hash(leaf),
         str(event.kind),
         event.scope_tag,
         event.request_id,
-        ts_micros(event.ts),
+        micros,
         event.block_ids,
         payload,
     )

@@ -19,14 +19,13 @@ The first failure raises `VerificationError` naming the file, line and entry.
 
 from __future__ import annotations
 
-import binascii
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.audit import bundle, merkle, note
+from kvguard.audit import bundle, merkle, note, offline_full
 from kvguard.audit.checkpoint import (
     Checkpoint,
     b64decode_strict,
@@ -36,8 +35,6 @@ from kvguard.audit.checkpoint import (
 from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
-_LEAF_KEY = '"leaf":"'
-_LEAF_KEY_BYTES = _LEAF_KEY.encode()
 _PROGRESS_EVERY = 4096
 
 
@@ -58,16 +55,18 @@ def verify_bundle(
     full: bool = False,
     progress: Progress | None = None,
     origin: str | None = None,
+    parallel: bool = True,
 ) -> BundleReport:
     """Verify the bundle in `directory`; raise VerificationError at the first problem. With
-    `origin`, the checkpoint must also name that log (a key may sign for several logs)."""
+    `origin`, the checkpoint must also name that log (a key may sign for several logs). With
+    `parallel`, `full` checks large files in two processes (`kvguard.audit.offline_full`)."""
     d = Path(directory)
     verifiers = [note.parse_verifier_key(k) for k in verifier_keys]
     if not verifiers:
         raise VerificationError("no verifier key given")
     _check_listing(d)
     try:
-        report = _verify_files(d, verifiers, full, progress)
+        report = _verify_files(d, verifiers, full, progress, parallel)
     except UnicodeDecodeError:
         raise VerificationError("a bundle file is not valid UTF-8") from None
     except OSError as exc:  # e.g. a proof file replaced by a folder
@@ -78,14 +77,18 @@ def verify_bundle(
 
 
 def _verify_files(
-    d: Path, verifiers: list[note.Verifier], full: bool, progress: Progress | None
+    d: Path,
+    verifiers: list[note.Verifier],
+    full: bool,
+    progress: Progress | None,
+    parallel: bool = False,
 ) -> BundleReport:
     signed = _read_text(d / bundle.CHECKPOINT)
     try:
         cp = parse_checkpoint(note.open_note(signed, verifiers)[0])
     except VerificationError as exc:
         raise VerificationError(f"checkpoint: {exc}") from None
-    leaf_hashes = _verify_entries(d, cp, full, progress)
+    leaf_hashes = _verify_entries(d, cp, full, progress, parallel)
     consistency = _verify_consistency(d, cp, verifiers)
     tlog = _verify_tlog_proofs(d, cp, signed, leaf_hashes)
     return BundleReport(cp.origin, cp.size, len(leaf_hashes), full, consistency, tlog)
@@ -115,29 +118,12 @@ def _lines(path: Path, stack: ExitStack) -> Iterator[str]:
     return iter(stack.enter_context(open(path, encoding="utf-8", newline="")))
 
 
-def _fast_leaf(line: bytes, where: str) -> bytes:
-    """The leaf of a raw line, strict base64 but not checked for canonical form: only for `--full`,
-    whose second pass compares each whole line with its re-encoded canonical form."""
-    try:
-        return binascii.a2b_base64(
-            line[line.rfind(_LEAF_KEY_BYTES) + len(_LEAF_KEY_BYTES) : -3], strict_mode=True
-        )
-    except binascii.Error:
-        raise VerificationError(f"{where}: leaf is not base64") from None
-
-
-def _raw_lines(path: Path, stack: ExitStack) -> Iterator[bytes]:
-    """Lines as bytes: `--full` compares bytes, so a line with invalid UTF-8 simply differs."""
-    return iter(stack.enter_context(open(path, "rb")))
-
-
 def _verify_entries(
-    d: Path, cp: Checkpoint, full: bool, progress: Progress | None
+    d: Path, cp: Checkpoint, full: bool, progress: Progress | None, parallel: bool = False
 ) -> dict[int, bytes]:
     """Check entries.jsonl (and the renderings). Returns leaf hashes by index."""
     if full:
-        levels = _full_levels(d, cp, progress)
-        hashes = _verify_full_lines(d, levels, progress)
+        hashes = _verify_full(d, cp, progress, parallel)
     else:
         hashes = _verify_proven_lines(d, cp, progress)
     with ExitStack() as stack:
@@ -151,26 +137,48 @@ def _where(number: int, index: int | None = None) -> str:
     return f"{bundle.ENTRIES} line {number}" + (f" (entry {index})" if index is not None else "")
 
 
-def _verify_full_lines(
-    d: Path, levels: list[list[bytes]], progress: Progress | None
+def _full_where(index: int) -> str:
+    return _where(index + 1, index)
+
+
+def _halves(
+    progress: Progress | None, size: int
+) -> tuple[offline_full.Progress | None, offline_full.Progress | None]:
+    """Map the byte progress of the two `--full` passes onto entries: each pass is half the work."""
+    if progress is None:
+        return None, None
+    report = progress
+
+    def first(done: int, total: int) -> None:
+        report(size * done // (2 * total), size)
+
+    def second(done: int, total: int) -> None:
+        report(size // 2 + size * done // (2 * total), size)
+
+    return first, second
+
+
+def _verify_full(
+    d: Path, cp: Checkpoint, progress: Progress | None, parallel: bool
 ) -> dict[int, bytes]:
-    """Second `--full` pass: each line must equal the canonical line built from the recomputed
-    tree (so each inclusion proof is exactly the right one). The hot loop of `kvguard verify`."""
-    paths, leaf_level, total = _ProofText(levels), levels[0], len(levels[0])
-    with ExitStack() as stack:
-        for index, line in enumerate(_raw_lines(d / bundle.ENTRIES, stack)):
-            leaf = _fast_leaf(line, _where(index + 1))
-            if line != bundle.entry_line_joined(index, leaf, paths.path(index)).encode():
-                raise VerificationError(
-                    f"{_where(index + 1, index)}: line differs from the canonical entry"
-                )
-            if merkle.leaf_hash(leaf) != leaf_level[index]:
-                raise VerificationError(f"{_where(index + 1, index)}: leaf changed while verifying")
-            if progress is not None and index % _PROGRESS_EVERY == 0:
-                progress(total // 2 + index // 2, total)
+    """`--full`: rebuild the tree from every leaf, compare its root with the signed one, then hold
+    every line to its canonical form with the recomputed proof (`kvguard.audit.offline_full`)."""
+    path = d / bundle.ENTRIES
+    first_half, second_half = _halves(progress, cp.size)
+    parts = offline_full.split(path, parallel)
+    tree = offline_full.full_levels(path, parts, _full_where, first_half)
+    leaf_hashes = tree.levels[0]
+    if len(leaf_hashes) != cp.size:
+        raise VerificationError(
+            f"--full needs the complete log: {len(leaf_hashes)} entries, checkpoint has {cp.size}"
+        )
+    if merkle.levels_root(tree.levels) != cp.root:
+        _verify_entries(d, cp, False, None)  # finds and names the first entry that fails
+        raise VerificationError("the entries do not reproduce the signed root")
+    offline_full.check_lines(path, tree, _full_where, second_half)
     if progress is not None:
-        progress(total, total)
-    return dict(enumerate(leaf_level))
+        progress(cp.size, cp.size)
+    return dict(enumerate(leaf_hashes))
 
 
 def _verify_proven_lines(d: Path, cp: Checkpoint, progress: Progress | None) -> dict[int, bytes]:
@@ -225,58 +233,6 @@ def _check_line_proof(
     except VerificationError as exc:
         raise VerificationError(f"{where} (entry {index}): {exc}") from None
     return index, leaf, proof
-
-
-def _full_levels(d: Path, cp: Checkpoint, progress: Progress | None) -> list[list[bytes]]:
-    """First pass of `--full`: rebuild the tree from every leaf and compare with the signed root."""
-    leaf_hashes: list[bytes] = []
-    with ExitStack() as stack:
-        for number, line in enumerate(_raw_lines(d / bundle.ENTRIES, stack), start=1):
-            leaf_hashes.append(
-                merkle.leaf_hash(_fast_leaf(line, f"{bundle.ENTRIES} line {number}"))
-            )
-            if progress is not None and number % _PROGRESS_EVERY == 0:
-                progress(number // 2, cp.size)
-    if len(leaf_hashes) != cp.size:
-        raise VerificationError(
-            f"--full needs the complete log: {len(leaf_hashes)} entries, checkpoint has {cp.size}"
-        )
-    levels = merkle.tree_levels(leaf_hashes)
-    if merkle.levels_root(levels) != cp.root:
-        _verify_entries(d, cp, False, None)  # finds and names the first entry that fails
-        raise VerificationError("the entries do not reproduce the signed root")
-    return levels
-
-
-class _ProofText:
-    """Rendered audit paths (`"b64","b64",...`) of consecutive entries of a complete tree.
-
-    PATH(i) is the sibling at level 0 followed by the path of the parent, so the rendered path of
-    each node is cached per level and rebuilt only where the index changed: about two string
-    joins per entry instead of one base64 encoding per proof hash (the first `--full`
-    implementation spent 22 us of its 23 us per entry here).
-    """
-
-    def __init__(self, levels: list[list[bytes]]) -> None:
-        self._levels = levels
-        self._previous = -1
-        self._text = [""] * len(levels)  # the root level's path is empty
-
-    def path(self, index: int) -> str:
-        levels, text, top = self._levels, self._text, len(self._levels) - 1
-        previous, self._previous = self._previous, index
-        # the node at level l changes only if index and previous differ at or above bit l
-        changed = top if previous < 0 else min(top, (index ^ previous).bit_length())
-        for level in range(changed - 1, -1, -1):
-            hashes = levels[level]
-            sibling = (index >> level) ^ 1
-            above = text[level + 1]
-            if sibling < len(hashes):
-                own = '"' + binascii.b2a_base64(hashes[sibling], newline=False).decode() + '"'
-                text[level] = own + "," + above if above else own
-            else:
-                text[level] = above
-        return text[0]
 
 
 def _open_renderings(d: Path, stack: ExitStack) -> dict[str, Iterator[str]]:

@@ -9,6 +9,7 @@ gets no prefix cache and nothing of it is retained (G7, fail closed).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -29,13 +30,16 @@ class Envelope:
     use_cache: bool
 
     def to_extra_args(self) -> dict[str, Any]:
-        return {
-            ENVELOPE_KEY: {
-                "v": _VERSION,
-                "scope": self.scope.model_dump(mode="json"),
-                "use_cache": self.use_cache,
-            }
+        return {ENVELOPE_KEY: self.to_json()}
+
+    def to_json(self) -> str:
+        """One JSON string: `vllm serve` only passes flat values through `vllm_xargs`."""
+        doc = {
+            "v": _VERSION,
+            "scope": self.scope.model_dump(mode="json"),
+            "use_cache": self.use_cache,
         }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 def read_envelope(extra_args: dict[str, Any] | None) -> Envelope | None:
@@ -43,6 +47,11 @@ def read_envelope(extra_args: dict[str, Any] | None) -> Envelope | None:
     if not extra_args or ENVELOPE_KEY not in extra_args:
         return None
     raw = extra_args[ENVELOPE_KEY]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ScopeError("kvguard envelope is not valid JSON") from None
     if not isinstance(raw, dict) or raw.get("v") != _VERSION:
         raise ScopeError("kvguard envelope has an unknown version")
     try:

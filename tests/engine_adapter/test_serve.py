@@ -1,0 +1,128 @@
+"""The `vllm serve` middleware: API key -> tenant, client salts stripped, server salt and scope injected."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
+from kvguard.engine_adapter.vllm.transport import read_envelope
+from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Share
+from kvguard.policy import PolicySet, TenantPolicy
+
+
+class Downstream:
+    """Stands in for vLLM's app: records what reached it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        message = await receive()
+        if scope["path"] != "/health":
+            self.bodies.append(json.loads(message.get("body") or b"{}"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def setup(tmp_path):
+    keys = TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+    deriver = SaltDeriver(Keyring.generate())
+    policies = PolicySet(tenants={"off": TenantPolicy(enabled=False)})
+    downstream = Downstream()
+    app = KVGuardMiddleware(
+        downstream,
+        keys=keys,
+        deriver=deriver,
+        policies=policies,
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
+    return keys, deriver, downstream, client
+
+
+async def _post(client, key, body, headers=None):
+    h = {"authorization": f"Bearer {key}"} if key else {}
+    return await client.post("/v1/completions", json=body, headers={**h, **(headers or {})})
+
+
+@pytest.mark.anyio
+async def test_missing_unknown_or_revoked_key_is_401_without_engine_work(setup) -> None:
+    keys, _, downstream, client = setup
+    issued = keys.issue("acme")
+    forged = issued.api_key[:-4] + "AAAA"
+    for key in (None, "nonsense", forged, "kvg_000000000000_" + "A" * 43):
+        response = await _post(client, key, {"prompt": [1, 2, 3]})
+        assert response.status_code == 401
+        assert issued.api_key not in response.text
+    keys.revoke(issued.key_id)
+    assert (await _post(client, issued.api_key, {"prompt": [1]})).status_code == 401
+    assert downstream.bodies == []
+
+
+@pytest.mark.anyio
+async def test_G1_client_salt_replaced_by_server_salt_and_envelope(setup) -> None:
+    keys, deriver, downstream, client = setup
+    key = keys.issue("acme").api_key
+    response = await _post(
+        client, key, {"prompt": [1, 2, 3], "cache_salt": "victim-salt", "vllm_xargs": {"mine": 1}}
+    )
+    assert response.status_code == 200
+    body = downstream.bodies[-1]
+    envelope = read_envelope(body["vllm_xargs"])
+    assert envelope is not None and envelope.scope.tenant_id == "acme"
+    assert body["cache_salt"] == deriver.salt(envelope.scope) != "victim-salt"
+    assert body["vllm_xargs"]["mine"] == 1
+    await _post(client, key, {"prompt": [1]}, {"x-kvguard-session": "s1"})
+    session = read_envelope(downstream.bodies[-1]["vllm_xargs"])
+    assert session.scope.share is Share.SESSION and session.scope.session_id == "s1"
+
+
+@pytest.mark.anyio
+async def test_disabled_tenant_403_and_bad_body_400(setup) -> None:
+    keys, _, downstream, client = setup
+    assert (await _post(client, keys.issue("off").api_key, {"prompt": [1]})).status_code == 403
+    response = await client.post(
+        "/v1/completions",
+        content=b"[1, 2",
+        headers={"authorization": f"Bearer {keys.issue('acme').api_key}"},
+    )
+    assert response.status_code == 400
+    assert downstream.bodies == []
+
+
+@pytest.mark.anyio
+async def test_non_api_paths_pass_through(setup) -> None:
+    _, _, _, client = setup
+    assert (await client.get("/health")).status_code == 200
+
+
+def test_envelope_survives_vllms_openai_protocol(setup) -> None:
+    """The rewritten body, parsed by vLLM's own request model, yields extra_args the connector reads."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+    _, deriver, _, _ = setup
+    app = KVGuardMiddleware(
+        Downstream(),
+        keys=setup[0],
+        deriver=deriver,
+        policies=PolicySet(),
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    scope = app._scope("acme", None)
+    from kvguard.engine_adapter.vllm.transport import Envelope
+
+    body = json.loads(
+        app._rewrite(
+            json.dumps({"model": "tiny", "prompt": [1, 2]}).encode(), Envelope(scope, True)
+        )
+    )
+    request = protocol.CompletionRequest.model_validate(body)
+    params = request.to_sampling_params(max_tokens=4)
+    assert read_envelope(params.extra_args).scope == scope
+    assert request.cache_salt == deriver.salt(scope)
