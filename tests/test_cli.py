@@ -5,6 +5,7 @@ import os
 from typer.testing import CliRunner
 
 from kvguard.cli import app
+from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.isolation import Keyring
 
 runner = CliRunner()
@@ -37,8 +38,6 @@ def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
 
 
 def test_tenant_key_issue(tmp_path) -> None:
-    from kvguard.engine_adapter.tenant_keys import TenantKeys
-
     url = f"sqlite:///{tmp_path / 't.db'}"
     result = runner.invoke(app, ["keys", "tenant-key", "acme", "--db", url])
     assert result.exit_code == 0, result.output

@@ -9,7 +9,7 @@ import pytest
 
 from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
-from kvguard.engine_adapter.vllm.transport import read_envelope
+from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Share
 from kvguard.policy import PolicySet, TenantPolicy
 
@@ -115,8 +115,6 @@ def test_envelope_survives_vllms_openai_protocol(setup) -> None:
         cache=CacheConfig(kv_dtype="auto", block_size=32),
     )
     scope = app._scope("acme", None)
-    from kvguard.engine_adapter.vllm.transport import Envelope
-
     body = json.loads(
         app._rewrite(
             json.dumps({"model": "tiny", "prompt": [1, 2]}).encode(), Envelope(scope, True)
