@@ -99,6 +99,8 @@ def _prepare(data_dir: Path, fresh: bool) -> dict[str, Any]:
         Keyring.generate("demo1").save(keyring)
     if not signing.exists():
         SigningKey.generate(ORIGIN).save(signing)
+    # Public: what an auditor needs to verify exports offline.
+    (data_dir / "verifier.key").write_text(SigningKey.load(signing).verifier_key() + "\n")
     policy.write_text(POLICY)
     return {
         "salt_keyring_file": keyring,
