@@ -178,6 +178,38 @@ def test_preemption_under_memory_pressure_keeps_invariants(guarded) -> None:
     _sched(guarded).custody.check_invariants()
 
 
+def test_G2_G3_aborted_requests_release_through_custody(guarded) -> None:
+    """Requests aborted mid-decode (client cancellations) still quarantine, clear and release."""
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+
+    engine = guarded.llm.llm_engine
+    sched = _sched(guarded)
+    zeroized = sched.stats["blocks_zeroized"]
+    ids = []
+    for i in range(6):
+        salt, params = guarded._admit(
+            TenantRequest("restricted-tenant" if i % 2 else f"ab{i}"), _params(max_tokens=200)
+        )
+        rid = f"abort-{i}"
+        engine.add_request(
+            rid, TokensPrompt(prompt_token_ids=DOCS[i] + [i], cache_salt=salt), params
+        )
+        ids.append(rid)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    guarded.settle()
+    sched.custody.check_invariants()
+    assert not sched.has_pending()
+    assert sched.stats["blocks_zeroized"] > zeroized  # the restricted tenant's blocks were cleared
+    held = [b for b in range(sched.custody.num_blocks) if sched.custody.record(b).holders]
+    assert held == []  # nothing still attributed to an aborted request
+
+
 def test_G5_ledger_verifies_and_counts_match_engine(guarded) -> None:
     sched = _sched(guarded)
     guarded.settle()
