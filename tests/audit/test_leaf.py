@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -63,6 +64,20 @@ def test_fast_leaf_renderer_equals_the_canonical_definition(
         0, details=details, block_ids=block_ids, scope_tag=scope_tag, request_id=request_id
     )
     assert lf.render_leaf(event, commitment) == lf.canonical_json(lf.leaf_object(event, commitment))
+
+
+@given(
+    st.datetimes(
+        min_value=datetime(1, 1, 2),  # naive bounds; hypothesis adds the zone
+        max_value=datetime(9999, 12, 30),
+        timezones=st.timezones(),
+    )
+)
+def test_cached_timestamp_text_is_the_one_spelling_per_instant(ts: datetime) -> None:
+    text = lf.format_ts(ts)
+    # the definition before the per-second cache (`isoformat` zero-pads years; strftime may not)
+    assert text == ts.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+    assert lf.parse_ts(text) == ts.astimezone(UTC)
 
 
 def test_non_canonical_leaf_bytes_are_refused() -> None:
