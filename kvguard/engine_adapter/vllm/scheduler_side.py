@@ -114,8 +114,12 @@ class SchedulerGuard:
         if envelope is None:
             self.stats["ungoverned"] += 1
             envelope = Envelope(scope=self._ungoverned_scope(request.request_id), use_cache=False)
-        elif envelope.use_cache and request.cache_salt != self.deriver.salt(envelope.scope):
-            # A salt the server did not derive for this scope: forged, copied or stale (G1).
+        elif envelope.use_cache and (
+            request.cache_salt != self.deriver.salt(envelope.scope)
+            or envelope.scope.cache_config.block_size != self._block_size
+        ):
+            # A salt the server did not derive for this scope (forged, copied or stale), or a scope
+            # that does not describe this engine's cache: no prefix caching (G1).
             self.stats["untrusted_salts"] += 1
             _log.warning(
                 "untrusted cache salt; prefix caching disabled for the request",
