@@ -173,8 +173,10 @@ def test_preemption_under_memory_pressure_keeps_invariants(guarded) -> None:
     from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
 
     items = [(TenantRequest(f"p{i % 5}"), p) for i, p in enumerate(long_prompts)]
+    preemptions = _sched(guarded).stats["preemptions"]
     outs = guarded.generate_batch(items, _params(max_tokens=40))
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert _sched(guarded).stats["preemptions"] > preemptions  # the pool really ran out
     _sched(guarded).custody.check_invariants()
 
 

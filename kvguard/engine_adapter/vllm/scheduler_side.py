@@ -76,6 +76,7 @@ class SchedulerGuard:
             "ungoverned": 0,
             "reused_tokens": 0,
             "blocks_zeroized": 0,
+            "preemptions": 0,
             "zeroize_failures": 0,
         }
 
@@ -191,6 +192,7 @@ class SchedulerGuard:
         c, now = self._c, self._clock()
         self._step += 1
         for rid in so.preempted_req_ids or ():
+            self.stats["preemptions"] += 1
             if rid in self._begun:
                 # The engine already freed these blocks and may have re-allocated some of them in
                 # this very schedule; hold what is left only after the allocations below.
