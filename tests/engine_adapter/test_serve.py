@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import uuid
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
@@ -28,9 +31,34 @@ class Downstream:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def tenant_keys(request, tmp_path):
+    if request.param == "sqlite":
+        yield TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+        return
+    schema = f"tk_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    except sa.exc.OperationalError as exc:
+        pytest.skip(f"PostgreSQL unreachable at {PG_URL} ({type(exc).__name__})")
+    engine = sa.create_engine(PG_URL, connect_args={"options": f"-csearch_path={schema}"})
+    try:
+        yield TenantKeys(engine)
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
 @pytest.fixture
-def setup(tmp_path):
-    keys = TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+def setup(tenant_keys):
+    keys = tenant_keys
     deriver = SaltDeriver(Keyring.generate())
     policies = PolicySet(tenants={"off": TenantPolicy(enabled=False)})
     downstream = Downstream()
