@@ -283,3 +283,32 @@ def test_multiprocess_mode_and_outputs_identical_to_plain_vllm(guarded, tmp_path
     ) as ledger:
         assert ledger.size > 0
         assert ledger.verify().size == ledger.size
+
+
+def test_G6_connector_refuses_raw_kv_events(tmp_path) -> None:
+    """BlockStored events carry token ids and the plain salt: the connector will not start with them."""
+    from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.connector import KVGuardConnector  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from kvguard.errors import ConfigError  # noqa: PLC0415
+
+    extra = GuardOptions(**write_secrets(tmp_path)).to_extra_config()
+    transfer = KVTransferConfig(
+        kv_connector="KVGuardConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kvguard.engine_adapter.vllm.connector",
+        kv_connector_extra_config=extra,
+    )
+    kwargs = {k: v for k, v in engine_kwargs().items() if k != "disable_log_stats"}
+    config = EngineArgs(
+        model=str(tiny_llama_dir()),
+        kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+        **kwargs,
+    ).create_engine_config()
+    with pytest.raises(ConfigError, match="KV cache events"):
+        KVGuardConnector(config, KVConnectorRole.WORKER, None)

@@ -11,7 +11,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
-| `canary` | test-only: check every block entering a new scope is all-zero before the forward | false |
+| `canary` | test-only: check every block entering a new scope is all-zero before the forward, and the custody invariant (G4) after every step | false |
 """
 
 from __future__ import annotations

@@ -216,6 +216,8 @@ class SchedulerGuard:
         plan = c.take_plan()
         with self.timer.phase("ledger_submit"):
             self.bridge.forward(c.take_events())
+        if self.options.canary:
+            c.check_invariants()  # test-only: G4 after every step (walks the whole pool)
         return GuardStepMeta(
             step=self._step,
             release=plan.release,
