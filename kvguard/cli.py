@@ -8,6 +8,7 @@ and are mounted here; this module only wires them together and sets up logging. 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -100,6 +101,64 @@ def demo(
         and not summary["zeroize_failures"]
     )
     if not ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
+    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Database the engines poll.")],
+    tenant: Annotated[
+        str | None, typer.Option(help="Purge this tenant (or the session's tenant).")
+    ] = None,
+    session: Annotated[str | None, typer.Option(help="Purge one session (needs --tenant).")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Purge everything computed by this model id.")
+    ] = None,
+    adapter: Annotated[
+        str | None, typer.Option(help="Purge everything computed with this adapter id.")
+    ] = None,
+    by: Annotated[str, typer.Option(help="Who asks (recorded with the command).")] = "cli",
+    wait: Annotated[float, typer.Option(help="Seconds to wait for engine acknowledgements.")] = 0.0,
+) -> None:
+    """Queue a purge for every engine on the database; cached blocks are quarantined and zeroized."""
+    from kvguard.engine_adapter.commands import CommandQueue  # noqa: PLC0415
+    from kvguard.engine_adapter.records import PurgeKind, PurgeSelector  # noqa: PLC0415
+
+    chosen = [
+        (k, v) for k, v in (("session", session), ("model", model), ("adapter", adapter)) if v
+    ]
+    if len(chosen) > 1 or (not chosen and not tenant):
+        typer.echo(
+            "error: give exactly one of --tenant, --session (with --tenant), --model, --adapter",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if chosen:
+        kind, value = chosen[0]
+        selector = PurgeSelector(PurgeKind(kind), value, tenant if kind == "session" else None)
+    else:
+        selector = PurgeSelector(PurgeKind.TENANT, str(tenant))
+    try:
+        queue = CommandQueue.open(db)
+        command_id = queue.submit_purge(selector, requested_by=by)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"purge command {command_id} queued")
+    deadline = time.monotonic() + wait
+    while wait and time.monotonic() < deadline:
+        acks = queue.acks(command_id)
+        if acks:
+            for ack in acks:
+                typer.echo(
+                    f"engine {ack['engine_id']}: {ack['blocks_quarantined']} blocks quarantined"
+                )
+            return
+        time.sleep(0.2)
+    if wait:
+        typer.echo(
+            "no engine acknowledged the purge yet (engines poll when they are busy)", err=True
+        )
         raise typer.Exit(1)
 
 

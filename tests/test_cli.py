@@ -5,6 +5,7 @@ import os
 from typer.testing import CliRunner
 
 from kvguard.cli import app
+from kvguard.engine_adapter.commands import CommandQueue
 from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.isolation import Keyring
 
@@ -43,3 +44,18 @@ def test_tenant_key_issue(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     key = result.output.strip().splitlines()[-1]
     assert TenantKeys.open(url).tenant_for(key) == "acme"
+
+
+def test_purge_command_is_queued_and_usage_errors_exit_2(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    result = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme"])
+    assert result.exit_code == 0, result.output
+    (command,) = CommandQueue.open(url).pending_after(0)
+    assert command.selector.value == "acme"
+    assert runner.invoke(app, ["purge", "--db", url]).exit_code == 2
+    assert runner.invoke(app, ["purge", "--db", url, "--session", "s1"]).exit_code == 2
+    assert (
+        runner.invoke(app, ["purge", "--db", url, "--model", "m", "--adapter", "a"]).exit_code == 2
+    )
+    result = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme", "--wait", "0.3"])
+    assert result.exit_code == 1 and "no engine acknowledged" in result.output

@@ -240,7 +240,9 @@ class Custody:
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
         return tuple(out)
 
-    def purge(self, selector: PurgeSelector, now: float) -> tuple[int, ...]:
+    def purge(
+        self, selector: PurgeSelector, now: float, *, details: Details | None = None
+    ) -> tuple[int, ...]:
         """Quarantine cached blocks of the selected owners; active ones are quarantined on release."""
         out: list[int] = []
         doomed = 0
@@ -264,7 +266,7 @@ class Custody:
                 None,
                 None,
                 tuple(out),
-                {"blocks_quarantined": len(out), "blocks_active_doomed": doomed},
+                {**(details or {}), "blocks_quarantined": len(out), "blocks_active_doomed": doomed},
             )
         )
         return tuple(out)

@@ -168,6 +168,24 @@ def test_purge_tenant_quarantines_zeroizes_and_is_recorded(guarded) -> None:
     assert page.records and page.records[-1].event.details["blocks_quarantined"] >= 2
 
 
+def test_purge_command_from_the_database_is_executed_and_acknowledged(guarded) -> None:
+    from kvguard.engine_adapter.commands import CommandQueue  # noqa: PLC0415
+
+    prompt = DOCS[5] + [15]
+    guarded.generate([prompt], _params(), tenant="db-purged")
+    assert (
+        guarded.generate([prompt], _params(), tenant="db-purged")[0].num_cached_tokens == 2 * BLOCK
+    )
+    queue = CommandQueue.open(guarded.options.ledger_url)
+    command_id = queue.submit_purge(
+        PurgeSelector(PurgeKind.TENANT, "db-purged"), requested_by="test"
+    )
+    time.sleep(0.6)  # engines poll at most every 0.5 s
+    assert guarded.generate([prompt], _params(), tenant="db-purged")[0].num_cached_tokens == 0
+    (ack,) = queue.acks(command_id)
+    assert ack["engine_id"] == _sched(guarded).engine_id and ack["blocks_quarantined"] >= 2
+
+
 def test_preemption_under_memory_pressure_keeps_invariants(guarded) -> None:
     long_prompts = [DOCS[d % 6] + [(d * 17 + k) % 500 + 5 for k in range(120)] for d in range(16)]
     from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415

@@ -11,6 +11,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
+| `commands_url` | database the engine polls for purge commands (`kvguard purge`, the admin API) | `ledger_url` |
 | `canary` | test-only: check every block entering a new scope is all-zero before the forward, and the custody invariant (G4) after every step | false |
 """
 
@@ -40,6 +41,7 @@ class GuardOptions:
     ledger_overflow: str = "fail_closed"
     verify_override: str | None = None
     canary: bool = False
+    commands_url: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> GuardOptions:
@@ -66,6 +68,7 @@ class GuardOptions:
             ledger_overflow=str(extra.get("ledger_overflow", "fail_closed")),
             verify_override=extra.get("verify_override"),
             canary=bool(extra.get("canary", False)),
+            commands_url=extra.get("commands_url"),
         )
 
     def to_extra_config(self) -> dict[str, Any]:
@@ -81,6 +84,8 @@ class GuardOptions:
             out["policy_file"] = str(self.policy_file)
         if self.verify_override is not None:
             out["verify_override"] = self.verify_override
+        if self.commands_url is not None:
+            out["commands_url"] = self.commands_url
         return out
 
     def deriver(self) -> SaltDeriver:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvguard.engine_adapter.commands import CommandQueue
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
 from kvguard.engine_adapter.records import BlockStatus, PurgeSelector
@@ -37,6 +39,7 @@ _log = get_logger("vllm.scheduler")
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
 UNGOVERNED_TENANT = "kvguard:ungoverned"
 SWEEP_INTERVAL_S = 0.1
+COMMAND_POLL_S = 0.5
 
 
 class SchedulerGuard:
@@ -68,6 +71,10 @@ class SchedulerGuard:
         self._step = 0
         self._closed = False
         self.timer = PhaseTimer()
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._commands = CommandQueue.open(options.commands_url or options.ledger_url)
+        self._last_command = self._commands.latest_id()  # older purges found nothing of ours
+        self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         atexit.register(self.close)
         self.stats = {
@@ -77,6 +84,7 @@ class SchedulerGuard:
             "reused_tokens": 0,
             "blocks_zeroized": 0,
             "preemptions": 0,
+            "commands": 0,
             "zeroize_failures": 0,
         }
 
@@ -282,9 +290,21 @@ class SchedulerGuard:
         if now - self._last_sweep >= SWEEP_INTERVAL_S:
             c.sweep(now)
             self._last_sweep = now
+        if now - self._last_poll >= COMMAND_POLL_S:
+            self._last_poll = now
+            self._run_commands(now)
         while self._purges:
             c.purge(self._purges.pop(0), now)
         self._hold_quarantined()
+
+    def _run_commands(self, now: float) -> None:
+        for command in self._commands.pending_after(self._last_command):
+            quarantined = self._c.purge(command.selector, now, details={"command_id": command.id})
+            self._commands.acknowledge(
+                command.id, self.engine_id, {"blocks_quarantined": len(quarantined)}
+            )
+            self._last_command = command.id
+            self.stats["commands"] += 1
 
     # --- pool holds -----------------------------------------------------------------------------
 
