@@ -1,6 +1,7 @@
 """Audit ledger benchmarks (issue 3, item 11). Results go to docs/benchmarks.md.
 
     .venv/bin/python benchmarks/audit_bench.py [--proof-entries 1000000] [--pg URL]
+        [--only append append-pg submit proofs verify]
 
 Measures, each with the durability setting it used:
 1. durable `append_many` throughput on SQLite (WAL, synchronous=FULL) and PostgreSQL
@@ -9,7 +10,8 @@ Measures, each with the durability setting it used:
 3. inclusion and consistency proof time at `--proof-entries` entries (default 1M), with the number of
    stored hashes each proof reads, and that read count computed for 10M (extrapolation: reads, not
    time);
-4. `verify --full` (offline) speed on a complete export, with and without the SIEM renderings.
+4. `verify --full` (offline) speed on a complete export, with and without the SIEM renderings, in two
+   processes (the default) and in one; CPU rates count the forked child too.
 """
 
 from __future__ import annotations
@@ -159,15 +161,23 @@ def bench_verify(url: str, n: int, key: SigningKey, work: Path) -> dict[str, flo
             t = time.perf_counter()
             ledger.export(target, renderings=renderings)
             out[f"export_rate_{renderings}"] = n / (time.perf_counter() - t)
-            t, cpu = time.perf_counter(), time.process_time()
-            verify_bundle(target, [key.verifier_key()], full=True)
-            out[f"verify_full_rate_{renderings}"] = n / (time.perf_counter() - t)
-            out[f"verify_full_cpu_rate_{renderings}"] = n / (time.process_time() - cpu)
+            for parallel in (True, False):  # two processes (the default) and one
+                t, cpu = time.perf_counter(), _cpu_seconds()
+                verify_bundle(target, [key.verifier_key()], full=True, parallel=parallel)
+                tag = f"{renderings}{'' if parallel else '_one_process'}"
+                out[f"verify_full_rate_{tag}"] = n / (time.perf_counter() - t)
+                out[f"verify_full_cpu_rate_{tag}"] = n / (_cpu_seconds() - cpu)
             out[f"bundle_mb_{renderings}"] = sum(p.stat().st_size for p in target.iterdir()) / 1e6
             shutil.rmtree(target)
     finally:
         ledger.close()
     return out
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (`verify --full` forks one)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def pg_database(base: str) -> tuple[str, Callable[[], None]]:
@@ -184,6 +194,50 @@ def pg_database(base: str) -> tuple[str, Callable[[], None]]:
     return sa.engine.make_url(base).set(database=name).render_as_string(False), drop
 
 
+def _run_append(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
+    rate, cpu = bench_append(f"sqlite:///{work / 'a.db'}", args.append_entries, args.batch, key)
+    print(
+        f"append_many sqlite (WAL, synchronous=FULL), batch {args.batch}: {rate:,.0f} events/s"
+        f" (per CPU-second of this process: {cpu:,.0f})"
+    )
+
+
+def _run_append_pg(args: argparse.Namespace, key: SigningKey, _work: Path) -> None:
+    pg_url, drop = pg_database(args.pg)
+    try:
+        rate, cpu = bench_append(pg_url, args.append_entries, args.batch, key)
+        print(
+            f"append_many postgresql (synchronous_commit=on), batch {args.batch}: "
+            f"{rate:,.0f} events/s (client CPU only: {cpu:,.0f})"
+        )
+    finally:
+        drop()
+
+
+def _run_submit(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
+    sub = bench_submit(f"sqlite:///{work / 's.db'}", args.submit_entries, key)
+    print("submit (sqlite behind it): " + ", ".join(f"{k}={v:,.2f}" for k, v in sub.items()))
+
+
+def _run_proofs(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
+    proofs = bench_proofs(f"sqlite:///{work / 'p.db'}", args.proof_entries, key)
+    print("proofs (sqlite): " + ", ".join(f"{k}={v:,.1f}" for k, v in proofs.items()))
+
+
+def _run_verify(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
+    ver = bench_verify(f"sqlite:///{work / 'v.db'}", args.verify_entries, key, work)
+    print("export/verify --full: " + ", ".join(f"{k}={v:,.1f}" for k, v in ver.items()))
+
+
+_PARTS: dict[str, Callable[[argparse.Namespace, SigningKey, Path], None]] = {
+    "append": _run_append,
+    "append-pg": _run_append_pg,
+    "submit": _run_submit,
+    "proofs": _run_proofs,
+    "verify": _run_verify,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--append-entries", type=int, default=200_000)
@@ -191,6 +245,13 @@ def main() -> None:
     parser.add_argument("--submit-entries", type=int, default=100_000)
     parser.add_argument("--proof-entries", type=int, default=1_000_000)
     parser.add_argument("--verify-entries", type=int, default=200_000)
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=_PARTS,
+        default=list(_PARTS),
+        help="run only these measurements (default: all)",
+    )
     parser.add_argument(
         "--pg",
         default=os.environ.get(
@@ -206,26 +267,8 @@ def main() -> None:
     )
     try:
         print(f"load average at start: {os.getloadavg()}")
-        rate, cpu = bench_append(f"sqlite:///{work / 'a.db'}", args.append_entries, args.batch, key)
-        print(
-            f"append_many sqlite (WAL, synchronous=FULL), batch {args.batch}: {rate:,.0f} events/s"
-            f" (per CPU-second of this process: {cpu:,.0f})"
-        )
-        pg_url, drop = pg_database(args.pg)
-        try:
-            rate, cpu = bench_append(pg_url, args.append_entries, args.batch, key)
-            print(
-                f"append_many postgresql (synchronous_commit=on), batch {args.batch}: "
-                f"{rate:,.0f} events/s (client CPU only: {cpu:,.0f})"
-            )
-        finally:
-            drop()
-        sub = bench_submit(f"sqlite:///{work / 's.db'}", args.submit_entries, key)
-        print("submit (sqlite behind it): " + ", ".join(f"{k}={v:,.2f}" for k, v in sub.items()))
-        proofs = bench_proofs(f"sqlite:///{work / 'p.db'}", args.proof_entries, key)
-        print("proofs (sqlite): " + ", ".join(f"{k}={v:,.1f}" for k, v in proofs.items()))
-        ver = bench_verify(f"sqlite:///{work / 'v.db'}", args.verify_entries, key, work)
-        print("export/verify --full: " + ", ".join(f"{k}={v:,.1f}" for k, v in ver.items()))
+        for part in args.only:
+            _PARTS[part](args, key, work)
         print(f"load average at end: {os.getloadavg()}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
