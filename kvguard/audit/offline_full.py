@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import binascii
 import hashlib
+import io
 import multiprocessing
 import os
 from array import array
@@ -51,10 +52,9 @@ Levels = list[list[bytes]]
 _EVENT = b'{"event":'
 _PROOF = b',"inclusion_proof":['
 _INDEX = b'],"index":%d,"leaf":"'
-_END = b'"}'  # the newline is the line separator
+_END = b'"}\n'
 _LEAF_KEY = b'"leaf":"'
 _LEAF_PREFIX = b"\x00"  # RFC 6962 section 2.1 (as `merkle.leaf_hash`, inlined on the hot path)
-_PROGRESS_EVERY = 4096
 _BLOCK = 256 << 10  # bytes per read + split: larger blocks fall out of the L2 cache (measured)
 _PARALLEL_MIN_BYTES = 8 << 20  # below ~6,000 entries a fork costs more than it saves
 
@@ -176,31 +176,25 @@ def _child(send: Any, work: Callable[..., Any], path: Path, part: Part, extra: A
     send.close()
 
 
-class _Lines:
-    """The lines of bytes [start, stop) of a file, without their newline, in blocks of about
-    `_BLOCK` bytes: one `split` per block instead of one `readline` per line. `unterminated` tells,
-    once the blocks are exhausted, whether the last line lacked its newline."""
-
-    def __init__(self, path: Path, part: Part) -> None:
-        self._path, self._part = path, part
-        self.unterminated = False
-
-    def blocks(self) -> Iterator[list[bytes]]:
-        carry, remaining = b"", self._part.stop - self._part.start
-        with open(self._path, "rb") as f:
-            f.seek(self._part.start)
-            while remaining > 0:
-                data = f.read(min(_BLOCK, remaining))
-                if not data:  # the file shrank since it was split
-                    break
-                remaining -= len(data)
-                lines = (carry + data).split(b"\n")
-                carry = lines.pop()  # after the last newline: b"" or a partial line
-                if lines:
-                    yield lines
-        if carry:
-            self.unterminated = True
-            yield [carry]
+def _line_blocks(path: Path, part: Part) -> Iterator[list[bytes]]:
+    """The lines of bytes [start, stop) of a file, each with its newline (but a last line without
+    one), in blocks of about `_BLOCK` bytes. `BytesIO.readlines` finds newlines with `memchr`:
+    0.19 us per 1.4 KB line, where `bytes.split` compares byte by byte (1.1 us) and
+    `BufferedReader.readlines` is as slow (measured)."""
+    carry, remaining = b"", part.stop - part.start
+    with open(path, "rb") as f:
+        f.seek(part.start)
+        while remaining > 0:
+            data = f.read(min(_BLOCK, remaining))
+            if not data:  # the file shrank since it was split
+                break
+            remaining -= len(data)
+            lines = io.BytesIO(carry + data).readlines()
+            carry = lines.pop() if not lines[-1].endswith(b"\n") else b""
+            if lines:
+                yield lines
+    if carry:
+        yield [carry]
 
 
 def _leaf_hashes(
@@ -218,16 +212,16 @@ def _leaf_hashes(
     hashes: list[bytes] = []
     lengths: array[int] = array("Q")
     done = 0
-    for lines in _Lines(path, part).blocks():
-        # base64 length: len(x) - rfind(key) - around; its padding `=` sit in x[-4:-2]
+    for lines in _line_blocks(path, part):
+        # base64 length: len(x) - rfind(key) - around; its padding `=` sit in x[-5:-3]
         leaves = [
-            x[at : at + (len(x) - x.rfind(key) - around) // 4 * 3 - x[-4:-2].count(61)]
+            x[at : at + (len(x) - x.rfind(key) - around) // 4 * 3 - x[-5:-3].count(61)]
             for x in lines
         ]
         hashes += [sha256(_LEAF_PREFIX + leaf).digest() for leaf in leaves]
         lengths.extend(map(len, leaves))
         if progress is not None:
-            done += sum(map(len, lines)) + len(lines)
+            done += sum(map(len, lines))
             progress(done, part.stop - part.start)
     return hashes, lengths
 
@@ -244,8 +238,7 @@ def _check_part(
     sha256, b2a, join = hashlib.sha256, binascii.b2a_base64, b"".join
     paths, leaf_hashes, lengths = _PathText(tree.levels), tree.levels[0], tree.lengths
     body, index, done = len(_EVENT), part.first, 0
-    reader = _Lines(path, part)
-    for lines in reader.blocks():
+    for lines in _line_blocks(path, part):
         stop = index + len(lines)
         if stop > part.end:
             raise _PartError(part.end - part.first, "more lines than pass 1 counted")
@@ -259,10 +252,8 @@ def _check_part(
             _raise_first(lines, expected, rehashed, leaf_hashes[index:stop], index - part.first)
         index = stop
         if progress is not None:
-            done += sum(map(len, lines)) + len(lines)
+            done += sum(map(len, lines))
             progress(done, part.stop - part.start)
-    if reader.unterminated:
-        raise _PartError(index - 1 - part.first, "line differs from the canonical entry")
     if index != part.end:
         raise _PartError(index - part.first, "the file changed while verifying")
     if part.stop == size and path.stat().st_size != size:
