@@ -282,34 +282,50 @@ class _PathText:
 
     PATH(i) is the sibling at each level below the root that exists (`merkle.levels_inclusion_
     proof`). The part from level `l` up depends only on `i >> l`, so it is cached per level as
-    `,"b64"` pieces and rebuilt only where the index changed: one base64 encoding and about two
-    concatenations per entry on average, instead of one encoding per proof hash.
+    `,"b64"` pieces and rebuilt only where the index changed: about one base64 encoding and two
+    concatenations per entry, instead of one encoding per proof hash. `block` renders a run of
+    consecutive leaves at once: the part from level 1 up once per pair of leaves, the level-0
+    siblings in one comprehension (1.7-2.9 us per entry with one method call per entry, measured).
     """
 
     def __init__(self, levels: Levels) -> None:
         self._levels = levels
         self._top = len(levels) - 1  # the root level has no sibling
         self._tail = [b""] * (self._top + 2)  # tail[l]: the path from level l up, comma-led
-        self._previous: int | None = None
-
-    def block(self, first: int, stop: int) -> list[bytes]:
-        """`path(i)` for i in [first, stop), one call per block."""
-        path = self.path
-        return [path(i) for i in range(first, stop)]
+        self._pair: int | None = None  # the pair (index >> 1) that `_tail` was last built for
 
     def path(self, index: int) -> bytes:
+        return self.block(index, index + 1)[0]
+
+    def block(self, first: int, stop: int) -> list[bytes]:
+        """PATH(i) rendered, for i in [first, stop) (consecutive calls should move forward)."""
+        leaves, first_pair = self._levels[0], first >> 1
+        uppers = self._uppers(first_pair, ((stop - 1) >> 1) + 1)
+        low, high = first & ~1, min(len(leaves), stop + 1)
+        quoted = [b'"' + binascii.b2a_base64(h, newline=False) + b'"' for h in leaves[low:high]]
+        # every leaf but an odd last one has its sibling at level 0
+        paired = min(stop, len(leaves) - (len(leaves) & 1))
+        out = [quoted[(i ^ 1) - low] + uppers[(i >> 1) - first_pair] for i in range(first, paired)]
+        if paired < stop:  # the odd last leaf: its path starts at level 1 (drop the lead comma)
+            out.append(uppers[-1][1:])
+        return out
+
+    def _uppers(self, first_pair: int, stop_pair: int) -> list[bytes]:
+        """The comma-led path from level 1 up of each pair of leaves in [first_pair, stop_pair)."""
         levels, tail, top = self._levels, self._tail, self._top
-        previous, self._previous = self._previous, index
-        # the levels at and above bit_length(index ^ previous) keep the same node, hence sibling
-        changed = top if previous is None else min(top, (index ^ previous).bit_length())
-        for level in range(changed - 1, 0, -1):
-            hashes, sibling = levels[level], (index >> level) ^ 1
-            if sibling < len(hashes):
-                own = b',"' + binascii.b2a_base64(hashes[sibling], newline=False) + b'"'
-                tail[level] = own + tail[level + 1]
-            else:
-                tail[level] = tail[level + 1]
-        sibling = index ^ 1
-        if sibling < len(levels[0]):
-            return b'"' + binascii.b2a_base64(levels[0][sibling], newline=False) + b'"' + tail[1]
-        return tail[1][1:]
+        previous, out = self._pair, []
+        for pair in range(first_pair, stop_pair):
+            index = pair << 1
+            # the levels at and above bit_length(index ^ previous) keep their node, hence sibling
+            changed = top if previous is None else min(top, (index ^ (previous << 1)).bit_length())
+            for level in range(changed - 1, 0, -1):
+                hashes, sibling = levels[level], (index >> level) ^ 1
+                if sibling < len(hashes):
+                    own = b',"' + binascii.b2a_base64(hashes[sibling], newline=False) + b'"'
+                    tail[level] = own + tail[level + 1]
+                else:
+                    tail[level] = tail[level + 1]
+            out.append(tail[1])
+            previous = pair
+        self._pair = previous
+        return out
