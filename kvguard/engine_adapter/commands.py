@@ -4,7 +4,7 @@ The API and engine processes share nothing but the database (ARCHITECTURE.md, da
 a row in `engine_commands`; every engine attached to the database executes every command created after
 it started (a fresh engine holds no older state, so older purges have nothing to act on) and records
 an acknowledgement row per engine in `engine_command_acks` with what it did. Engines poll from their
-scheduler thread, at most every `poll_interval` seconds, when a request arrives or a step runs.
+scheduler thread, at most once a second, when a request arrives or a step runs.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from kvguard.policy import AuditLevel, Usage, Verify, admit
 _log = get_logger("vllm.scheduler")
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
 UNGOVERNED_TENANT = "kvguard:ungoverned"
-SWEEP_INTERVAL_S = 0.1
-COMMAND_POLL_S = 0.5
+SWEEP_INTERVAL_S = 0.25
+COMMAND_POLL_S = 1.0
 
 
 class SchedulerGuard:
