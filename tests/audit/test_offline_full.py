@@ -4,7 +4,9 @@ at the end of the file fails and names the right entry, like the one-process che
 
 from __future__ import annotations
 
+import base64
 import binascii
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -125,3 +127,21 @@ def test_two_process_check_detects_any_flipped_byte(
             verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
     entries.write_bytes(data)
     verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+
+
+def test_a_leaf_swapped_between_the_passes_is_caught(
+    sqlite_url: str, open_ledger: Opener, tmp_path: Path
+) -> None:
+    """A canonical line for another leaf of the same length, written after pass 1: every line is
+    still canonical for its leaf and PATH(i), so only the tie to pass 1's leaves can catch it."""
+    entries = _bundle(open_ledger, sqlite_url, tmp_path / "b", 50)
+    tree = offline_full.full_levels(entries, offline_full.split(entries, False), str, None)
+    lines = entries.read_bytes().splitlines(keepends=True)
+    obj = json.loads(lines[17])
+    leaf = base64.b64decode(obj["leaf"])
+    forged = leaf.replace(b'"v":1', b'"v":2')
+    assert forged != leaf and len(forged) == len(leaf)
+    lines[17] = bundle.entry_line(17, forged, obj["inclusion_proof"]).encode()
+    entries.write_bytes(b"".join(lines))
+    with pytest.raises(VerificationError, match="changed while verifying"):
+        offline_full.check_lines(entries, tree, str, None)
