@@ -134,6 +134,37 @@ def test_G1_forged_or_copied_salt_gets_no_hit(guarded) -> None:
         )
 
 
+def test_G1_copied_salt_cannot_plant_blocks_for_the_victim(guarded) -> None:
+    """A request with a copied salt runs next to the victim's: its blocks are never hit, nothing stops."""
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.transport import Envelope  # noqa: PLC0415
+
+    engine = guarded.llm.llm_engine
+    prompt = DOCS[3] + [99, 98, 97]
+    victim_salt, victim_params = guarded._admit(TenantRequest("victim2"), _params(max_tokens=2))
+    attack_params = _params(max_tokens=30)
+    attack_params.extra_args = Envelope(
+        scope=guarded.scope("attacker2"), use_cache=True
+    ).to_extra_args()
+    engine.add_request(
+        "attack", TokensPrompt(prompt_token_ids=prompt, cache_salt=victim_salt), attack_params
+    )
+    engine.step()  # the attacker's prompt blocks are computed and hashed
+    engine.add_request(
+        "victim", TokensPrompt(prompt_token_ids=prompt, cache_salt=victim_salt), victim_params
+    )
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    guarded.settle()
+    assert outputs["victim"].num_cached_tokens == 0
+    _sched(guarded).custody.check_invariants()
+
+
 def test_restricted_tenant_gets_no_caching_and_is_zeroized(guarded) -> None:
     prompt = DOCS[1] + [11]
     zeroized = _sched(guarded).stats["blocks_zeroized"]

@@ -17,6 +17,7 @@ All of this runs in the scheduler's single thread; nothing here touches tensors.
 from __future__ import annotations
 
 import atexit
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -143,11 +144,22 @@ class SchedulerGuard:
         ):
             envelope = Envelope(scope=envelope.scope, use_cache=False)
         if not envelope.use_cache:
-            request.skip_reading_prefix_cache = True
+            self._make_private(request)
         self._envelopes[request.request_id] = envelope
         # Expire and purge before this request's prefix lookup, so it cannot hit a block that
         # policy has already retired. (Safe here: nothing is being allocated right now.)
         self._housekeeping(self._clock())
+
+    @staticmethod
+    def _make_private(request: Any) -> None:
+        """No reads from the prefix cache, and no writes anyone could hit: the request's block hashes
+        are recomputed under a one-off salt. Without this, a request carrying a copied salt would
+        register blocks under the victim's hashes while it runs (the custody reuse check would then
+        stop the engine on the victim's next hit: safe, but a denial of service)."""
+        request.skip_reading_prefix_cache = True
+        request.cache_salt = "kvguard-private:" + secrets.token_urlsafe(16)
+        request.block_hashes = []
+        request.update_block_hashes()
 
     def _usage(self, tenant: str) -> Usage:
         # Counting a tenant's blocks walks the pool: only worth it when a quota can bind.
