@@ -47,6 +47,8 @@ class EventKind(StrEnum):
     BLOCK_ZEROIZE = "block.zeroize"
     SESSION_PURGE = "session.purge"
     TENANT_PURGE = "tenant.purge"
+    MODEL_PURGE = "model.purge"
+    ADAPTER_PURGE = "adapter.purge"
     POLICY_CHANGE = "policy.change"
     ADMIN_ACTION = "admin.action"
     KEY_ROTATE = "key.rotate"

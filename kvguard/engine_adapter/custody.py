@@ -144,7 +144,7 @@ class Custody:
                 self._engine_took_quarantined(rec)
             if rec.status is BlockStatus.CACHED:
                 self._engine_evicted(rec, now)
-            if rec.owner is not None and self._needs_clear(rec, req.scope, now):
+            if rec.owner is not None and self._needs_clear(rec, req.scope):
                 handover.append(rec.block_id)
             self._take(rec, req, RequestId(request_id), now)
             rec.created_at = now
@@ -348,7 +348,7 @@ class Custody:
         assert rec.owner is not None
         return BlockState(scope=rec.owner, created_at=rec.created_at, last_used_at=rec.last_used_at)
 
-    def _needs_clear(self, rec: BlockRecord, next_scope: Scope, now: float) -> bool:
+    def _needs_clear(self, rec: BlockRecord, next_scope: Scope) -> bool:
         assert rec.owner is not None
         return must_zeroize(self._policy(rec.owner.tenant_id), self._state(rec), next_scope)
 

@@ -43,11 +43,6 @@ AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
     ),
     AuditLevel.FULL: frozenset(EventKind),
 }
-# Kinds the ledger schema has no own name for yet are recorded as admin-visible purges with a detail.
-_LEDGER_KIND: Final = {
-    EventKind.MODEL_PURGE: ("tenant.purge", "model"),
-    EventKind.ADAPTER_PURGE: ("tenant.purge", "adapter"),
-}
 
 
 class Submitter(Protocol):
@@ -56,17 +51,13 @@ class Submitter(Protocol):
 
 def to_audit_event(event: CustodyEvent) -> AuditEvent:
     """The ledger form of one custody event (tags, ids and counts only)."""
-    kind, selector = _LEDGER_KIND.get(event.kind, (event.kind.value, None))
-    details = dict(event.details)
-    if selector is not None:
-        details["purge_selector"] = selector
     return AuditEvent.model_validate(
         {
-            "kind": kind,
+            "kind": event.kind.value,
             "scope_tag": event.scope_tag,
             "request_id": event.request_id,
             "block_ids": list(event.block_ids),
-            "details": details,
+            "details": dict(event.details),
             "ts": datetime.fromtimestamp(event.ts, UTC),
         }
     )

@@ -22,7 +22,7 @@ from kvguard.engine_adapter.records import PurgeSelector
 from kvguard.engine_adapter.vllm.connector import KVGuardConnector
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.transport import Envelope
-from kvguard.errors import AdmissionError, ConfigError, UntrustedSaltError
+from kvguard.errors import AdmissionError, ConfigError
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.policy import Usage, admit
 
@@ -168,13 +168,9 @@ class GuardedLLM:
             params.skip_reading_prefix_cache = True
         return salt, params
 
-    @staticmethod
-    def _prompt(prompt: Sequence[int] | dict[str, Any], salt: str) -> TokensPrompt:
+    def _prompt(self, prompt: Sequence[int] | dict[str, Any], salt: str) -> TokensPrompt:
         if isinstance(prompt, dict):
-            if prompt.get("cache_salt") is not None:
-                raise UntrustedSaltError(
-                    "a caller-supplied cache_salt was refused: kvguard derives salts"
-                )
+            self._deriver.check_not_client_salt(prompt.get("cache_salt"))
             return TokensPrompt(prompt_token_ids=list(prompt["prompt_token_ids"]), cache_salt=salt)
         return TokensPrompt(prompt_token_ids=list(prompt), cache_salt=salt)
 

@@ -113,7 +113,7 @@ class KVGuardMiddleware:
         doc = json.loads(body)
         if not isinstance(doc, dict):
             raise ValueError("not an object")
-        doc.pop("cache_salt", None)  # never trust a client salt (G1)
+        # Never trust a client salt (G1): whatever it sent is overwritten.
         doc["cache_salt"] = (
             self.deriver.salt(envelope.scope)
             if envelope.use_cache
