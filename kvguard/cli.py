@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from kvguard import __version__
+from kvguard.api.cli import create_key_command, revoke_key_command, serve_command
 from kvguard.audit.cli import audit_app, signing_key_command, verify_command
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
@@ -34,6 +35,9 @@ app.add_typer(audit_app, name="audit")
 app.command(
     "verify", help="Verify an exported audit bundle offline (exit 0 valid, 1 invalid, 2 usage)."
 )(verify_command)
+app.command("serve")(serve_command)
+keys_app.command("create")(create_key_command)
+keys_app.command("revoke")(revoke_key_command)
 keys_app.command(
     "signing-key", help="Create a checkpoint signing key (0600) and print its verifier key."
 )(signing_key_command)

@@ -111,3 +111,19 @@ class CustodyError(KvguardError):
 
 class AdmissionError(KvguardError):
     """A request was refused by policy (quota, disabled tenant, fail-closed)."""
+
+
+class NotFoundError(KvguardError):
+    """The named tenant, job, entry or version does not exist (or is not visible to the caller)."""
+
+
+class ConflictError(KvguardError):
+    """The request contradicts stored state (a tenant that already exists, a job not finished)."""
+
+
+class AuthenticationError(KvguardError):
+    """No valid API key. The message never contains the key."""
+
+
+class PermissionDeniedError(KvguardError):
+    """The caller's role does not allow the action."""

@@ -1,0 +1,139 @@
+"""`kvguard serve` and `kvguard keys create|revoke` (admin API keys)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kvguard.errors import KvguardError
+
+if TYPE_CHECKING:
+    from kvguard.api.services import ApiConfig
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="KVGUARD_DB_URL",
+        help="Database URL (default: SQLite under KVGUARD_DATA_DIR).",
+        show_default=False,
+    ),
+]
+
+
+def _db_url(db: str | None) -> str:
+    from kvguard.settings import Settings  # noqa: PLC0415
+
+    return db or Settings().database_url()
+
+
+def serve_command(
+    db: DbOption = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8600,
+    origin: Annotated[str, typer.Option(help="Ledger checkpoint origin line.")] = (
+        "kvguard.local/ledger"
+    ),
+    checkpoint_interval: Annotated[
+        float, typer.Option(help="Seconds between periodic checkpoints (0: on demand only).")
+    ] = 60.0,
+) -> None:
+    """Serve the compliance admin API (uvicorn). Secrets: KVGUARD_SIGNING_KEY_FILE and
+    KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
+    KVGUARD_DATA_DIR."""
+    import uvicorn  # noqa: PLC0415
+
+    from kvguard.api.app import create_app  # noqa: PLC0415
+    from kvguard.api.services import Services  # noqa: PLC0415
+
+    try:
+        config = _config(db, origin, checkpoint_interval or None)
+        services = Services.open(config)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
+    uvicorn.run(
+        create_app(services, close_on_shutdown=True), host=host, port=port, access_log=False
+    )
+
+
+def _config(db: str | None, origin: str, checkpoint_interval: float | None) -> ApiConfig:
+    from kvguard.api.services import ApiConfig  # noqa: PLC0415
+    from kvguard.audit.signing import SigningKey  # noqa: PLC0415
+    from kvguard.errors import FailClosedError  # noqa: PLC0415
+    from kvguard.settings import Mode, Settings  # noqa: PLC0415
+
+    settings = Settings()
+    keyring_file = settings.salt_keyring_file
+    signing_file = settings.signing_key_file
+    if settings.mode is Mode.DEV:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        settings.load_keyring()  # creates the dev keyring file if missing
+        keyring_file = keyring_file or settings.data_dir / "salt.keys"
+        signing_file = signing_file or settings.data_dir / "ledger-signing.key"
+        if not signing_file.exists():
+            SigningKey.generate(origin).save(signing_file)
+    if keyring_file is None or signing_file is None:
+        raise FailClosedError(
+            "kvguard serve needs KVGUARD_SALT_KEYRING_FILE and KVGUARD_SIGNING_KEY_FILE "
+            "(or KVGUARD_MODE=dev to generate development keys)"
+        )
+    return ApiConfig(
+        db_url=db or settings.database_url(),
+        signing_key_file=Path(signing_file),
+        salt_keyring_file=Path(keyring_file),
+        origin=origin,
+        checkpoint_interval_s=checkpoint_interval,
+    )
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def create_key_command(
+    role: Annotated[str, typer.Option(help="admin, auditor or tenant_admin.")],
+    db: DbOption = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="The tenant a tenant_admin key is bound to.")
+    ] = None,
+    label: Annotated[str, typer.Option(help="A note kept with the key (not secret).")] = "",
+) -> None:
+    """Create an admin API key; it is printed once and only its scrypt hash is kept."""
+    from kvguard.api.auth import ApiKeys, Role  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+
+    try:
+        chosen = Role(role)
+    except ValueError:
+        typer.echo(f"error: --role must be one of {', '.join(r.value for r in Role)}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        issued = ApiKeys(create_engine(_db_url(db))).create(chosen, tenant_id=tenant, label=label)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    bound = f" for tenant {tenant}" if tenant else ""
+    typer.echo(f"{chosen.value} key {issued.principal.key_id}{bound} (shown once, store it now):")
+    typer.echo(issued.api_key)
+
+
+def revoke_key_command(
+    key_id: Annotated[str, typer.Argument(help="The key id (the 12 hex digits after kvg_adm_).")],
+    db: DbOption = None,
+) -> None:
+    """Revoke an admin API key; every API process refuses it from its next request."""
+    from kvguard.api.auth import ApiKeys  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+
+    try:
+        ApiKeys(create_engine(_db_url(db))).revoke(key_id)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"key {key_id} revoked")

@@ -1,0 +1,171 @@
+"""Typed dependencies: the services, the authenticated caller, role checks, tenant scoping and the
+audited-action recorder.
+
+Tenant scoping lives here and only here. `Access` is what a route gets: the caller and the set of
+tenants it may see (`None`: all). A `tenant_admin` asking for another tenant's object gets 404, the
+same answer as for a tenant that does not exist, so a tenant cannot even learn which tenants exist.
+Routes never compare roles or tenant ids themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+
+from kvguard.api.auth import Principal, Role
+from kvguard.api.services import Services
+from kvguard.audit.events import DetailValue
+from kvguard.errors import (
+    AuthenticationError,
+    ConflictError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from kvguard.logging import get_logger
+
+_log = get_logger("kvguard.api.auth")
+
+READERS = (Role.ADMIN, Role.AUDITOR, Role.TENANT_ADMIN)
+GLOBAL_READERS = (Role.ADMIN, Role.AUDITOR)
+ADMINS = (Role.ADMIN,)
+TENANT_WRITERS = (Role.ADMIN, Role.TENANT_ADMIN)
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def get_principal(request: Request, services: ServicesDep) -> Principal:
+    """The caller behind `Authorization: Bearer <key>`; 401 otherwise, 429 after too many failures."""
+    client = _client(request)
+    wait = services.limiter.retry_after(client)
+    if wait > 0:
+        _log.warning("authentication rate limit hit", client=client)
+        raise HTTPException(
+            429,
+            detail="too many failed authentications from this client; retry later",
+            headers={"Retry-After": str(int(wait) + 1)},
+        )
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    principal = services.keys.authenticate(key.strip()) if scheme.lower() == "bearer" else None
+    if principal is None:
+        services.limiter.failed(client)
+        # Never the key, not even a prefix of it: which part was wrong is no business of the caller.
+        _log.warning("authentication failed", client=client, path=request.url.path)
+        raise AuthenticationError("missing, malformed, unknown or revoked API key")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """The caller and what it may see. Every tenant-scoped read goes through `tenant` / `visible`."""
+
+    principal: Principal
+    services: Services
+
+    @property
+    def visible(self) -> frozenset[str] | None:
+        """Tenant ids the caller may see; None means every tenant."""
+        p = self.principal
+        return None if p.role is not Role.TENANT_ADMIN else frozenset({p.tenant_id or ""})
+
+    def may_see(self, tenant_id: str | None) -> bool:
+        visible = self.visible
+        return visible is None or (tenant_id is not None and tenant_id in visible)
+
+    def tenant(self, tenant_id: str) -> str:
+        """`tenant_id` if the caller may see it, else NotFoundError (404, as for a missing tenant)."""
+        if not self.may_see(tenant_id):
+            raise NotFoundError(f"tenant {tenant_id!r} not found")
+        return tenant_id
+
+    def one_tenant_or_all(self, tenant_id: str | None) -> str | None:
+        """A filter for reads: the requested tenant (checked), or for a tenant_admin its own."""
+        if tenant_id is not None:
+            return self.tenant(tenant_id)
+        return self.principal.tenant_id if self.principal.role is Role.TENANT_ADMIN else None
+
+
+def require(*roles: Role) -> Any:
+    """A dependency giving `Access` to callers holding one of `roles` (403 for the others)."""
+
+    def dependency(principal: PrincipalDep, services: ServicesDep) -> Access:
+        if principal.role not in roles:
+            raise PermissionDeniedError(f"role {principal.role.value} may not do this")
+        return Access(principal, services)
+
+    return Depends(dependency)
+
+
+class Action:
+    """One audited call. The route calls `done(...)` when the change is made; an exception instead
+    records the matching failure outcome (see `kvguard.api.actions`)."""
+
+    def __init__(self, access: Access, name: str) -> None:
+        self.access = access
+        self.name = name
+        self.tenant_id: str | None = None
+        self.recorded_index: int | None = None
+
+    def done(self, *, tenant_id: str | None = None, **target: DetailValue) -> int:
+        self.tenant_id = tenant_id or self.tenant_id
+        return self._record("ok", target)
+
+    def _record(self, outcome: str, target: dict[str, DetailValue]) -> int:
+        self.recorded_index = self.access.services.actions.record(
+            self.access.principal, self.name, outcome, tenant_id=self.tenant_id, target=target
+        )
+        return self.recorded_index
+
+
+_OUTCOMES: list[tuple[type[BaseException], str]] = [
+    (PermissionDeniedError, "denied"),
+    (NotFoundError, "not_found"),
+    (ConflictError, "conflict"),
+]
+
+
+def _outcome(exc: BaseException) -> str:
+    for kind, outcome in _OUTCOMES:
+        if isinstance(exc, kind):
+            return outcome
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        return "denied" if exc.status_code == 403 else "invalid"
+    from kvguard.api.errors import status_for  # noqa: PLC0415 (errors imports this module's types)
+
+    return "invalid" if status_for(exc) < 500 else "failed"
+
+
+def audited(name: str, *roles: Role) -> Any:
+    """A dependency giving an `Action` to callers holding one of `roles`; authenticated callers
+    without the role are refused (403) and the refusal is recorded."""
+
+    def dependency(principal: PrincipalDep, services: ServicesDep) -> Iterator[Action]:
+        action = Action(Access(principal, services), name)
+        if principal.role not in roles:
+            action._record("denied", {})
+            raise PermissionDeniedError(f"role {principal.role.value} may not {name}")
+        try:
+            yield action
+        except Exception as exc:
+            if action.recorded_index is None:
+                action._record(_outcome(exc), {})
+            raise
+
+    # scope="function": the failure is recorded before the response is sent.
+    return Depends(dependency, scope="function")

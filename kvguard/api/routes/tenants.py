@@ -1,0 +1,128 @@
+"""`/v1/tenants`: create, list, get, disable."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
+from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.routes.policies import store_tenant_policy
+from kvguard.control.tenants import TENANT_ID_PATTERN, Tenant
+from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"], responses=ERROR_RESPONSES)
+
+TenantIdField = Field(pattern=TENANT_ID_PATTERN, max_length=128)
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: str = TenantIdField
+    display_name: str = Field(default="", max_length=256)
+
+
+class TenantPublic(BaseModel):
+    tenant_id: str
+    display_name: str
+    enabled: bool
+    created_at: float
+    created_by: str
+    disabled_at: float | None = None
+    disabled_by: str | None = None
+    disable_reason: str | None = None
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantPublic:
+        return cls(
+            tenant_id=tenant.tenant_id,
+            display_name=tenant.display_name,
+            enabled=tenant.enabled,
+            created_at=tenant.created_at,
+            created_by=tenant.created_by,
+            disabled_at=tenant.disabled_at,
+            disabled_by=tenant.disabled_by,
+            disable_reason=tenant.disable_reason,
+        )
+
+
+class TenantPage(BaseModel):
+    tenants: list[TenantPublic]
+    next_after: str | None = Field(description="Pass as `after` for the next page")
+
+
+class DisableRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class DisableResult(BaseModel):
+    tenant: TenantPublic
+    policy_version: int = Field(description="The policy version that sets `enabled: false`")
+    purge_job_id: int = Field(description="The tenant purge queued for every engine")
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=TenantPublic)
+def create_tenant(
+    body: TenantCreate, action: Annotated[Action, audited("tenant.create", *ADMINS)]
+) -> TenantPublic:
+    """Register a tenant (admin). Its policy is the default until one is stored for it."""
+    services = action.access.services
+    action.tenant_id = body.tenant_id
+    tenant = services.tenants.create(
+        body.tenant_id, display_name=body.display_name, created_by=action.access.principal.name
+    )
+    action.done()
+    return TenantPublic.of(tenant)
+
+
+@router.get("", response_model=TenantPage)
+def list_tenants(
+    access: Annotated[Access, require(*READERS)],
+    after: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> TenantPage:
+    """Tenants in id order; a tenant_admin sees only its own."""
+    found = access.services.tenants.list(only=access.visible, after=after, limit=limit + 1)
+    page = found[:limit]
+    return TenantPage(
+        tenants=[TenantPublic.of(t) for t in page],
+        next_after=page[-1].tenant_id if len(found) > limit else None,
+    )
+
+
+@router.get("/{tenant_id}", response_model=TenantPublic)
+def get_tenant(tenant_id: str, access: Annotated[Access, require(*READERS)]) -> TenantPublic:
+    return TenantPublic.of(access.services.tenants.get(access.tenant(tenant_id)))
+
+
+@router.post("/{tenant_id}/disable", response_model=DisableResult)
+def disable_tenant(
+    tenant_id: str,
+    body: DisableRequest,
+    action: Annotated[Action, audited("tenant.disable", *ADMINS)],
+) -> DisableResult:
+    """Disable a tenant (admin): new requests are refused (a policy version with `enabled: false`
+    that engines and front ends load) and a tenant purge is queued for every engine."""
+    services, who = action.access.services, action.access.principal.name
+    action.tenant_id = tenant_id
+    tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason)
+    current = services.policies.current()
+    base = current.policy.policy_for(tenant_id) if current else None
+    version = store_tenant_policy(
+        services,
+        tenant_id,
+        lambda p: p.model_copy(update={"enabled": False}),
+        author=who,
+        reason=f"tenant disabled: {body.reason}",
+        base=base,
+    )
+    job = services.commands.submit_purge(
+        PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who
+    )
+    action.done(policy_version=version, purge_job_id=job)
+    return DisableResult(tenant=TenantPublic.of(tenant), policy_version=version, purge_job_id=job)

@@ -1,0 +1,5 @@
+"""The control plane shared by the admin API and engine processes through the database.
+
+Owns: the tenant registry, the engine registry and per-tenant cache statistics, the scope-tag index.
+Never holds secrets, salts, token ids or KV bytes; engines and the API share nothing else.
+"""

@@ -1,0 +1,133 @@
+"""Tenants and policies through the API, on SQLite and PostgreSQL; every change is in the ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvguard.audit.events import EventKind
+from tests.api.conftest import ApiEnv
+
+
+def _actions(env: ApiEnv) -> list[dict[str, object]]:
+    page = env.services.ledger.query(kinds=[EventKind.ADMIN_ACTION], limit=1000)
+    return [dict(r.event.details) for r in page.records]
+
+
+def test_create_list_get_tenants(make_env: Callable[..., ApiEnv], any_db: str) -> None:
+    env = make_env(any_db)
+    r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech", "display_name": "I"})
+    assert r.status_code == 201, r.text
+    assert r.json()["enabled"] is True and r.json()["created_by"].startswith("key:")
+    assert (
+        env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech"}).status_code == 409
+    )
+    ids = [t["tenant_id"] for t in env.call("auditor", "GET", "/v1/tenants").json()["tenants"]]
+    assert ids == ["acme", "globex", "initech"]
+    page = env.call("admin", "GET", "/v1/tenants", params={"limit": 2}).json()
+    assert [t["tenant_id"] for t in page["tenants"]] == ["acme", "globex"]
+    assert page["next_after"] == "globex"
+    # A tenant_admin sees exactly its own tenant.
+    own = env.call("acme", "GET", "/v1/tenants").json()["tenants"]
+    assert [t["tenant_id"] for t in own] == ["acme"]
+    assert env.call("acme", "GET", "/v1/tenants/globex").status_code == 404
+    assert env.call("acme", "GET", "/v1/tenants/acme").json()["display_name"] == "Acme"
+    outcomes = [(a["action"], a["outcome"]) for a in _actions(env)]
+    assert outcomes == [("tenant.create", "ok"), ("tenant.create", "conflict")]
+
+
+def test_bad_tenant_ids_are_refused_naming_the_field(env: ApiEnv) -> None:
+    for bad in ("", "a/b", "x" * 129, " space", "-lead"):
+        r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": bad})
+        assert r.status_code == 422, bad
+        assert "body.tenant_id" in r.json()["message"]
+    r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "ok", "extra": 1})
+    assert r.status_code == 422 and "body.extra" in r.json()["message"]
+
+
+def test_policy_put_history_diff_and_ledger(make_env: Callable[..., ApiEnv], any_db: str) -> None:
+    env = make_env(any_db)
+    current = env.call("auditor", "GET", "/v1/policies/current").json()
+    assert current["change"] is None  # built-in defaults
+    policy = current["policy"]
+    policy["tenants"] = {"acme": {"retention": {"ttl_s": 60, "idle_s": 30}}}
+    r = env.call("admin", "PUT", "/v1/policies", json={"policy": policy, "reason": "shorter TTL"})
+    assert r.status_code == 201, r.text
+    assert r.json()["version"] == 1 and r.json()["reason"] == "shorter TTL"
+    history = env.call("auditor", "GET", "/v1/policies/history").json()
+    assert [h["version"] for h in history] == [1]
+    diff = env.call(
+        "auditor", "GET", "/v1/policies/diff", params={"from_version": 0, "to_version": 1}
+    ).json()
+    paths = {c["path"]: (c["old"], c["new"]) for c in diff["changes"]}
+    assert paths["tenants.acme.retention.ttl_s"] == (None, 60)
+    assert env.call("auditor", "GET", "/v1/policies/versions/7").status_code == 404
+    kinds = [r.event.kind for r in env.services.ledger.query(limit=100).records]
+    assert kinds == [EventKind.POLICY_CHANGE, EventKind.ADMIN_ACTION]
+    # Engines are told: the command queue holds a policy command for version 1.
+    assert any(getattr(c, "version", None) == 1 for c in env.services.commands.pending_after(0))
+
+
+def test_invalid_policy_is_refused_with_the_field_path(env: ApiEnv) -> None:
+    bad = {"tenants": {"acme": {"retention": {"ttl_s": -5}}}}
+    r = env.call("admin", "PUT", "/v1/policies", json={"policy": bad, "reason": "x"})
+    assert r.status_code == 422
+    assert "body.policy.tenants.acme.retention.ttl_s" in r.json()["message"]
+    typo = {"tenants": {"acme": {"retention": {"ttl": 0}}}}
+    r = env.call("admin", "PUT", "/v1/policies", json={"policy": typo, "reason": "x"})
+    assert r.status_code == 422 and "retention.ttl" in r.json()["message"]
+    assert env.services.policies.current() is None
+
+
+def test_tenant_admin_changes_its_own_policy_but_not_enabled_or_groups(env: ApiEnv) -> None:
+    got = env.call("acme", "GET", "/v1/tenants/acme/policy").json()
+    assert got["explicit"] is False and got["version"] == 0
+    policy = got["policy"]
+    policy["retention"] = {"ttl_s": 120, "idle_s": 60}
+    r = env.call("acme", "PUT", "/v1/tenants/acme/policy", json={"policy": policy, "reason": "r"})
+    assert r.status_code == 201, r.text
+    stored = env.services.policies.current()
+    assert stored is not None and stored.policy.tenants["acme"].retention.ttl_s == 120
+    assert "globex" not in stored.policy.tenants
+    policy["enabled"] = False
+    r = env.call("acme", "PUT", "/v1/tenants/acme/policy", json={"policy": policy, "reason": "r"})
+    assert r.status_code == 403
+    r = env.call("acme", "PUT", "/v1/tenants/globex/policy", json={"policy": policy, "reason": "r"})
+    assert r.status_code == 404
+    assert env.call("acme", "GET", "/v1/policies/current").status_code == 403
+    outcomes = [(a["action"], a["outcome"]) for a in _actions(env)]
+    assert outcomes == [
+        ("tenant.policy.put", "ok"),
+        ("tenant.policy.put", "denied"),
+        ("tenant.policy.put", "not_found"),
+    ]
+
+
+def test_disable_tenant_stores_a_policy_and_queues_a_purge(env: ApiEnv) -> None:
+    r = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "contract ended"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (
+        body["tenant"]["enabled"] is False and body["tenant"]["disable_reason"] == "contract ended"
+    )
+    stored = env.services.policies.get(body["policy_version"])
+    assert stored.policy.tenants["acme"].enabled is False
+    commands = env.services.commands.pending_after(0)
+    assert any(getattr(c, "id", None) == body["purge_job_id"] for c in commands)
+    again = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "again"})
+    assert again.status_code == 409
+    assert (
+        env.call("admin", "POST", "/v1/tenants/nope/disable", json={"reason": "x"}).status_code
+        == 404
+    )
+    assert (
+        env.call("acme", "POST", "/v1/tenants/acme/disable", json={"reason": "x"}).status_code
+        == 403
+    )
+
+
+def test_admin_action_entries_name_the_tenant_only_by_tag(env: ApiEnv) -> None:
+    env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech"})
+    record = env.services.ledger.query(kinds=[EventKind.ADMIN_ACTION], limit=10).records[0]
+    assert b"initech" not in record.leaf
+    assert record.event.scope_tag == env.services.deriver.tenant_tag("initech")
+    assert record.event.payload == {"tenant_id": "initech"}
