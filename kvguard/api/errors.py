@@ -12,6 +12,7 @@ from typing import Any, Final
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from kvguard.errors import (
     AuthenticationError,
@@ -39,12 +40,32 @@ _STATUS: Final[list[tuple[type[BaseException], int, str]]] = [
     (KvguardError, 400, "bad_request"),
 ]
 
+
+class FieldProblem(BaseModel):
+    field: str = Field(description="Where: `body.policy.retention.ttl_s`, `query.limit`, ...")
+    problem: str
+
+
+class ErrorBody(BaseModel):
+    """Every error response has this body."""
+
+    error: str = Field(description="A stable code: unauthenticated, forbidden, not_found, ...")
+    message: str = Field(description="What is wrong; names the field, never echoes the value")
+    fields: list[FieldProblem] = Field(default_factory=list)
+
+
+def _doc(description: str) -> dict[str, Any]:
+    return {"description": description, "model": ErrorBody}
+
+
 ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
-    401: {"description": "Missing or invalid API key"},
-    403: {"description": "The key's role does not allow this"},
-    404: {"description": "Not found, or not visible to the caller's tenant"},
-    422: {"description": "Invalid input; `message` names the field"},
-    429: {"description": "Too many failed authentications"},
+    401: _doc("Missing or invalid API key"),
+    403: _doc("The key's role does not allow this"),
+    404: _doc("Not found, or not visible to the caller's tenant"),
+    409: _doc("Conflicts with stored state"),
+    422: _doc("Invalid input; `message` names the field"),
+    429: _doc("Too many failed authentications from this client"),
+    503: _doc("Database or ledger unavailable (fail closed)"),
 }
 
 

@@ -1,0 +1,135 @@
+"""The authorization matrix: every endpoint x every role, including a tenant_admin reaching for another
+tenant's data (404 or 403, never data) and calls without a key (401).
+
+`MATRIX` must name every route the app serves: a new endpoint without a row fails
+`test_matrix_covers_every_route`, so nobody can add an endpoint without deciding who may call it.
+Each row gives a request for the caller's own tenant (`{own}`) and one aimed at the other tenant
+(`{other}`); `globex` is the other tenant for the `acme` tenant_admin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fastapi.routing import APIRoute
+
+from tests.api.conftest import ApiEnv
+
+ALL = frozenset({"admin", "auditor", "tenant"})
+GLOBAL = frozenset({"admin", "auditor"})
+ADMIN = frozenset({"admin"})
+TENANT_WRITE = frozenset({"admin", "tenant"})
+OPEN = frozenset({"anyone"})
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    path: str  # the route template, as FastAPI knows it
+    allowed: frozenset[str]
+    url: str = ""  # concrete URL; `{own}` / `{other}` are replaced by tenant ids
+    body: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    tenant_scoped: bool = False  # has a tenant in the URL/body: also try the other tenant
+
+    def request(self, tenant: str) -> tuple[str, dict[str, Any]]:
+        url = (self.url or self.path).replace("{own}", tenant)
+        fill = lambda v: v.replace("{own}", tenant) if isinstance(v, str) else v  # noqa: E731
+        kwargs: dict[str, Any] = {"params": {k: fill(v) for k, v in self.params.items()}}
+        if self.body is not None:
+            kwargs["json"] = _fill(self.body, tenant)
+        return url, kwargs
+
+
+def _fill(value: Any, tenant: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _fill(v, tenant) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tenant) for v in value]
+    return value.replace("{own}", tenant) if isinstance(value, str) else value
+
+
+_POLICY = {"retention": {"ttl_s": 600, "idle_s": 60}}
+
+MATRIX: list[Row] = [
+    Row("GET", "/healthz", OPEN),
+    Row("GET", "/readyz", OPEN),
+    Row("POST", "/v1/tenants", ADMIN, body={"tenant_id": "new-{own}"}),
+    Row("GET", "/v1/tenants", ALL),
+    Row("GET", "/v1/tenants/{tenant_id}", ALL, url="/v1/tenants/{own}", tenant_scoped=True),
+    Row(
+        "POST",
+        "/v1/tenants/{tenant_id}/disable",
+        ADMIN,
+        url="/v1/tenants/{own}/disable",
+        body={"reason": "matrix"},
+        tenant_scoped=True,
+    ),
+    Row("GET", "/v1/policies/current", GLOBAL),
+    Row("PUT", "/v1/policies", ADMIN, body={"policy": {}, "reason": "matrix"}),
+    Row("GET", "/v1/policies/history", GLOBAL),
+    Row("GET", "/v1/policies/versions/{version}", GLOBAL, url="/v1/policies/versions/0"),
+    Row("GET", "/v1/policies/diff", GLOBAL, params={"from_version": 0, "to_version": 0}),
+    Row(
+        "GET",
+        "/v1/tenants/{tenant_id}/policy",
+        ALL,
+        url="/v1/tenants/{own}/policy",
+        tenant_scoped=True,
+    ),
+    Row(
+        "PUT",
+        "/v1/tenants/{tenant_id}/policy",
+        TENANT_WRITE,
+        url="/v1/tenants/{own}/policy",
+        body={"policy": _POLICY, "reason": "matrix"},
+        tenant_scoped=True,
+    ),
+]
+
+CALLERS = {"admin": "admin", "auditor": "auditor", "tenant": "acme"}
+
+
+def test_matrix_covers_every_route(env: ApiEnv) -> None:
+    served = {
+        (method, route.path)
+        for route in env.client.app.routes  # type: ignore[attr-defined]
+        if isinstance(route, APIRoute) and route.include_in_schema
+        for method in route.methods
+    }
+    listed = {(row.method, row.path) for row in MATRIX}
+    assert served - listed == set(), "endpoints without an authorization decision"
+    assert listed - served == set(), "matrix rows for endpoints that do not exist"
+
+
+@pytest.mark.parametrize("row", MATRIX, ids=lambda r: f"{r.method} {r.path}")
+def test_roles(env: ApiEnv, row: Row) -> None:
+    for role, who in CALLERS.items():
+        url, kwargs = row.request("acme")
+        response = env.call(who, row.method, url, **kwargs)
+        if "anyone" in row.allowed or role in row.allowed:
+            assert response.status_code not in (401, 403, 404), (role, response.text)
+            assert response.status_code < 500, (role, response.text)
+        else:
+            assert response.status_code == 403, (role, response.status_code, response.text)
+
+
+@pytest.mark.parametrize(
+    "row", [r for r in MATRIX if r.tenant_scoped], ids=lambda r: f"{r.method} {r.path}"
+)
+def test_tenant_admin_cannot_reach_another_tenant(env: ApiEnv, row: Row) -> None:
+    url, kwargs = row.request("globex")
+    response = env.call("acme", row.method, url, **kwargs)
+    assert response.status_code in (403, 404), response.text
+    assert "Globex" not in response.text  # the other tenant's display name never leaks
+
+
+@pytest.mark.parametrize(
+    "row", [r for r in MATRIX if "anyone" not in r.allowed], ids=lambda r: f"{r.method} {r.path}"
+)
+def test_no_key_no_entry(env: ApiEnv, row: Row) -> None:
+    url, kwargs = row.request("acme")
+    response = env.call(None, row.method, url, **kwargs)
+    assert response.status_code == 401, response.text
