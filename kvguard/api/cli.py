@@ -10,6 +10,7 @@ import typer
 from kvguard.errors import KvguardError
 
 if TYPE_CHECKING:
+    from kvguard.api.auth import ApiKeys
     from kvguard.api.services import ApiConfig
 
 DbOption = Annotated[
@@ -26,7 +27,25 @@ DbOption = Annotated[
 def _db_url(db: str | None) -> str:
     from kvguard.settings import Settings  # noqa: PLC0415
 
-    return db or Settings().database_url()
+    if db:
+        return db
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the embedded default lives there
+    return settings.database_url()
+
+
+def _open_keys(db: str | None) -> ApiKeys:
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from kvguard.api.auth import ApiKeys  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+
+    url = _db_url(db)
+    try:
+        return ApiKeys(create_engine(url))
+    except SQLAlchemyError as exc:
+        typer.echo(f"error: cannot open database {_safe_url(url)}: {type(exc).__name__}", err=True)
+        raise typer.Exit(1) from None
 
 
 def serve_command(
@@ -105,8 +124,7 @@ def create_key_command(
     label: Annotated[str, typer.Option(help="A note kept with the key (not secret).")] = "",
 ) -> None:
     """Create an admin API key; it is printed once and only its scrypt hash is kept."""
-    from kvguard.api.auth import ApiKeys, Role  # noqa: PLC0415
-    from kvguard.audit.db import create_engine  # noqa: PLC0415
+    from kvguard.api.auth import Role  # noqa: PLC0415
 
     try:
         chosen = Role(role)
@@ -114,7 +132,7 @@ def create_key_command(
         typer.echo(f"error: --role must be one of {', '.join(r.value for r in Role)}", err=True)
         raise typer.Exit(2) from None
     try:
-        issued = ApiKeys(create_engine(_db_url(db))).create(chosen, tenant_id=tenant, label=label)
+        issued = _open_keys(db).create(chosen, tenant_id=tenant, label=label)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -128,11 +146,8 @@ def revoke_key_command(
     db: DbOption = None,
 ) -> None:
     """Revoke an admin API key; every API process refuses it from its next request."""
-    from kvguard.api.auth import ApiKeys  # noqa: PLC0415
-    from kvguard.audit.db import create_engine  # noqa: PLC0415
-
     try:
-        ApiKeys(create_engine(_db_url(db))).revoke(key_id)
+        _open_keys(db).revoke(key_id)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -1,0 +1,66 @@
+"""`kvguard keys create|revoke` and `kvguard serve`'s fail-closed start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvguard.api.auth import ApiKeys, Role
+from kvguard.audit.db import create_engine
+from kvguard.cli import app
+
+runner = CliRunner()
+
+
+def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'k.db'}"
+    result = runner.invoke(
+        app, ["keys", "create", "--role", "tenant_admin", "--tenant", "acme", "--db", db]
+    )
+    assert result.exit_code == 0, result.output
+    key = result.output.strip().splitlines()[-1]
+    principal = ApiKeys(create_engine(db)).authenticate(key)
+    assert principal is not None and principal.role is Role.TENANT_ADMIN
+    assert principal.tenant_id == "acme"
+    revoked = runner.invoke(app, ["keys", "revoke", principal.key_id, "--db", db])
+    assert revoked.exit_code == 0
+    assert ApiKeys(create_engine(db)).authenticate(key) is None
+    assert runner.invoke(app, ["keys", "revoke", principal.key_id, "--db", db]).exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["--role", "root"], 2, "--role must be one of"),
+        (["--role", "tenant_admin"], 2, "needs --tenant"),
+        (["--role", "admin", "--tenant", "acme"], 2, "needs --tenant"),
+        (["--role", "admin", "--db", "sqlite:////nonexistent/dir/x.db"], 1, "cannot open database"),
+    ],
+)
+def test_keys_create_refuses_bad_input(
+    tmp_path: Path, args: list[str], code: int, says: str
+) -> None:
+    if "--db" not in args:
+        args = [*args, "--db", f"sqlite:///{tmp_path / 'k.db'}"]
+    result = runner.invoke(app, ["keys", "create", *args])
+    assert result.exit_code == code, result.output
+    assert says in result.output
+    assert "Traceback" not in result.output
+
+
+def test_serve_refuses_to_start_without_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (
+        "KVGUARD_SALT_KEYRING_FILE",
+        "KVGUARD_SIGNING_KEY_FILE",
+        "KVGUARD_MODE",
+        "KVGUARD_SALT_KEY",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
+    result = runner.invoke(app, ["serve", "--port", "1"])
+    assert result.exit_code == 1
+    assert "KVGUARD_SALT_KEYRING_FILE" in result.output
