@@ -10,8 +10,11 @@ The leaf carries the tenant's `tt_` tag (never its id); the tenant id lives in t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+
+from prometheus_client import Histogram
 
 from kvguard.api.auth import Principal
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
@@ -24,10 +27,25 @@ _log = get_logger("kvguard.api.actions")
 
 
 class ActionLog:
-    def __init__(self, ledger: Ledger, deriver: SaltDeriver, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        deriver: SaltDeriver,
+        clock: Callable[[], float],
+        *,
+        append_seconds: Histogram | None = None,
+    ) -> None:
         self._ledger = ledger
         self._deriver = deriver
         self._clock = clock
+        self._append_seconds = append_seconds
+
+    def _append(self, event: AuditEvent) -> int:
+        start = time.perf_counter()
+        index = self._ledger.append(event)
+        if self._append_seconds is not None:
+            self._append_seconds.observe(time.perf_counter() - start)
+        return index
 
     def tenant_tag(self, tenant_id: str) -> str:
         return self._deriver.tenant_tag(tenant_id)
@@ -41,7 +59,7 @@ class ActionLog:
             details={"policy_version": change.version, "digest": change.digest},
             payload={"author": change.author[:200]},
         )
-        return self._ledger.append(event)
+        return self._append(event)
 
     def record(
         self,
@@ -66,6 +84,6 @@ class ActionLog:
             },
             payload={"tenant_id": tenant_id} if tenant_id else None,
         )
-        index = self._ledger.append(event)
+        index = self._append(event)
         _log.info("admin action", action=action, outcome=outcome, principal=principal.name)
         return index

@@ -14,9 +14,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
 
 from kvguard.api.actions import ActionLog
 from kvguard.api.auth import ApiKeys, FailureLimiter
+from kvguard.api.metrics import new_registry
 from kvguard.audit.db import create_engine
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
@@ -58,6 +60,7 @@ class Services:
     deriver: SaltDeriver
     limiter: FailureLimiter
     actions: ActionLog
+    metrics: CollectorRegistry
     clock: Callable[[], float] = field(default=time.time)
 
     @classmethod
@@ -71,6 +74,7 @@ class Services:
             checkpoint_interval=config.checkpoint_interval_s,
         )
         deriver = SaltDeriver(Keyring.load(config.salt_keyring_file))
+        registry, append_seconds = new_registry()
         return cls(
             config=config,
             db=db,
@@ -84,7 +88,8 @@ class Services:
             limiter=FailureLimiter(
                 max_failures=config.auth_max_failures, window_s=config.auth_window_s
             ),
-            actions=ActionLog(ledger, deriver, clock),
+            actions=ActionLog(ledger, deriver, clock, append_seconds=append_seconds),
+            metrics=registry,
             clock=clock,
         )
 

@@ -36,8 +36,7 @@ class Row:
 
     def request(self, tenant: str) -> tuple[str, dict[str, Any]]:
         url = (self.url or self.path).replace("{own}", tenant)
-        fill = lambda v: v.replace("{own}", tenant) if isinstance(v, str) else v  # noqa: E731
-        kwargs: dict[str, Any] = {"params": {k: fill(v) for k, v in self.params.items()}}
+        kwargs: dict[str, Any] = {"params": _fill(self.params, tenant)}
         if self.body is not None:
             kwargs["json"] = _fill(self.body, tenant)
         return url, kwargs
@@ -87,6 +86,16 @@ MATRIX: list[Row] = [
         body={"policy": _POLICY, "reason": "matrix"},
         tenant_scoped=True,
     ),
+    Row("GET", "/v1/cache/tenants", ALL),
+    Row(
+        "GET",
+        "/v1/cache/tenants",
+        ALL,
+        params={"tenant_id": "{own}"},
+        tenant_scoped=True,
+    ),
+    Row("GET", "/v1/cache/engines", GLOBAL),
+    Row("GET", "/metrics", GLOBAL),
 ]
 
 CALLERS = {"admin": "admin", "auditor": "auditor", "tenant": "acme"}
