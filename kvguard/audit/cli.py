@@ -3,12 +3,13 @@
 - `audit_app`: `kvguard audit export`, `kvguard audit checkpoint`, `kvguard audit verify-db`;
 - `keys_app`: `kvguard keys signing-key NAME --out PATH` (checkpoint signing keys; named so that it
   cannot collide with the API keys of `kvguard keys create --role ...`);
-- `verify_command`: `kvguard verify DIR --key VKEY [--key VKEY2] [--full]`, the offline verifier.
-  Exit codes: 0 valid, 1 invalid (the message names the first failing file, line and entry),
-  2 usage error.
+- `verify_command`: `kvguard verify DIR --key VKEY [--key VKEY2] [--full]`, the offline verifier of
+  export bundles, and `kvguard verify CERT.json --key VKEY` for erasure certificates
+  (`kvguard.audit.certificate`). Exit codes: 0 valid, 1 invalid (the message names the first failing
+  file, line and entry), 2 usage error.
 
-The offline verification itself lives in `kvguard.audit.offline` (cryptography + standard library);
-only the progress bar here uses rich.
+The offline verification itself lives in `kvguard.audit.offline` and `kvguard.audit.certificate`
+(cryptography + standard library); only the progress bar here uses rich.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvguard.audit.certificate import load as load_certificate
+from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.note import parse_verifier_key
 from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
@@ -150,21 +153,45 @@ def signing_key_command(
 
 
 def verify_command(
-    directory: Annotated[Path, typer.Argument(help="Export bundle directory")],
+    path: Annotated[
+        Path, typer.Argument(help="Export bundle directory, or an erasure certificate file")
+    ],
     key: Annotated[list[str], typer.Option("--key", help="Trusted verifier key (repeatable)")],
     full: Annotated[
         bool, typer.Option("--full", help="Complete export: recompute the root")
     ] = False,
     origin: Annotated[str | None, typer.Option(help="Expected log origin")] = None,
 ) -> None:
-    """Verify an export bundle offline. Exit 0 valid, 1 invalid, 2 usage error."""
-    if not directory.is_dir():
-        raise _fail(f"usage error: {directory} is not a directory", EXIT_USAGE)
+    """Verify an export bundle (a directory) or an erasure certificate (a file) offline.
+    Exit 0 valid, 1 invalid, 2 usage error."""
+    if not path.is_dir() and not path.is_file():
+        raise _fail(f"usage error: {path} is neither a bundle directory nor a file", EXIT_USAGE)
     try:
         for k in key:
             parse_verifier_key(k)
     except VerificationError as exc:
         raise _fail(f"usage error: --key: {exc}", EXIT_USAGE) from None
+    if path.is_file():
+        if full:
+            raise _fail("usage error: --full applies to export bundles only", EXIT_USAGE)
+        _verify_certificate(path, key, origin)
+    else:
+        _verify_bundle(path, key, full, origin)
+
+
+def _verify_certificate(path: Path, key: list[str], origin: str | None) -> None:
+    try:
+        report = verify_certificate(load_certificate(path), key, origin=origin)
+    except VerificationError as exc:
+        raise _fail(f"INVALID: {exc}", EXIT_INVALID) from None
+    typer.echo(
+        f"valid: erasure certificate of purge job {report.job_id}: {report.blocks_cleared} blocks "
+        f"cleared on {report.engines} engines, {report.entries} entries proven against checkpoint "
+        f"{report.origin} size {report.tree_size}"
+    )
+
+
+def _verify_bundle(directory: Path, key: list[str], full: bool, origin: str | None) -> None:
     console = Console(stderr=True)
     columns = (
         TextColumn("verifying"),

@@ -9,6 +9,7 @@ Each row gives a request for the caller's own tenant (`{own}`) and one aimed at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ class Row:
     body: dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     tenant_scoped: bool = False  # has a tenant in the URL/body: also try the other tenant
+    setup: Callable[[ApiEnv], Any] | None = None  # makes what the URL names (e.g. a job)
+
+    def prepare(self, env: ApiEnv) -> None:
+        if self.setup is not None:
+            self.setup(env)
 
     def request(self, tenant: str) -> tuple[str, dict[str, Any]]:
         url = (self.url or self.path).replace("{own}", tenant)
@@ -51,6 +57,13 @@ def _fill(value: Any, tenant: str) -> Any:
 
 
 _POLICY = {"retention": {"ttl_s": 600, "idle_s": 60}}
+
+
+def _acme_purge_job(env: ApiEnv) -> None:
+    """Purge job 1, of tenant acme: done at once (no engine is live)."""
+    r = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
+    assert r.json()["job_id"] == 1, r.text
+
 
 MATRIX: list[Row] = [
     Row("GET", "/healthz", OPEN),
@@ -96,6 +109,23 @@ MATRIX: list[Row] = [
     ),
     Row("GET", "/v1/cache/engines", GLOBAL),
     Row("GET", "/metrics", GLOBAL),
+    Row(
+        "POST",
+        "/v1/purges",
+        TENANT_WRITE,
+        body={"kind": "session", "value": "s-1", "tenant_id": "{own}"},
+        tenant_scoped=True,
+    ),
+    Row("GET", "/v1/purges", ALL),
+    Row("GET", "/v1/purges", ALL, params={"tenant_id": "{own}"}, tenant_scoped=True),
+    Row("GET", "/v1/purges/{job_id}", ALL, url="/v1/purges/1", setup=_acme_purge_job),
+    Row(
+        "GET",
+        "/v1/purges/{job_id}/certificate",
+        ALL,
+        url="/v1/purges/1/certificate",
+        setup=_acme_purge_job,
+    ),
 ]
 
 CALLERS = {"admin": "admin", "auditor": "auditor", "tenant": "acme"}
@@ -115,6 +145,7 @@ def test_matrix_covers_every_route(env: ApiEnv) -> None:
 
 @pytest.mark.parametrize("row", MATRIX, ids=lambda r: f"{r.method} {r.path}")
 def test_roles(env: ApiEnv, row: Row) -> None:
+    row.prepare(env)
     for role, who in CALLERS.items():
         url, kwargs = row.request("acme")
         response = env.call(who, row.method, url, **kwargs)
@@ -129,6 +160,7 @@ def test_roles(env: ApiEnv, row: Row) -> None:
     "row", [r for r in MATRIX if r.tenant_scoped], ids=lambda r: f"{r.method} {r.path}"
 )
 def test_tenant_admin_cannot_reach_another_tenant(env: ApiEnv, row: Row) -> None:
+    row.prepare(env)
     url, kwargs = row.request("globex")
     response = env.call("acme", row.method, url, **kwargs)
     assert response.status_code in (403, 404), response.text
@@ -139,6 +171,7 @@ def test_tenant_admin_cannot_reach_another_tenant(env: ApiEnv, row: Row) -> None
     "row", [r for r in MATRIX if "anyone" not in r.allowed], ids=lambda r: f"{r.method} {r.path}"
 )
 def test_no_key_no_entry(env: ApiEnv, row: Row) -> None:
+    row.prepare(env)
     url, kwargs = row.request("acme")
     response = env.call(None, row.method, url, **kwargs)
     assert response.status_code == 401, response.text

@@ -1,9 +1,116 @@
-"""`/v1/purges`: purge jobs by session, tenant, model or adapter, their status and erasure certificates."""
+"""`/v1/purges`: purge jobs by session, tenant, model or adapter, their status and erasure certificates.
+
+Who may purge what: an admin anything; a tenant_admin the sessions of its own tenant or the whole
+tenant (another tenant: 404, a model or adapter: 403); an auditor nothing, but it reads every job and
+certificate. A job is a command every engine executes (`kvguard.engine_adapter.commands`); its
+status and certificate are worked out from the acknowledgements and the ledger on every read
+(`kvguard.api.purge_jobs`, `kvguard.api.certificates`).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated, Any
 
+from fastapi import APIRouter, Path, Query, status
+from fastapi.responses import JSONResponse
+
+from kvguard.api import certificates
+from kvguard.api import purge_jobs as jobs
+from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.purge_schemas import (
+    ErasureCertificate,
+    PurgeCreate,
+    PurgeCreated,
+    PurgeJobPage,
+    PurgeJobPublic,
+)
+from kvguard.engine_adapter.records import PurgeSelector
+from kvguard.errors import ConflictError, PermissionDeniedError
 
 router = APIRouter(prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES)
+
+JobId = Annotated[int, Path(ge=1, lt=1 << 62, description="The job id `POST /v1/purges` returned")]
+
+CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {"description": "The job is not done yet (or ended incomplete)"}
+}
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=PurgeCreated)
+def create_purge(
+    body: PurgeCreate, action: Annotated[Action, audited("purge.create", *TENANT_WRITERS)]
+) -> PurgeCreated:
+    """Queue a purge for every engine. Poll `GET /v1/purges/{job_id}` until it is `done`."""
+    access, services = action.access, action.access.services
+    tenant = body.tenant()
+    if tenant is None and access.visible is not None:
+        raise PermissionDeniedError("a tenant_admin may purge only sessions or its own tenant")
+    if tenant is not None:
+        services.tenants.get(access.tenant(tenant))  # 404: unknown, or another tenant's
+        action.tenant_id = tenant
+    job_id = services.commands.submit_purge(
+        PurgeSelector(body.kind, body.value, tenant), requested_by=access.principal.name
+    )
+    report = jobs.report(services, jobs.get_job(access, job_id))
+    action.done(job_id=job_id, purge_kind=body.kind.value, engines_expected=report.engines_expected)
+    return PurgeCreated(
+        job_id=job_id, status=report.status, engines_expected=report.engines_expected
+    )
+
+
+@router.get("", response_model=PurgeJobPage)
+def list_purges(
+    access: Annotated[Access, require(*READERS)],
+    tenant_id: Annotated[str | None, Query(max_length=128)] = None,
+    before: Annotated[
+        int | None, Query(ge=1, lt=1 << 62, description="A page's next_before")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> PurgeJobPage:
+    """Jobs newest first; a tenant_admin sees only its own tenant's."""
+    services = access.services
+    found = jobs.list_jobs(
+        services, tenant_id=access.one_tenant_or_all(tenant_id), before=before, limit=limit + 1
+    )
+    page = found[:limit]
+    return PurgeJobPage(
+        jobs=[PurgeJobPublic.of(jobs.report(services, j)) for j in page],
+        next_before=page[-1].job_id if len(found) > limit else None,
+    )
+
+
+@router.get("/{job_id}", response_model=PurgeJobPublic)
+def get_purge(job_id: JobId, access: Annotated[Access, require(*READERS)]) -> PurgeJobPublic:
+    """One job: status, each engine's progress, block counts."""
+    return PurgeJobPublic.of(jobs.report(access.services, jobs.get_job(access, job_id)))
+
+
+@router.get(
+    "/{job_id}/certificate",
+    response_model=ErasureCertificate,
+    responses={
+        **CONFLICT,
+        200: {"description": "The erasure certificate, as a JSON download"},
+    },
+)
+def get_certificate(
+    job_id: JobId, action: Annotated[Action, audited("purge.certificate", *READERS)]
+) -> JSONResponse:
+    """The erasure certificate of a done job (an export: recorded in the ledger). Verify it offline
+    with `kvguard verify CERT.json --key VKEY`."""
+    access, services = action.access, action.access.services
+    job = jobs.get_job(access, job_id)
+    action.tenant_id = job.tenant_id
+    report = jobs.report(services, job)
+    if report.status is not jobs.PurgeStatus.DONE:
+        raise ConflictError(f"purge job {job_id} is {report.status.value}: no certificate yet")
+    document = certificates.issue(services, report)
+    ErasureCertificate.model_validate(document)  # the documented shape, checked before it leaves
+    action.done(job_id=job_id, tree_size=document["evidence"]["tree_size"])
+    return JSONResponse(
+        document,
+        headers={
+            "Content-Disposition": f'attachment; filename="erasure-certificate-{job_id}.json"'
+        },
+    )

@@ -1,0 +1,160 @@
+"""Issue the erasure certificate of a finished purge job (format: `kvguard.audit.certificate`).
+
+Everything the ledger can back is taken from the ledger entries themselves, through the same
+`kvguard.audit.erasure` functions the offline verifier runs, so a certificate this module issues
+verifies by construction. The rest (when the job was requested and acknowledged, the engines'
+models) comes from the database and is labelled as reported.
+
+What a certificate discloses (G6): the tenant only by its `tt_` tag, never its id; a session purge
+names no session id (a certificate may be shown to third parties; the job record keeps it for those
+allowed to read it); model and adapter purges name the model or adapter, which are the operator's
+catalogue names. The evidence leaves carry ids, counts, scope tags and zeroization facts only; the
+erasable payloads of the ledger (where tenant ids live) are never included.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from kvguard import __version__
+from kvguard.api.purge_jobs import JobReport, PurgeJob
+from kvguard.api.services import Services
+from kvguard.audit import erasure
+from kvguard.audit.certificate import CLAIMS, ENGINE_CLAIMS, FORMAT, VERSION, set_path
+from kvguard.audit.erasure_query import prove
+from kvguard.engine_adapter.records import PurgeKind
+
+STANDARDS: Final = (
+    "NIST SP 800-88 Rev. 1, Appendix G: Certificate of Sanitization",
+    "NIST SP 800-53 Rev. 5, SC-4: Information in Shared System Resources",
+)
+MEDIA_TYPE: Final = (
+    "KV cache blocks (paged attention cache) in the device memory of LLM serving engines"
+)
+METHOD_DETAILS: Final = (
+    "Each block was held out of the engine's free pool (quarantined) and overwritten with zeros on "
+    "its device, in every layer, before the engine could hand it to another owner; the clear was "
+    "read back per the tenant's policy (verification modes) and recorded in the audit ledger."
+)
+
+
+def _iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def selector(services: Services, job: PurgeJob) -> dict[str, Any]:
+    """What was purged, disclosed as little as the certificate's purpose allows (module docstring)."""
+    if job.kind in (PurgeKind.TENANT, PurgeKind.SESSION):
+        assert job.tenant_id is not None  # a tenant or session purge always names its tenant
+        return {
+            "kind": job.kind.value,
+            "tenant_tag": services.deriver.tenant_tag(job.tenant_id),
+            "value": None,
+            "value_disclosed": False,
+        }
+    return {"kind": job.kind.value, "tenant_tag": None, "value": job.value, "value_disclosed": True}
+
+
+def _engines(report: JobReport, facts: dict[str | None, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for e in report.engines:
+        shown = facts.get(e.engine_id)
+        entry: dict[str, Any] = {
+            "engine_id": e.engine_id,
+            "model": e.model,
+            "acknowledged_at": _iso(e.acknowledged_at),
+            "blocks_quarantined": e.blocks_quarantined,
+            "blocks_active_deferred": e.blocks_active_deferred,
+            "bytes_cleared": None,
+            "devices": [],
+        }
+        if shown is not None:  # named in its purge entries: the ledger's figures
+            entry.update({name: shown[name] for name in ENGINE_CLAIMS})
+        out.append(entry)
+    return out
+
+
+def _notes(report: JobReport, deferred: int) -> list[str]:
+    notes = []
+    if report.no_live_engines:
+        notes.append("No engine was live when the job was created: no KV cache held data to clear.")
+    if deferred:
+        notes.append(
+            f"{deferred} blocks were in use by running requests when the purge ran: they were marked "
+            "to be quarantined and cleared when those requests end, like every released block, and "
+            "are counted here without being linked block by block."
+        )
+    notes.append(
+        "Request and acknowledgement times and engine models are reported from the control "
+        "database; every other figure is derived from the evidence entries."
+    )
+    return notes
+
+
+def _evidence(report: JobReport, services: Services) -> dict[str, Any]:
+    ev = report.evidence
+    proven = prove(services.ledger, ev.indices())
+    roles = {p.index: "purge" for p in ev.purges} | {z.index: "zeroize" for z in ev.zeroizes}
+    if ev.request is not None:
+        roles[ev.request] = "request"
+    entries = [
+        {
+            "role": roles[i],
+            "index": i,
+            "leaf": base64.b64encode(ev.leaves[i]).decode(),
+            "inclusion_proof": [base64.b64encode(h).decode() for h in proven.proofs[i]],
+        }
+        for i in ev.indices()
+    ]
+    return {"checkpoint": proven.checkpoint, "tree_size": proven.tree_size, "entries": entries}
+
+
+def issue(services: Services, report: JobReport) -> dict[str, Any]:
+    """The certificate of a `done` job (the caller checks the status)."""
+    ev, job = report.evidence, report.job
+    shown = erasure.summary(ev.purges, ev.zeroizes, ev.coverage)
+    facts = erasure.engine_facts(ev.purges, ev.zeroizes, ev.coverage)
+    evidence = _evidence(report, services)
+    origin = services.ledger.origin
+    acks = [e.acknowledged_at for e in report.engines if e.acknowledged_at is not None]
+    document: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "certificate_id": f"{origin}/purges/{job.job_id}/certificate@{evidence['tree_size']}",
+        "issued_at": _iso(services.clock()),
+        "standards": list(STANDARDS),
+        "issuer": {"ledger_origin": origin, "software": f"kvguard {__version__}"},
+        "requested_by": {"principal": job.requested_by},
+        "job": {
+            "job_id": job.job_id,
+            "status": report.status.value,
+            "engines_expected": report.engines_expected,
+            "no_live_engines": report.no_live_engines,
+        },
+        "selector": selector(services, job),
+        "media": {"type": MEDIA_TYPE, "engines": _engines(report, facts)},
+        "sanitization": {
+            "method_type": "Clear",
+            "method_used": "Overwrite with zeros",
+            "method_details": METHOD_DETAILS,
+            "destination": "Returned to the engine's free block pool for reuse",
+        },
+        "timestamps": {
+            "requested": _iso(job.created_at),
+            "acknowledged_first": _iso(min(acks, default=None)),
+            "acknowledged_last": _iso(max(acks, default=None)),
+        },
+        "notes": _notes(report, shown["blocks_active_deferred"]),
+        "evidence": evidence,
+        "verify": {
+            "command": f"kvguard verify <this file> --key <verifier key of {origin}>",
+            "trust": "The verifier key is not in the certificate: get it from the log operator.",
+        },
+    }
+    for path, key in CLAIMS.items():
+        set_path(document, path, shown[key])
+    return document

@@ -1,0 +1,216 @@
+"""Purge jobs as the admin API reports them: the command row, the engines expected to run it, their
+acknowledgements, and how far the evidence in the ledger has come.
+
+A job is an `engine_commands` row of kind `purge` (`kvguard.engine_adapter.commands`); its id is the
+job id. Status, worked out on every read:
+
+- `queued`: no engine has acknowledged it yet;
+- `running`: some engine acknowledged it, but not every expected engine has, or the ledger does not
+  yet hold an acknowledging engine's purge entry and a clear of every block it quarantined;
+- `done`: every expected engine (and any other that ran the job) acknowledged it and its evidence is
+  complete in the ledger. A job created while no engine was live is done at once with nothing to
+  clear (`no_live_engines`);
+- `incomplete`: nothing is left running, but an expected engine stopped, or stopped heartbeating,
+  before finishing. Its cache went with its process; no certificate is issued for such a job.
+
+Expected engines are those live when the job was created (at time T): registered at or before T, not
+stopped before T, last heartbeat at or after T - `engine_max_age_s`. This is derived from the engine
+registry rather than stored: heartbeats only move forward and a restarted engine registers under a
+new id with an empty cache (and executes no command older than itself), so the set read later is
+the set that was live at T. An engine whose heartbeats had lapsed at T and then resumed is waited
+for too; it executes every command created after it started.
+
+Tenant scoping: a job belongs to the tenant it names (its `tenant_id`, or the value of a tenant
+purge); model and adapter purges belong to no tenant, so only admins and auditors see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+
+from kvguard.api.deps import Access
+from kvguard.api.services import Services
+from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, find_job_evidence
+from kvguard.control.engines import EngineInfo
+from kvguard.engine_adapter.commands import EngineCommand
+from kvguard.engine_adapter.records import PurgeKind
+from kvguard.errors import NotFoundError
+
+
+class PurgeStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    INCOMPLETE = "incomplete"
+
+
+class PurgeEngineState(StrEnum):
+    PENDING = "pending"  # expected, live, not acknowledged yet
+    ACKNOWLEDGED = "acknowledged"  # acknowledged; its evidence is not all in the ledger yet
+    DONE = "done"  # acknowledged, and the ledger holds its purge entry and every clear
+    LOST = "lost"  # expected but gone (stopped, or no heartbeat) before finishing
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeJob:
+    job_id: int
+    kind: PurgeKind
+    value: str
+    tenant_id: str | None  # the tenant the job belongs to (None: model and adapter purges)
+    requested_by: str
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProgress:
+    engine_id: str
+    expected: bool
+    state: PurgeEngineState
+    model: str | None = None
+    acknowledged_at: float | None = None
+    blocks_quarantined: int | None = None
+    blocks_active_deferred: int | None = None
+
+
+@dataclass(frozen=True)
+class JobReport:
+    job: PurgeJob
+    status: PurgeStatus
+    engines: list[EngineProgress]
+    evidence: JobEvidence
+
+    @property
+    def engines_expected(self) -> int:
+        return sum(e.expected for e in self.engines)
+
+    @property
+    def no_live_engines(self) -> bool:
+        return not self.engines
+
+    def total(self, name: str) -> int:
+        return sum(getattr(e, name) or 0 for e in self.engines)
+
+
+def _job(row: Any) -> PurgeJob:
+    kind = PurgeKind(row.selector_kind)
+    tenant = row.selector_value if kind is PurgeKind.TENANT else row.tenant_id
+    return PurgeJob(
+        row.id, kind, row.selector_value, tenant, row.requested_by, float(row.created_at)
+    )
+
+
+def get_job(access: Access, job_id: int) -> PurgeJob:
+    """The job, if the caller may see it (NotFoundError otherwise, as for a job that does not exist)."""
+    c = EngineCommand
+    with access.services.db.connect() as conn:
+        row = conn.execute(sa.select(c).where(c.id == job_id, c.kind == "purge")).first()
+    job = _job(row) if row is not None else None
+    if job is None or not access.may_see(job.tenant_id):
+        raise NotFoundError(f"purge job {job_id} not found")
+    return job
+
+
+def list_jobs(
+    services: Services, *, tenant_id: str | None, before: int | None, limit: int
+) -> list[PurgeJob]:
+    """Jobs newest first, below job id `before`, of one tenant (None: every job)."""
+    c = EngineCommand
+    stmt = sa.select(c).where(c.kind == "purge").order_by(c.id.desc()).limit(limit)
+    if tenant_id is not None:
+        of_tenant = sa.and_(
+            c.selector_kind == PurgeKind.TENANT.value, c.selector_value == tenant_id
+        )
+        stmt = stmt.where(sa.or_(c.tenant_id == tenant_id, of_tenant))
+    if before is not None:
+        stmt = stmt.where(c.id < before)
+    with services.db.connect() as conn:
+        return [_job(r) for r in conn.execute(stmt).all()]
+
+
+def expected_engines(
+    engines: Sequence[EngineInfo], created_at: float, max_age_s: float
+) -> set[str]:
+    """Engines live at `created_at` (module docstring)."""
+    return {
+        e.engine_id
+        for e in engines
+        if e.started_at <= created_at
+        and (e.stopped_at is None or e.stopped_at >= created_at)
+        and e.last_seen >= created_at - max_age_s
+    }
+
+
+def report(services: Services, job: PurgeJob) -> JobReport:
+    """Where the job stands now (module docstring)."""
+    created = datetime.fromtimestamp(job.created_at, UTC)
+    evidence = find_job_evidence(
+        services.ledger, job.job_id, since=created - CLOCK_SKEW_S, until=created + CLOCK_SKEW_S
+    )
+    registry = services.engines.engines()
+    max_age = services.config.engine_max_age_s
+    now = services.clock()
+    live = {e.engine_id for e in registry if e.live(now, max_age)}
+    models = {e.engine_id: e.model for e in registry}
+    acks = {str(a["engine_id"]): a for a in services.commands.acks(job.job_id)}
+    expected = expected_engines(registry, job.created_at, max_age)
+    recorded = {p.engine_id for p in evidence.purges if p.engine_id is not None}
+    complete = evidenced(list(acks), evidence)
+    engines = []
+    for engine_id in sorted(expected | set(acks) | recorded):
+        ack = acks.get(engine_id)
+        if engine_id in complete:
+            state = PurgeEngineState.DONE
+        elif engine_id in live:
+            state = PurgeEngineState.ACKNOWLEDGED if ack else PurgeEngineState.PENDING
+        else:
+            state = PurgeEngineState.LOST
+        engines.append(
+            EngineProgress(
+                engine_id=engine_id,
+                expected=engine_id in expected,
+                state=state,
+                model=models.get(engine_id),
+                acknowledged_at=float(ack["done_at"]) if ack else None,
+                blocks_quarantined=_count(ack, "blocks_quarantined"),
+                blocks_active_deferred=_count(ack, "blocks_active_doomed"),
+            )
+        )
+    return JobReport(job, job_status([e.state for e in engines]), engines, evidence)
+
+
+def _count(ack: dict[str, Any] | None, name: str) -> int | None:
+    value = ack.get(name) if ack else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def evidenced(acked: Sequence[str], evidence: JobEvidence) -> set[str]:
+    """Acknowledging engines whose purge entries are in the ledger with every block cleared. Entries
+    without an engine id (older engines) stand for the acknowledging engines that no entry names."""
+    missing = evidence.coverage.missing
+    named: dict[str, list[int]] = {}
+    anonymous: list[int] = []
+    for p in evidence.purges:
+        (named.setdefault(p.engine_id, []) if p.engine_id else anonymous).append(p.index)
+    done = {e for e in acked if e in named and not any(i in missing for i in named[e])}
+    rest = [e for e in acked if e not in named]
+    if rest and len(anonymous) >= len(rest) and not any(i in missing for i in anonymous):
+        done.update(rest)
+    return done
+
+
+def job_status(states: Sequence[PurgeEngineState]) -> PurgeStatus:
+    """The job's status from its engines' states (module docstring)."""
+    if all(s is PurgeEngineState.DONE for s in states):
+        return PurgeStatus.DONE
+    if any(s in (PurgeEngineState.PENDING, PurgeEngineState.ACKNOWLEDGED) for s in states):
+        started = any(
+            s is not PurgeEngineState.PENDING and s is not PurgeEngineState.LOST for s in states
+        )
+        return PurgeStatus.RUNNING if started else PurgeStatus.QUEUED
+    return PurgeStatus.INCOMPLETE

@@ -1,0 +1,248 @@
+"""Erasure certificates: the format (version 1) and its offline verifier.
+
+A certificate says that the KV cache blocks selected by one purge job were cleared (NIST SP 800-88
+Rev. 1 "Clear": overwritten with zeros) on every engine that held them, in the layout of the
+"Certificate of Sanitization" of SP 800-88 Appendix G, for the control NIST SP 800-53 SC-4
+(information in shared system resources). The admin API issues it (`kvguard.api.certificates`);
+docs/api.md shows an example. Its claims are backed by ledger entries carried in the certificate
+itself, each with its exact leaf bytes and an RFC 9162 inclusion proof against one signed checkpoint.
+
+The verifier key is deliberately *not* in the certificate: a document cannot vouch for itself. The
+relying party passes the log's verifier key (`kvguard verify CERT.json --key VKEY`), obtained out of
+band, as for export bundles.
+
+Verification (`verify_certificate`), failing closed at the first problem with `VerificationError`:
+1. the document is a version-1 certificate;
+2. the checkpoint is a C2SP signed note by a trusted key, for the issuer's ledger origin;
+3. every evidence entry's inclusion proof leads from its leaf to the checkpoint's root;
+4. every leaf decodes (canonically) to an event of its stated role: the purge entries name this job
+   and kind, the request entry (if any) this job, requester and tenant tag;
+5. every block a purge entry quarantined is covered by a zeroize entry (`kvguard.audit.erasure`)
+   that passed verification, and no zeroize entry is there for nothing;
+6. every claim the leaves can back (`CLAIMS`, the engines and their counts) equals what the leaves
+   show. Claims the ledger does not hold (model names, acknowledgement times) are reported values.
+
+Standard library and `cryptography` only, like the bundle verifier (it reuses the same checkpoint,
+signed-note and Merkle functions).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from kvguard.audit import erasure, merkle, note
+from kvguard.audit.checkpoint import Checkpoint, b64decode_strict, parse_checkpoint
+from kvguard.errors import VerificationError
+
+FORMAT: Final = "kvguard/erasure-certificate"
+VERSION: Final = 1
+ROLES: Final = ("request", "purge", "zeroize")
+REQUEST_ACTIONS: Final = {"purge.create": "job_id", "tenant.disable": "purge_job_id"}
+MAX_BYTES: Final = 64 << 20
+
+# Certificate field (dotted path) -> the `erasure.summary` value it must equal.
+CLAIMS: Final = {
+    "media.kv_cache_blocks.quarantined": "blocks_quarantined",
+    "media.kv_cache_blocks.cleared": "blocks_quarantined",
+    "media.kv_cache_blocks.active_deferred": "blocks_active_deferred",
+    "media.kv_cache_blocks.bytes_cleared": "bytes_cleared",
+    "sanitization.technique": "methods",
+    "sanitization.verification.modes": "verify_modes",
+    "sanitization.verification.result": "verification_result",
+    "timestamps.purged_first": "purged_first",
+    "timestamps.purged_last": "purged_last",
+    "timestamps.zeroized_first": "zeroized_first",
+    "timestamps.zeroized_last": "zeroized_last",
+}
+# Per-engine fields the leaves back (for engines named in their purge entries).
+ENGINE_CLAIMS: Final = ("blocks_quarantined", "blocks_active_deferred", "bytes_cleared", "devices")
+
+
+@dataclass(frozen=True)
+class CertificateReport:
+    job_id: int
+    origin: str
+    tree_size: int
+    entries: int
+    engines: int
+    blocks_cleared: int
+
+
+def get_path(document: Mapping[str, Any], path: str) -> Any:
+    value: Any = document
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise VerificationError(f"certificate has no {path}")
+        value = value[part]
+    return value
+
+
+def set_path(document: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        document = document.setdefault(part, {})
+    document[last] = value
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a certificate file (JSON object); VerificationError if it is not one."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_BYTES:
+            raise VerificationError(f"{p.name} is larger than a certificate can be")
+        document = json.loads(p.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise VerificationError(f"{p.name} is not a readable JSON document") from None
+    if not isinstance(document, dict):
+        raise VerificationError(f"{p.name} is not a JSON object")
+    return document
+
+
+def verify_certificate(
+    document: Mapping[str, Any], verifier_keys: Sequence[str], *, origin: str | None = None
+) -> CertificateReport:
+    """Run the steps of the module docstring; raise VerificationError at the first failure."""
+    verifiers = [note.parse_verifier_key(k) for k in verifier_keys]
+    if not verifiers:
+        raise VerificationError("no verifier key given")
+    if document.get("format") != FORMAT or document.get("version") != VERSION:
+        raise VerificationError(f"not a version-{VERSION} {FORMAT} document")
+    cp = _checkpoint(document, verifiers, origin)
+    entries = _proven_entries(document, cp)
+    job_id = get_path(document, "job.job_id")
+    if not isinstance(job_id, int) or isinstance(job_id, bool):
+        raise VerificationError("job.job_id is not an integer")
+    purges = [erasure.purge_entry(i, obj) for role, i, obj in entries if role == "purge"]
+    zeroizes = [erasure.zeroize_entry(i, obj) for role, i, obj in entries if role == "zeroize"]
+    requests = [(i, obj) for role, i, obj in entries if role == "request"]
+    _check_purges(document, purges, job_id)
+    if len(requests) > 1:
+        raise VerificationError("evidence holds more than one request entry")
+    for index, obj in requests:
+        _check_request(document, index, obj, job_id)
+    coverage = erasure.cover(purges, zeroizes)
+    if not coverage.complete:
+        first = min(coverage.missing)
+        raise VerificationError(
+            f"entry {first}: {len(coverage.missing[first])} quarantined blocks have no zeroize entry"
+        )
+    idle = {z.index for z in zeroizes} - set(coverage.zeroize_indices())
+    if idle:
+        raise VerificationError(f"entry {min(idle)}: a zeroize entry that covers no purged block")
+    shown = erasure.summary(purges, zeroizes, coverage)
+    for path, key in CLAIMS.items():
+        if get_path(document, path) != shown[key]:
+            raise VerificationError(f"{path}: the certificate's value is not what the entries show")
+    engines = _check_engines(document, erasure.engine_facts(purges, zeroizes, coverage))
+    return CertificateReport(
+        job_id, cp.origin, cp.size, len(entries), engines, shown["blocks_quarantined"]
+    )
+
+
+def _checkpoint(
+    document: Mapping[str, Any], verifiers: Sequence[note.Verifier], origin: str | None
+) -> Checkpoint:
+    signed = get_path(document, "evidence.checkpoint")
+    if not isinstance(signed, str):
+        raise VerificationError("evidence.checkpoint is not a signed note")
+    try:
+        cp = parse_checkpoint(note.open_note(signed, verifiers)[0])
+    except VerificationError as exc:
+        raise VerificationError(f"evidence.checkpoint: {exc}") from None
+    if cp.origin != get_path(document, "issuer.ledger_origin"):
+        raise VerificationError("evidence.checkpoint: not from the issuer's ledger origin")
+    if origin is not None and cp.origin != origin:
+        raise VerificationError(
+            f"evidence.checkpoint: origin is {cp.origin!r}, expected {origin!r}"
+        )
+    return cp
+
+
+def _proven_entries(
+    document: Mapping[str, Any], cp: Checkpoint
+) -> list[tuple[str, int, dict[str, Any]]]:
+    """Each evidence entry as (role, index, leaf object), after its inclusion proof verified."""
+    raw = get_path(document, "evidence.entries")
+    if not isinstance(raw, list):
+        raise VerificationError("evidence.entries is not a list")
+    out: list[tuple[str, int, dict[str, Any]]] = []
+    seen: set[int] = set()
+    for number, item in enumerate(raw):
+        where = f"evidence.entries[{number}]"
+        try:
+            role, index, leaf_b64, proof_b64 = (
+                item[k] for k in ("role", "index", "leaf", "inclusion_proof")
+            )
+        except (KeyError, TypeError):
+            raise VerificationError(f"{where}: not an evidence entry") from None
+        if role not in ROLES or not isinstance(index, int) or isinstance(index, bool):
+            raise VerificationError(f"{where}: unknown role or non-integer index")
+        if index in seen or not isinstance(proof_b64, list):
+            raise VerificationError(f"{where}: repeated index or no proof list")
+        seen.add(index)
+        leaf = b64decode_strict(str(leaf_b64), f"{where}: leaf")
+        proof = [b64decode_strict(str(h), f"{where}: proof hash") for h in proof_b64]
+        try:
+            merkle.verify_inclusion(index, cp.size, merkle.leaf_hash(leaf), proof, cp.root)
+        except VerificationError as exc:
+            raise VerificationError(f"{where} (entry {index}): {exc}") from None
+        out.append((role, index, erasure.parse_leaf(leaf)))
+    return out
+
+
+def _check_purges(
+    document: Mapping[str, Any], purges: Sequence[erasure.PurgeEntry], job_id: int
+) -> None:
+    kind = f"{get_path(document, 'selector.kind')}.purge"
+    for p in purges:
+        if p.command_id != job_id or p.kind != kind:
+            raise VerificationError(f"entry {p.index}: a purge of another job or kind")
+
+
+def _check_request(
+    document: Mapping[str, Any], index: int, obj: dict[str, Any], job_id: int
+) -> None:
+    """The `admin.action` entry that created the job: same job, requester and tenant tag."""
+    details = obj["details"]
+    field = REQUEST_ACTIONS.get(details.get("action", ""))
+    if obj.get("kind") != "admin.action" or field is None or details.get("outcome") != "ok":
+        raise VerificationError(f"entry {index}: not a successful purge request")
+    if details.get(field) != job_id:
+        raise VerificationError(f"entry {index}: requested another job")
+    if details.get("principal") != get_path(document, "requested_by.principal"):
+        raise VerificationError(f"entry {index}: requested by someone else")
+    tag = get_path(document, "selector").get("tenant_tag")
+    if tag is not None and obj.get("scope_tag") != tag:
+        raise VerificationError(f"entry {index}: about another tenant")
+    expected = details.get("engines_expected")
+    if isinstance(expected, int) and len(get_path(document, "media.engines")) < expected:
+        raise VerificationError(f"entry {index}: fewer engines than were live at the request")
+
+
+def _check_engines(document: Mapping[str, Any], facts: dict[str | None, dict[str, Any]]) -> int:
+    """Engines named in purge entries match one certificate engine each, field for field; the rest
+    of the certificate's engines (older engines record no id) number the anonymous purge entries."""
+    listed = get_path(document, "media.engines")
+    if not isinstance(listed, list) or not all(isinstance(e, Mapping) for e in listed):
+        raise VerificationError("media.engines is not a list of engines")
+    ids = [e.get("engine_id") for e in listed]
+    if len(set(ids)) != len(ids):
+        raise VerificationError("media.engines names an engine twice")
+    by_id = {e.get("engine_id"): e for e in listed}
+    for engine_id, shown in facts.items():
+        if engine_id is None:
+            continue
+        claimed = by_id.pop(engine_id, None)
+        if claimed is None:
+            raise VerificationError(f"engine {engine_id}: has purge entries but is not listed")
+        for name in ENGINE_CLAIMS:
+            if claimed.get(name) != shown[name]:
+                raise VerificationError(f"engine {engine_id}: {name} is not what the entries show")
+    anonymous = facts.get(None, {}).get("purge_entries", 0)
+    if len(by_id) != anonymous:
+        raise VerificationError("media.engines: an engine without a purge entry, or one missing")
+    return len(listed)

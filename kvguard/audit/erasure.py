@@ -1,0 +1,283 @@
+"""Erasure evidence: which ledger entries prove that a purge job's KV blocks were cleared.
+
+Pure and standard library only. The admin API (which issues erasure certificates) and the offline
+certificate verifier (`kvguard.audit.certificate`) link entries with this one module, so what the
+API certifies is exactly what the verifier derives again from the leaves.
+
+How a purge job shows up in the ledger. Every engine that executed job N records one
+`<kind>.purge` entry (`session`, `tenant`, `model`, `adapter`) whose details carry
+`command_id: N`, `blocks_quarantined`, `blocks_active_doomed` and, from engines that have it,
+`engine_id`; its `block_ids` are the blocks it quarantined. The worker then clears them and the
+engine records `block.zeroize` entries (the evidence of `kvguard.zeroize.evidence`, plus `handover`
+and `engine_id`). A quarantined block is *covered* by the first `block.zeroize` entry after its
+purge entry that
+
+1. is a release clear (`handover: false`): a handover clear is about the block's next owner;
+2. comes from the same engine: block ids are per engine, so two engines' entries may name the same
+   id. Where either entry has no `engine_id` (engines that predate it), all engines' entries are
+   treated as one id space;
+3. lists the block.
+
+Blocks that were in use when the purge ran (`blocks_active_doomed`) are quarantined when their
+request ends and cleared like any released block; their ids are not in the purge entry, so they are
+counted here, not linked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvguard.errors import VerificationError
+
+LEAF_VERSION: Final = 1
+PURGE_KINDS: Final = ("session.purge", "tenant.purge", "model.purge", "adapter.purge")
+ZEROIZE_KIND: Final = "block.zeroize"
+VERIFY_MODES: Final = frozenset({"none", "sample", "full"})
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeEntry:
+    """One engine's record of executing a purge job."""
+
+    index: int
+    kind: str
+    ts: str
+    command_id: int
+    engine_id: str | None
+    block_ids: tuple[int, ...]
+    blocks_active_doomed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroizeEntry:
+    """One `block.zeroize` entry: blocks cleared together, how, and how it was checked."""
+
+    index: int
+    ts: str
+    engine_id: str | None
+    block_ids: frozenset[int]
+    handover: bool
+    method: str
+    device: str
+    verify_mode: str
+    verified: bool | None
+    bytes_cleared: int
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """`links[(purge index, block)]` is the covering zeroize entry; `missing` what is not covered."""
+
+    links: dict[tuple[int, int], int]
+    missing: dict[int, frozenset[int]]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def zeroize_indices(self) -> list[int]:
+        return sorted(set(self.links.values()))
+
+
+# --- leaves -----------------------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise VerificationError("leaf has a duplicate key")
+    return out
+
+
+def parse_leaf(leaf: bytes) -> dict[str, Any]:
+    """The JSON object of a version-1 leaf; refuses anything but its one canonical spelling."""
+    try:
+        obj = json.loads(leaf.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError):
+        raise VerificationError("leaf is not UTF-8 JSON") from None
+    if not isinstance(obj, dict) or obj.get("v") != LEAF_VERSION:
+        raise VerificationError("leaf is not a version-1 event")
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if canonical.encode("utf-8") != leaf:
+        raise VerificationError("leaf bytes are not in canonical form")
+    if not isinstance(obj.get("details"), dict) or not isinstance(obj.get("ts"), str):
+        raise VerificationError("leaf has no details or timestamp")
+    return obj
+
+
+def _int(details: dict[str, Any], name: str, where: str) -> int:
+    value = details.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise VerificationError(f"{where}: details.{name} is not a non-negative integer")
+    return value
+
+
+def _engine(details: dict[str, Any], where: str) -> str | None:
+    value = details.get("engine_id")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise VerificationError(f"{where}: details.engine_id is not a non-empty string")
+    return value
+
+
+def _block_ids(obj: dict[str, Any], where: str) -> tuple[int, ...]:
+    ids = obj.get("block_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
+    ):
+        raise VerificationError(f"{where}: block_ids is not a list of block ids")
+    return tuple(ids)
+
+
+def purge_entry(index: int, obj: dict[str, Any]) -> PurgeEntry:
+    """A `<kind>.purge` leaf as a `PurgeEntry` (VerificationError if it is not one)."""
+    where = f"entry {index}"
+    if obj.get("kind") not in PURGE_KINDS:
+        raise VerificationError(f"{where}: not a purge entry")
+    details = obj["details"]
+    ids = _block_ids(obj, where)
+    if len(set(ids)) != len(ids) or _int(details, "blocks_quarantined", where) != len(ids):
+        raise VerificationError(f"{where}: blocks_quarantined disagrees with its block ids")
+    return PurgeEntry(
+        index=index,
+        kind=obj["kind"],
+        ts=obj["ts"],
+        command_id=_int(details, "command_id", where),
+        engine_id=_engine(details, where),
+        block_ids=ids,
+        blocks_active_doomed=_int(details, "blocks_active_doomed", where),
+    )
+
+
+def zeroize_entry(index: int, obj: dict[str, Any]) -> ZeroizeEntry:
+    """A `block.zeroize` leaf as a `ZeroizeEntry` (VerificationError if it is not one)."""
+    where = f"entry {index}"
+    if obj.get("kind") != ZEROIZE_KIND:
+        raise VerificationError(f"{where}: not a block.zeroize entry")
+    details = obj["details"]
+    ids = _block_ids(obj, where)
+    handover, verified = details.get("handover"), details.get("verified")
+    if not isinstance(handover, bool) or (verified is not None and not isinstance(verified, bool)):
+        raise VerificationError(f"{where}: handover or verified is not a boolean")
+    mode, method, device = (details.get(k) for k in ("verify_mode", "method", "device"))
+    if mode not in VERIFY_MODES or not isinstance(method, str) or not isinstance(device, str):
+        raise VerificationError(f"{where}: verify_mode, method or device is missing")
+    if _int(details, "block_count", where) != len(ids):
+        raise VerificationError(f"{where}: block_count disagrees with its block ids")
+    return ZeroizeEntry(
+        index=index,
+        ts=obj["ts"],
+        engine_id=_engine(details, where),
+        block_ids=frozenset(ids),
+        handover=handover,
+        method=method,
+        device=device,
+        verify_mode=mode,
+        verified=verified,
+        bytes_cleared=_int(details, "bytes_cleared", where),
+    )
+
+
+def check_clear(z: ZeroizeEntry) -> None:
+    """A covering clear must have passed its verification, or have been run without one."""
+    if z.verified is False or (z.verify_mode == "none") != (z.verified is None):
+        raise VerificationError(
+            f"entry {z.index}: verification result {z.verified!r} under mode {z.verify_mode!r}"
+        )
+
+
+# --- linking ----------------------------------------------------------------------------------------
+
+
+def same_engine(a: str | None, b: str | None) -> bool:
+    """Rule 2 of the module docstring: equal ids, or one of them unknown (one id space)."""
+    return a is None or b is None or a == b
+
+
+def cover(purges: Iterable[PurgeEntry], zeroizes: Iterable[ZeroizeEntry]) -> Coverage:
+    """Link every quarantined block of `purges` to its covering zeroize entry (module docstring)."""
+    clears = sorted((z for z in zeroizes if not z.handover), key=lambda z: z.index)
+    links: dict[tuple[int, int], int] = {}
+    missing: dict[int, frozenset[int]] = {}
+    for p in purges:
+        left = set(p.block_ids)
+        for z in clears:
+            if not left:
+                break
+            if z.index <= p.index or not same_engine(p.engine_id, z.engine_id):
+                continue
+            for block in left & z.block_ids:
+                links[(p.index, block)] = z.index
+            left -= z.block_ids
+        if left:
+            missing[p.index] = frozenset(left)
+    return Coverage(links, missing)
+
+
+# --- what the entries prove --------------------------------------------------------------------------
+
+
+def _bytes_of(coverage: Coverage, zeroizes: dict[int, ZeroizeEntry], purge: PurgeEntry) -> int:
+    """Bytes of `purge`'s blocks cleared: each covering entry's bytes per block, times its blocks."""
+    per_entry: dict[int, int] = {}
+    for block in purge.block_ids:
+        z = coverage.links.get((purge.index, block))
+        if z is not None:
+            per_entry[z] = per_entry.get(z, 0) + 1
+    return sum(
+        zeroizes[z].bytes_cleared * n // len(zeroizes[z].block_ids) for z, n in per_entry.items()
+    )
+
+
+def engine_facts(
+    purges: Sequence[PurgeEntry], zeroizes: Sequence[ZeroizeEntry], coverage: Coverage
+) -> dict[str | None, dict[str, Any]]:
+    """Per engine id (None: entries without one), what its purge entries and their clears show."""
+    by_index = {z.index: z for z in zeroizes}
+    out: dict[str | None, dict[str, Any]] = {}
+    for p in purges:
+        facts = out.setdefault(
+            p.engine_id,
+            {"purge_entries": 0, "blocks_quarantined": 0, "blocks_active_deferred": 0},
+        )
+        facts["purge_entries"] += 1
+        facts["blocks_quarantined"] += len(p.block_ids)
+        facts["blocks_active_deferred"] += p.blocks_active_doomed
+        facts["bytes_cleared"] = facts.get("bytes_cleared", 0) + _bytes_of(coverage, by_index, p)
+        devices = {
+            by_index[z].device
+            for b in p.block_ids
+            if (z := coverage.links.get((p.index, b))) is not None
+        }
+        facts["devices"] = sorted(set(facts.get("devices", [])) | devices)
+    return out
+
+
+def summary(
+    purges: Sequence[PurgeEntry], zeroizes: Sequence[ZeroizeEntry], coverage: Coverage
+) -> dict[str, Any]:
+    """Totals, techniques, verification and times shown by the entries (complete coverage only)."""
+    if not coverage.complete:
+        raise VerificationError("not every quarantined block is covered by a zeroize entry")
+    covering = set(coverage.zeroize_indices())
+    used = [z for z in zeroizes if z.index in covering]
+    for z in used:
+        check_clear(z)
+    facts = engine_facts(purges, zeroizes, coverage)
+    verified = {z.verified for z in used}
+    result = "passed" if verified == {True} else "not_verified" if verified == {None} else "partial"
+    return {
+        "kinds": sorted({p.kind for p in purges}),
+        "blocks_quarantined": sum(f["blocks_quarantined"] for f in facts.values()),
+        "blocks_active_deferred": sum(f["blocks_active_deferred"] for f in facts.values()),
+        "bytes_cleared": sum(f["bytes_cleared"] for f in facts.values()),
+        "methods": sorted({z.method for z in used}),
+        "verify_modes": sorted({z.verify_mode for z in used}),
+        "verification_result": result if used else "nothing_to_clear",
+        "purged_first": min((p.ts for p in purges), default=None),
+        "purged_last": max((p.ts for p in purges), default=None),
+        "zeroized_first": min((z.ts for z in used), default=None),
+        "zeroized_last": max((z.ts for z in used), default=None),
+    }

@@ -1,0 +1,155 @@
+"""An engine for the purge API tests without vLLM: a real `Custody`, its events converted and submitted
+exactly as the vLLM adapter's ledger bridge does, purge commands acknowledged through the real
+`CommandQueue`, heartbeats in the real engine registry, zeroization evidence in the worker's format."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from kvguard.api.services import Services
+from kvguard.engine_adapter.commands import PurgeCommand
+from kvguard.engine_adapter.custody import Custody
+from kvguard.engine_adapter.ledger_bridge import LedgerBridge
+from kvguard.engine_adapter.records import CustodyEvent, EventKind
+from kvguard.isolation.scope import (
+    AdapterRef,
+    CacheConfig,
+    ModelRef,
+    Scope,
+    Share,
+    TokenizerRef,
+)
+from kvguard.policy import AuditLevel, PolicySet
+from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
+
+BLOCK_BYTES = 4096
+MODEL = "tiny-llama"
+_REQUESTS = itertools.count()
+
+
+def scope(tenant: str, session: str | None = None, adapter: str | None = None) -> Scope:
+    return Scope(
+        tenant_id=tenant,
+        share=Share.SESSION if session else Share.TENANT,
+        session_id=session,
+        model=ModelRef(id=MODEL, revision="1"),
+        tokenizer=TokenizerRef(id="t", revision="1"),
+        adapter=AdapterRef(id=adapter, revision="1") if adapter else None,
+        cache_config=CacheConfig(kv_dtype="bf16", block_size=16),
+    )
+
+
+def evidence(blocks: int, mode: VerifyMode = VerifyMode.SAMPLE) -> dict[str, object]:
+    """What the worker reports for one clear (`ZeroizeEvidence.as_audit_details`)."""
+    return ZeroizeEvidence(
+        block_count=blocks,
+        block_ids_sha256="0" * 64,
+        cache_blocks=64,
+        layers=2,
+        layout="vllm_cpu",
+        dtype="bfloat16",
+        bytes_cleared=blocks * BLOCK_BYTES,
+        method=Method.TORCH,
+        device="cpu",
+        verify_mode=mode,
+        blocks_verified=0 if mode is VerifyMode.NONE else min(blocks, 2),
+        verified=None if mode is VerifyMode.NONE else True,
+        device_time_us=None,
+        verify_time_us=None,
+        wall_time_us=12.5,
+        timestamp=datetime.now(UTC),
+    ).as_audit_details()
+
+
+class SimEngine:
+    """One engine process's kvguard side, driven by hand."""
+
+    def __init__(
+        self, services: Services, engine_id: str, *, num_blocks: int = 16, names: bool = True
+    ) -> None:
+        self.services = services
+        self.engine_id = engine_id
+        self.names = names  # False: an engine that predates `engine_id` in its ledger details
+        self.custody = Custody(
+            num_blocks, policy=PolicySet().policy_for, tagger=services.deriver.scope_tag
+        )
+        self.bridge = LedgerBridge(services.ledger, lambda _tag: AuditLevel.MINIMAL)
+        self.last_command = services.commands.latest_id()
+        services.engines.register(
+            engine_id, model=MODEL, block_size=16, num_blocks=num_blocks, now=time.time()
+        )
+
+    def _details(self) -> dict[str, str]:
+        return {"engine_id": self.engine_id} if self.names else {}
+
+    def forward(self, events: Iterable[CustodyEvent]) -> None:
+        self.bridge.forward(events)
+        self.services.ledger.flush()
+
+    def cache(self, s: Scope, blocks: list[int]) -> None:
+        """A finished request whose blocks stay cached for reuse."""
+        rid = f"r{next(_REQUESTS)}"
+        self.custody.begin(rid, s, use_cache=True)
+        self.custody.allocate(rid, blocks, time.time())
+        self.custody.mark_hashed(blocks)
+        self.custody.finish(rid, time.time())
+        self.forward(self.custody.take_events())
+
+    def hold(self, s: Scope, blocks: list[int]) -> str:
+        """A running request holding `blocks` (a purge now only dooms them)."""
+        rid = f"r{next(_REQUESTS)}"
+        self.custody.begin(rid, s, use_cache=True)
+        self.custody.allocate(rid, blocks, time.time())
+        self.forward(self.custody.take_events())
+        return rid
+
+    def end(self, rid: str) -> None:
+        self.custody.finish(rid, time.time())
+        self.forward(self.custody.take_events())
+
+    def run_commands(self) -> int:
+        """Execute and acknowledge pending purge commands, as `engine_link.CommandRunner` does."""
+        ran = 0
+        for command in self.services.commands.pending_after(self.last_command):
+            self.last_command = command.id
+            if not isinstance(command, PurgeCommand):
+                continue
+            details = {"command_id": command.id, **self._details()}
+            quarantined = self.custody.purge(command.selector, time.time(), details=details)
+            events = self.custody.take_events()
+            doomed = sum(
+                int(e.details.get("blocks_active_doomed") or 0)
+                for e in events
+                if e.kind is command.selector.event_kind
+            )
+            self.forward(events)
+            result = {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
+            self.services.commands.acknowledge(command.id, self.engine_id, result)
+            ran += 1
+        return ran
+
+    def zeroize(self, mode: VerifyMode = VerifyMode.SAMPLE) -> tuple[int, ...]:
+        """The worker clears the step's release plan and the scheduler records it."""
+        plan = self.custody.take_plan()
+        if plan.release:
+            details = {**evidence(len(plan.release), mode), **self._details()}
+            self.custody.zeroized(plan.release, time.time(), details)
+            self.forward(self.custody.take_events())
+        return plan.release
+
+    def handover_clear(self, blocks: list[int]) -> None:
+        """A handover clear naming `blocks` (about their next owner, never a purge's evidence)."""
+        details = {**evidence(len(blocks)), **self._details()}
+        self.custody.zeroized(blocks, time.time(), details, handover=True)
+        self.forward(self.custody.take_events())
+
+    def beat(self) -> None:
+        self.services.engines.touch(self.engine_id, time.time())
+
+
+def zeroize_entries(services: Services) -> int:
+    page = services.ledger.query(kinds=[EventKind.ZEROIZE.value], limit=1000)
+    return len(page.records)

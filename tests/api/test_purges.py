@@ -1,0 +1,276 @@
+"""Purge jobs through the API, on SQLite and PostgreSQL: who may purge what, validation, status
+transitions as engines acknowledge and clear, and what the erasure certificate holds."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvguard.audit.certificate import verify_certificate
+from kvguard.audit.events import EventKind
+from kvguard.zeroize.evidence import VerifyMode
+from tests.api.conftest import ApiEnv
+from tests.api.purge_support import BLOCK_BYTES, SimEngine, scope
+
+
+def _purge(env: ApiEnv, who: str, **body: Any) -> Any:
+    return env.call(who, "POST", "/v1/purges", json=body)
+
+
+def _job(env: ApiEnv, job_id: int, who: str = "auditor") -> dict[str, Any]:
+    r = env.call(who, "GET", f"/v1/purges/{job_id}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _actions(env: ApiEnv, name: str) -> list[tuple[str, str]]:
+    page = env.services.ledger.query(kinds=[EventKind.ADMIN_ACTION], limit=1000)
+    found = [r.event.details for r in page.records if r.event.details["action"] == name]
+    return [(str(d["principal"]), str(d["outcome"])) for d in found]
+
+
+def _vkey(env: ApiEnv) -> str:
+    assert env.signing_key is not None
+    return env.signing_key.verifier_key()
+
+
+def test_who_may_purge_what(env: ApiEnv) -> None:
+    ok = [
+        ("admin", {"kind": "tenant", "value": "globex"}),
+        ("admin", {"kind": "model", "value": "tiny-llama"}),
+        ("admin", {"kind": "adapter", "value": "lora-7"}),
+        ("acme", {"kind": "tenant", "value": "acme"}),
+        ("acme", {"kind": "session", "value": "s-1", "tenant_id": "acme"}),
+    ]
+    for who, body in ok:
+        r = _purge(env, who, **body)
+        assert r.status_code == 202, (who, body, r.text)
+        assert r.json()["status"] == "done" and r.json()["engines_expected"] == 0
+    refused = [
+        ("acme", {"kind": "tenant", "value": "globex"}, 404),
+        ("acme", {"kind": "session", "value": "s-1", "tenant_id": "globex"}, 404),
+        ("acme", {"kind": "model", "value": "tiny-llama"}, 403),
+        ("acme", {"kind": "adapter", "value": "lora-7"}, 403),
+        ("auditor", {"kind": "tenant", "value": "acme"}, 403),
+        ("admin", {"kind": "tenant", "value": "initech"}, 404),
+        ("admin", {"kind": "session", "value": "s-1", "tenant_id": "initech"}, 404),
+    ]
+    for who, body, code in refused:
+        r = _purge(env, who, **body)
+        assert r.status_code == code, (who, body, r.text)
+    assert "Globex" not in _purge(env, "acme", kind="tenant", value="globex").text
+    outcomes = [o for _, o in _actions(env, "purge.create")]
+    assert outcomes[:5] == ["ok"] * 5
+    assert (
+        outcomes[5:12]
+        == ["not_found", "not_found", "denied", "denied", "denied"] + ["not_found"] * 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"kind": "session", "value": "s-1"}, "body.tenant_id"),
+        ({"kind": "user", "value": "x"}, "body.kind"),
+        ({"kind": "tenant", "value": ""}, "body.value"),
+        ({"kind": "tenant", "value": "a/b"}, "body.value"),
+        ({"kind": "model", "value": "m\n"}, "body.value"),
+        ({"kind": "model", "value": "m", "tenant_id": "acme"}, "body.tenant_id"),
+        ({"kind": "tenant", "value": "acme", "tenant_id": "globex"}, "body.tenant_id"),
+        ({"kind": "session", "value": "s", "tenant_id": "bad id"}, "body.tenant_id"),
+        ({"kind": "tenant", "value": "acme", "extra": 1}, "body.extra"),
+        ({"value": "acme"}, "body.kind"),
+    ],
+)
+def test_invalid_purges_are_refused_naming_the_field(
+    env: ApiEnv, body: dict[str, Any], field: str
+) -> None:
+    r = _purge(env, "admin", **body)
+    assert r.status_code == 422, r.text
+    assert field in r.json()["message"]
+    assert "a/b" not in r.json()["message"]  # the value sent is never echoed
+    assert env.services.commands.latest_id() == 0
+
+
+def test_status_moves_from_queued_to_running_to_done(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    env = make_env(any_db)
+    one, two = SimEngine(env.services, "engine-one"), SimEngine(env.services, "engine-two")
+    one.cache(scope("acme"), [0, 1, 2])
+    two.cache(scope("acme"), [0, 5])
+    two.cache(scope("globex"), [7])
+    r = _purge(env, "acme", kind="tenant", value="acme")
+    assert r.status_code == 202 and r.json() == {
+        "job_id": 1,
+        "status": "queued",
+        "engines_expected": 2,
+    }
+    assert _job(env, 1)["status"] == "queued"
+    assert one.run_commands() == 1
+    job = _job(env, 1, "acme")
+    assert job["status"] == "running" and job["blocks_quarantined"] == 3
+    states = {e["engine_id"]: e["state"] for e in job["engines"]}
+    assert states == {"engine-one": "acknowledged", "engine-two": "pending"}
+    two.run_commands()
+    assert _job(env, 1)["status"] == "running"  # acknowledged, nothing cleared yet
+    assert env.call("auditor", "GET", "/v1/purges/1/certificate").status_code == 409
+    assert one.zeroize() == (0, 1, 2)
+    job = _job(env, 1)
+    assert job["status"] == "running" and job["blocks_cleared"] == 3
+    assert two.zeroize() == (0, 5)
+    job = _job(env, 1)
+    assert job["status"] == "done" and job["certificate"] == "/v1/purges/1/certificate"
+    assert (job["blocks_quarantined"], job["blocks_cleared"], job["engines_expected"]) == (5, 5, 2)
+    assert {e["state"] for e in job["engines"]} == {"done"}
+    r = env.call("acme", "GET", "/v1/purges/1/certificate")
+    assert r.status_code == 200, r.text
+    report = verify_certificate(r.json(), [_vkey(env)])
+    assert (report.job_id, report.blocks_cleared, report.engines) == (1, 5, 2)
+    assert [o for _, o in _actions(env, "purge.certificate")] == ["conflict", "ok"]
+
+
+def test_a_job_with_no_live_engine_is_done_with_nothing_to_clear(env: ApiEnv) -> None:
+    stale = SimEngine(env.services, "engine-gone")
+    env.services.engines.stop(stale.engine_id, time.time() - 60)
+    job_id = _purge(env, "admin", kind="model", value="tiny-llama").json()["job_id"]
+    job = _job(env, job_id)
+    assert (job["status"], job["no_live_engines"], job["engines"]) == ("done", True, [])
+    cert = env.call("auditor", "GET", f"/v1/purges/{job_id}/certificate").json()
+    assert cert["job"]["no_live_engines"] is True
+    assert cert["media"]["kv_cache_blocks"]["quarantined"] == 0
+    assert cert["sanitization"]["verification"]["result"] == "nothing_to_clear"
+    assert [e["role"] for e in cert["evidence"]["entries"]] == ["request"]
+    assert verify_certificate(cert, [_vkey(env)]).engines == 0
+
+
+def test_an_engine_that_stops_before_finishing_leaves_the_job_incomplete(env: ApiEnv) -> None:
+    engine = SimEngine(env.services, "engine-crash")
+    engine.cache(scope("acme"), [3])
+    job_id = _purge(env, "admin", kind="tenant", value="acme").json()["job_id"]
+    engine.run_commands()  # acknowledged, but it never clears the block
+    env.services.engines.stop(engine.engine_id, time.time())
+    job = _job(env, job_id)
+    assert job["status"] == "incomplete" and job["engines"][0]["state"] == "lost"
+    r = env.call("admin", "GET", f"/v1/purges/{job_id}/certificate")
+    assert r.status_code == 409 and "incomplete" in r.json()["message"]
+
+
+def test_jobs_list_newest_first_with_a_cursor_and_tenant_scoping(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    env = make_env(any_db)
+    made = [
+        _purge(env, "admin", kind="tenant", value="acme"),
+        _purge(env, "admin", kind="session", value="s-9", tenant_id="globex"),
+        _purge(env, "admin", kind="model", value="tiny-llama"),
+        _purge(env, "acme", kind="session", value="s-1", tenant_id="acme"),
+        _purge(env, "admin", kind="tenant", value="globex"),
+    ]
+    ids = [r.json()["job_id"] for r in made]
+    page = env.call("auditor", "GET", "/v1/purges", params={"limit": 2}).json()
+    assert [j["job_id"] for j in page["jobs"]] == ids[::-1][:2] and page["next_before"] == ids[3]
+    rest = env.call("auditor", "GET", "/v1/purges", params={"before": ids[3]}).json()
+    assert [j["job_id"] for j in rest["jobs"]] == ids[::-1][2:] and rest["next_before"] is None
+    own = env.call("acme", "GET", "/v1/purges").json()["jobs"]
+    assert [(j["job_id"], j["kind"]) for j in own] == [(ids[3], "session"), (ids[0], "tenant")]
+    only = env.call("admin", "GET", "/v1/purges", params={"tenant_id": "globex"}).json()["jobs"]
+    assert [j["job_id"] for j in only] == [ids[4], ids[1]]
+    assert env.call("acme", "GET", "/v1/purges", params={"tenant_id": "globex"}).status_code == 404
+    for hidden in (ids[1], ids[2], ids[4], 999):
+        assert env.call("acme", "GET", f"/v1/purges/{hidden}").status_code == 404
+        assert env.call("acme", "GET", f"/v1/purges/{hidden}/certificate").status_code == 404
+    assert env.call("admin", "GET", "/v1/purges/999").status_code == 404
+
+
+def test_certificate_content(env: ApiEnv) -> None:
+    engine = SimEngine(env.services, "engine-a")
+    engine.cache(scope("acme", session="sess-42"), [4, 6])
+    engine.cache(scope("acme", session="sess-other"), [8])
+    running = engine.hold(scope("acme", session="sess-42"), [9])
+    job_id = _purge(env, "acme", kind="session", value="sess-42", tenant_id="acme").json()["job_id"]
+    engine.run_commands()
+    engine.zeroize(VerifyMode.FULL)
+    r = env.call("auditor", "GET", f"/v1/purges/{job_id}/certificate")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-disposition"] == (
+        f'attachment; filename="erasure-certificate-{job_id}.json"'
+    )
+    cert = r.json()
+    assert cert["format"] == "kvguard/erasure-certificate" and cert["version"] == 1
+    assert any("800-88" in s for s in cert["standards"]) and any(
+        "SC-4" in s for s in cert["standards"]
+    )
+    assert cert["issuer"]["ledger_origin"] == "kvguard.test/ledger"
+    assert cert["requested_by"]["principal"].startswith("key:")
+    assert cert["selector"] == {
+        "kind": "session",
+        "tenant_tag": env.services.deriver.tenant_tag("acme"),
+        "value": None,
+        "value_disclosed": False,
+    }
+    (media,) = cert["media"]["engines"]
+    assert media["engine_id"] == "engine-a" and media["model"] == "tiny-llama"
+    assert (media["blocks_quarantined"], media["blocks_active_deferred"]) == (2, 1)
+    assert media["bytes_cleared"] == 2 * BLOCK_BYTES and media["devices"] == ["cpu"]
+    assert cert["media"]["kv_cache_blocks"] == {
+        "quarantined": 2,
+        "cleared": 2,
+        "active_deferred": 1,
+        "bytes_cleared": 2 * BLOCK_BYTES,
+    }
+    san = cert["sanitization"]
+    assert (san["method_type"], san["technique"]) == ("Clear", ["torch"])
+    assert san["verification"] == {"modes": ["full"], "result": "passed"}
+    stamps = cert["timestamps"]
+    assert stamps["requested"] <= stamps["purged_first"] <= stamps["zeroized_last"]
+    assert any("in use by running requests" in n for n in cert["notes"])
+    roles = [e["role"] for e in cert["evidence"]["entries"]]
+    assert sorted(roles) == ["purge", "request", "zeroize"]
+    assert cert["evidence"]["checkpoint"].startswith("kvguard.test/ledger\n")
+    # Neither the tenant id nor the session id appears, in the document or in any leaf.
+    leaves = b"".join(base64.b64decode(e["leaf"]) for e in cert["evidence"]["entries"])
+    for secret in (b"acme", b"sess-42"):
+        assert secret not in leaves and secret.decode() not in json.dumps(cert)
+    assert "+" not in cert["verify"]["trust"] and _vkey(env) not in json.dumps(cert)
+    engine.end(running)  # the doomed block is quarantined on release and cleared like any other
+    assert engine.zeroize() == (9,)
+
+
+def test_each_engine_counts_only_its_own_clears(env: ApiEnv) -> None:
+    """Block ids are per engine: engine B clearing its block 0 proves nothing about A's block 0."""
+    a, b = SimEngine(env.services, "engine-a"), SimEngine(env.services, "engine-b")
+    a.cache(scope("acme"), [0])
+    b.cache(scope("acme"), [0])
+    job_id = _purge(env, "admin", kind="tenant", value="acme").json()["job_id"]
+    a.run_commands()
+    b.run_commands()
+    b.zeroize()
+    states = {e["engine_id"]: e["state"] for e in _job(env, job_id)["engines"]}
+    assert states == {"engine-a": "acknowledged", "engine-b": "done"}
+    a.handover_clear([0])  # a handover clear is about the block's next owner: not evidence
+    assert _job(env, job_id)["status"] == "running"
+    a.zeroize()
+    assert _job(env, job_id)["status"] == "done"
+
+
+def test_engines_without_engine_ids_share_one_id_space(env: ApiEnv) -> None:
+    a = SimEngine(env.services, "engine-a", names=False)
+    b = SimEngine(env.services, "engine-b", names=False)
+    a.cache(scope("globex", adapter="lora-7"), [2])
+    b.cache(scope("globex", adapter="lora-7"), [2])
+    job_id = _purge(env, "admin", kind="adapter", value="lora-7").json()["job_id"]
+    a.run_commands()
+    b.run_commands()
+    b.zeroize()  # without engine ids, B's clear of block 2 covers both purge entries
+    job = _job(env, job_id)
+    assert job["status"] == "done" and job["blocks_cleared"] == 2
+    cert = env.call("admin", "GET", f"/v1/purges/{job_id}/certificate").json()
+    assert cert["selector"]["value"] == "lora-7"
+    assert [e["bytes_cleared"] for e in cert["media"]["engines"]] == [None, None]
+    assert verify_certificate(cert, [_vkey(env)]).blocks_cleared == 2
