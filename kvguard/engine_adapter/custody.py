@@ -23,9 +23,11 @@ from kvguard.engine_adapter.records import (
     BlockStatus,
     CustodyEvent,
     EventKind,
+    PoolSummary,
     PurgeSelector,
     RequestId,
     StepPlan,
+    summarize,
 )
 from kvguard.errors import CustodyError
 from kvguard.isolation.scope import Scope
@@ -83,6 +85,10 @@ class Custody:
             r.status for r in self._blocks if r.owner is not None and r.owner.tenant_id == tenant_id
         )
         return {s: tally.get(s, 0) for s in BlockStatus}
+
+    def summary(self) -> PoolSummary:
+        """Counts by state and per owning tenant, with each tenant's oldest cached block (one pass)."""
+        return summarize(self._blocks)
 
     def request_blocks(self, request_id: str) -> tuple[int, ...]:
         """The blocks a registered request holds (empty if it is not registered)."""
@@ -213,7 +219,7 @@ class Custody:
                 self._set(rec, BlockStatus.CACHED)
                 retained += 1
             elif self._zeroize_now(rec):
-                self._quarantine(rec)
+                self._quarantine(rec, now)
                 quarantined.append(bid)
             else:
                 # `cross_scope`: back to the free pool with its residue; cleared on handover (G3).
@@ -235,7 +241,7 @@ class Custody:
             if rec.owner is None:
                 continue
             if expired(self._policy(rec.owner.tenant_id), self._state(rec), now):
-                self._quarantine(rec)
+                self._quarantine(rec, now)
                 out.append(rec.block_id)
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
         return tuple(out)
@@ -250,14 +256,14 @@ class Custody:
             if rec.owner is None or not selector.matches(rec.owner):
                 continue
             if rec.status is BlockStatus.CACHED:
-                self._quarantine(rec)
+                self._quarantine(rec, now)
                 out.append(rec.block_id)
             elif rec.status is BlockStatus.ACTIVE:
                 rec.doomed = True
                 doomed += 1
             elif rec.status is BlockStatus.FREE:
                 # Residue left in the free pool under `cross_scope`: clear it now as well.
-                self._quarantine(rec)
+                self._quarantine(rec, now)
                 out.append(rec.block_id)
         self._events.append(
             CustodyEvent(
@@ -331,6 +337,8 @@ class Custody:
             self._cached.add(rec.block_id)
         else:
             self._cached.discard(rec.block_id)
+        if status is not BlockStatus.QUARANTINED:
+            rec.quarantined_at = None
         rec.status = status
 
     def _check_id(self, block_id: int) -> BlockId:
@@ -398,10 +406,11 @@ class Custody:
         self._tenant_dec(rec)
         self._set(rec, BlockStatus.FREE)
 
-    def _quarantine(self, rec: BlockRecord) -> None:
+    def _quarantine(self, rec: BlockRecord, now: float) -> None:
         if rec.status is BlockStatus.FREE and rec.owner is not None:
             self._tenant_blocks[rec.owner.tenant_id] += 1
         self._set(rec, BlockStatus.QUARANTINED)
+        rec.quarantined_at = now
         rec.hashed = False
         self._pending_release.add(rec.block_id)
 

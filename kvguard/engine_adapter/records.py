@@ -7,6 +7,7 @@ owner scope (kept in memory only; events carry the scope tag) and its timestamps
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType
@@ -54,6 +55,7 @@ class BlockRecord:
     holders: set[RequestId] = field(default_factory=set)
     doomed: bool = False  # purged while active: quarantine on release, never cache
     retain: bool = True  # the allocating request may keep its blocks cached
+    quarantined_at: float | None = None  # when it entered quarantine (cleanup latency)
 
     @property
     def dirty(self) -> bool:
@@ -122,3 +124,53 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.release or self.handover)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantHoldings:
+    """The blocks one tenant holds now, by state, and when its oldest cached block was made."""
+
+    active: int = 0
+    cached: int = 0
+    quarantined: int = 0
+    oldest_cached_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSummary:
+    """Block counts of a whole pool by state and by owning tenant (what heartbeats report)."""
+
+    free: int
+    active: int
+    cached: int
+    quarantined: int
+    residue: int  # free blocks with an old owner's bytes (`cross_scope`), cleared on handover
+    tenants: dict[str, TenantHoldings]
+
+
+def summarize(records: Iterable[BlockRecord]) -> PoolSummary:
+    """One pass over the pool: O(blocks), no sorting."""
+    by_state = dict.fromkeys(BlockStatus, 0)
+    residue = 0
+    tally: dict[str, list[int]] = {}
+    oldest: dict[str, float] = {}
+    slot = {BlockStatus.ACTIVE: 0, BlockStatus.CACHED: 1, BlockStatus.QUARANTINED: 2}
+    for rec in records:
+        by_state[rec.status] += 1
+        if rec.owner is None:
+            continue
+        if rec.status is BlockStatus.FREE:
+            residue += 1
+            continue
+        tenant = rec.owner.tenant_id
+        tally.setdefault(tenant, [0, 0, 0])[slot[rec.status]] += 1
+        if rec.status is BlockStatus.CACHED and rec.created_at < oldest.get(tenant, float("inf")):
+            oldest[tenant] = rec.created_at
+    return PoolSummary(
+        free=by_state[BlockStatus.FREE],
+        active=by_state[BlockStatus.ACTIVE],
+        cached=by_state[BlockStatus.CACHED],
+        quarantined=by_state[BlockStatus.QUARANTINED],
+        residue=residue,
+        tenants={t: TenantHoldings(a, c, q, oldest.get(t)) for t, (a, c, q) in tally.items()},
+    )

@@ -151,3 +151,35 @@ def test_bad_input(make_custody) -> None:
         c.finish("nope", 0.0)
     with pytest.raises(CustodyError, match="positive"):
         type(c)(0, policy=lambda t: TenantPolicy(), tagger=DERIVER.scope_tag)
+
+
+def test_summary_counts_holdings_per_tenant_and_oldest_cached(make_custody) -> None:
+    c = make_custody(num_blocks=12, policies={"x": CROSS})
+    run_request(c, "a1", scope_for("a"), [0, 1], 10.0)  # cached, created at 10
+    run_request(c, "a2", scope_for("a"), [2], 20.0)  # cached, created at 20
+    run_request(c, "b1", scope_for("b"), [3], 5.0, hashed=False)  # quarantined
+    c.begin("b2", scope_for("b"), use_cache=True)
+    c.allocate("b2", [4, 5], 30.0)  # active
+    run_request(c, "x1", scope_for("x"), [6], 1.0, hashed=False)  # freed with residue
+    s = c.summary()
+    assert (s.free, s.active, s.cached, s.quarantined, s.residue) == (6, 2, 3, 1, 1)
+    assert s.tenants["a"].cached == 3 and s.tenants["a"].oldest_cached_at == 10.0
+    b = s.tenants["b"]
+    assert (b.active, b.cached, b.quarantined, b.oldest_cached_at) == (2, 0, 1, None)
+    assert "x" not in s.tenants  # residue is not a holding: the tenant holds nothing
+    assert sum(
+        s.tenants[t].active + s.tenants[t].cached + s.tenants[t].quarantined for t in s.tenants
+    ) == sum(
+        c.tenant_blocks(t) for t in ("a", "b", "x")
+    )  # G4: the same per-tenant totals as the quota counters
+
+
+def test_quarantine_time_is_kept_until_zeroized(make_custody) -> None:
+    c = make_custody()
+    run_request(c, "r1", scope_for("a"), [0], 0.0)  # cached
+    run_request(c, "r2", scope_for("a"), [1], 0.0, hashed=False)  # quarantined at finish (t=1)
+    assert c.record(0).quarantined_at is None and c.record(1).quarantined_at == 1.0
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 7.0)
+    assert c.record(0).quarantined_at == 7.0
+    c.zeroized([0, 1], 8.0, {})
+    assert c.record(0).quarantined_at is None and c.record(1).quarantined_at is None
