@@ -152,3 +152,58 @@ def test_envelope_survives_vllms_openai_protocol(setup) -> None:
     params = request.to_sampling_params(max_tokens=4)
     assert read_envelope(params.extra_args).scope == scope
     assert request.cache_salt == deriver.salt(scope)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.anyio
+async def test_disabled_in_the_policy_store_is_403_within_a_refresh(tmp_path, monkeypatch) -> None:
+    from kvguard.policy.store import PolicyStore  # noqa: PLC0415
+
+    keys = TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+    store = PolicyStore.open(f"sqlite:///{tmp_path / 'policy.db'}")
+    clock = _Clock()
+    downstream = Downstream()
+    app = KVGuardMiddleware(
+        downstream,
+        keys=keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=PolicySet(
+            tenants={"acme": TenantPolicy(enabled=False)}
+        ),  # until the store has one
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        policy_store=store,
+        clock=clock,
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
+    key = keys.issue("acme").api_key
+    assert (await _post(client, key, {"prompt": [1]})).status_code == 403  # the file policy
+    store.put(PolicySet(epoch=3), author="admin", reason="enable acme")
+    clock.now = 1.0
+    assert (await _post(client, key, {"prompt": [1]})).status_code == 200
+    assert read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope.policy_epoch == 3
+    store.put(
+        PolicySet(epoch=3, tenants={"acme": TenantPolicy(enabled=False)}), author="a", reason="b"
+    )
+    clock.now = 1.5  # read at most once a second: the old version still holds
+    assert (await _post(client, key, {"prompt": [1]})).status_code == 200
+    clock.now = 2.0
+    response = await _post(client, key, {"prompt": [1]})
+    assert response.status_code == 403 and "tenant_disabled" in response.text
+    assert app.policy_version == 2 and len(downstream.bodies) == 2
+
+    def unreadable():
+        raise sa.exc.OperationalError("SELECT policy_versions", {}, Exception("unreachable"))
+
+    monkeypatch.setattr(store, "current", unreadable)
+    clock.now = 3.0  # the store cannot be read: refuse rather than admit on a stale policy (G7)
+    assert (await _post(client, key, {"prompt": [1]})).status_code == 503
+    assert len(downstream.bodies) == 2
+    store.engine.dispose()

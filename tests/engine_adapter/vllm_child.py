@@ -1,17 +1,59 @@
-"""Runs in a child process: plain vLLM or governed vLLM (multiprocess mode) on given prompts.
+"""Runs in a child process: plain vLLM or governed vLLM (multiprocess mode) on given prompts, or a
+governed engine that serves commands from a control database.
 
 Usage: python -m tests.engine_adapter.vllm_child {plain|governed-mp} WORKDIR PROMPTS_JSON OUT_JSON
+       python -m tests.engine_adapter.vllm_child governed-commands WORKDIR SPEC_JSON OUT_JSON
+
+`governed-commands` (see `serve_commands`) runs an in-process governed engine whose control database
+(commands, engine registry) and policy store are `SPEC["control_url"]`; keys, signing key, policy file
+and ledger are written under WORKDIR. It warms the cache of `SPEC["tenants"]` with `SPEC["prompt"]`,
+writes `{"engine_id": ...}` to `SPEC["ready_file"]`, then sends a small request every 0.2 s (an engine
+runs commands only when a request arrives or a step runs) until `SPEC["stop_file"]` exists or
+`SPEC["timeout_s"]` passes. Last, it sends the prompt once more per tenant and writes the cached-token
+counts of those requests and the policy version in force to OUT_JSON, and shuts the engine down.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
+
+
+def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import engine_kwargs, write_secrets  # noqa: PLC0415
+
+    url = spec["control_url"]
+    options = GuardOptions(**write_secrets(workdir), commands_url=url, policy_url=url)
+    g = GuardedLLM(str(tiny_llama_dir()), options=options, **engine_kwargs())
+    sched = g.connector.scheduler_guard
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt, tenants = spec["prompt"], spec["tenants"]
+    for tenant in tenants:
+        g.generate([prompt], params, tenant=tenant)
+    Path(spec["ready_file"]).write_text(json.dumps({"engine_id": sched.engine_id}))
+    deadline = time.monotonic() + spec.get("timeout_s", 120)
+    while not Path(spec["stop_file"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        g.generate([[5, 6, 7]], params, tenant="child-keepalive")
+    after = {t: g.generate([prompt], params, tenant=t)[0].num_cached_tokens for t in tenants}
+    result = {"after": after, "policy_version": sched.policy_version}
+    g.close()
+    Path(out_file).write_text(json.dumps(result))
 
 
 def main() -> None:
     mode, workdir, prompts_file, out_file = sys.argv[1:5]
+    if mode == "governed-commands":
+        spec = json.loads(Path(prompts_file).read_text())
+        serve_commands(Path(workdir), spec, Path(out_file))
+        return
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (after argument parsing: import is slow)
 
     from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415

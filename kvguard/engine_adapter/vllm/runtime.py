@@ -11,8 +11,13 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
-| `commands_url` | database the engine polls for purge commands (`kvguard purge`, the admin API) | `ledger_url` |
+| `commands_url` | control database: commands (`kvguard purge`, the admin API), engine registry and cache statistics (`kvguard.control.engines`) | `ledger_url` |
+| `policy_url` | policy store database (`kvguard.policy.store`): the engine starts with its current version and follows `policy` commands | unset: `policy_file` only |
 | `canary` | test-only: check every block entering a new scope is all-zero before the forward, and the custody invariant (G4) after every step | false |
+
+With `policy_url`, the store's current version wins over `policy_file`; the file (or the defaults) is
+used only while the store holds no version yet, and the log says which was loaded. A store that cannot
+be read refuses start (G7).
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from kvguard.audit.signing import SigningKey
 from kvguard.errors import ConfigError, FailClosedError
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
+from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, load_policy_file
+from kvguard.policy.store import PolicyStore
 
 DEFAULT_ORIGIN = "kvguard.local/ledger"
+_log = get_logger("vllm.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +50,7 @@ class GuardOptions:
     verify_override: str | None = None
     canary: bool = False
     commands_url: str | None = None
+    policy_url: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> GuardOptions:
@@ -69,6 +78,7 @@ class GuardOptions:
             verify_override=extra.get("verify_override"),
             canary=bool(extra.get("canary", False)),
             commands_url=extra.get("commands_url"),
+            policy_url=extra.get("policy_url"),
         )
 
     def to_extra_config(self) -> dict[str, Any]:
@@ -86,13 +96,37 @@ class GuardOptions:
             out["verify_override"] = self.verify_override
         if self.commands_url is not None:
             out["commands_url"] = self.commands_url
+        if self.policy_url is not None:
+            out["policy_url"] = self.policy_url
         return out
 
     def deriver(self) -> SaltDeriver:
         return SaltDeriver(Keyring.load(self.salt_keyring_file))
 
+    @property
+    def control_url(self) -> str:
+        """The database of commands and the engine registry."""
+        return self.commands_url or self.ledger_url
+
     def policy_set(self) -> PolicySet:
-        return load_policy_file(self.policy_file) if self.policy_file else PolicySet()
+        return self.initial_policy()[0]
+
+    def initial_policy(self) -> tuple[PolicySet, int | None]:
+        """The policy to start with, and its store version (None: from `policy_file` or defaults)."""
+        if self.policy_url:
+            store = PolicyStore.open(self.policy_url)
+            try:
+                current = store.current()
+            finally:
+                store.engine.dispose()
+            if current is not None:
+                _log.info("policy loaded from the policy store", version=current.change.version)
+                return current.policy, current.change.version
+            _log.info(
+                "the policy store holds no version yet; using the policy file or the defaults",
+                source="file" if self.policy_file else "defaults",
+            )
+        return (load_policy_file(self.policy_file) if self.policy_file else PolicySet()), None
 
     def open_ledger(self) -> Ledger:
         return Ledger.open(

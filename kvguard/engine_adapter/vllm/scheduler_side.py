@@ -11,36 +11,39 @@ enforces custody's answers on the pool:
   catches frees that bypass the connector (preemption);
 - prefix hits are re-checked against the request's reuse domain (defence in depth, G1).
 
-All of this runs in the scheduler's single thread; nothing here touches tensors.
+Commands from the database (purges, policy versions) run through `engine_link.CommandRunner`; cache
+statistics and heartbeats to the engine registry go through `reporting.EngineReporter`. All of this
+runs in the scheduler's single thread; nothing here touches tensors.
 """
 
 from __future__ import annotations
 
 import atexit
-import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvguard.engine_adapter.commands import CommandQueue
+from kvguard.control.engines import EngineRegistry
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
-from kvguard.engine_adapter.records import BlockStatus, PurgeSelector
+from kvguard.engine_adapter.records import BlockStatus, CustodyEvent, PurgeSelector
+from kvguard.engine_adapter.vllm.engine_link import CommandRunner
+from kvguard.engine_adapter.vllm.intake import UNGOVERNED_TENANT, make_private, ungoverned_scope
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
+from kvguard.engine_adapter.vllm.reporting import EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.errors import CustodyError, ScopeError
-from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
+from kvguard.isolation.scope import Scope
 from kvguard.logging import get_logger
-from kvguard.policy import AuditLevel, Usage, Verify, admit
+from kvguard.policy import AuditLevel, PolicySet, TenantPolicy, Usage, Verify, admit
 
 _log = get_logger("vllm.scheduler")
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
-UNGOVERNED_TENANT = "kvguard:ungoverned"
+__all__ = ["UNGOVERNED_TENANT", "SchedulerGuard"]
 SWEEP_INTERVAL_S = 0.25
-COMMAND_POLL_S = 1.0
 
 
 class SchedulerGuard:
@@ -56,7 +59,7 @@ class SchedulerGuard:
     ) -> None:
         self.options = options
         self.deriver = options.deriver()
-        self.policies = options.policy_set()
+        self.policies, self.policy_version = options.initial_policy()
         self.ledger = options.open_ledger()
         self.bridge = LedgerBridge(self.ledger, self._level_for_tag)
         self._clock = clock
@@ -73,31 +76,36 @@ class SchedulerGuard:
         self._closed = False
         self.timer = PhaseTimer()
         self.engine_id = uuid.uuid4().hex[:12]
-        self._commands = CommandQueue.open(options.commands_url or options.ledger_url)
-        self._last_command = self._commands.latest_id()  # older purges found nothing of ours
-        self._last_poll = float("-inf")
+        self.commands = CommandRunner(
+            self.engine_id, control_url=options.control_url, policy_url=options.policy_url
+        )
+        self.reporter = EngineReporter(
+            EngineRegistry.open(options.control_url),
+            engine_id=self.engine_id,
+            tenant_tag=self.deriver.tenant_tag,
+            clock=clock,
+        )
         self._last_sweep = float("-inf")
         atexit.register(self.close)
-        self.stats = {
-            "requests": 0,
-            "untrusted_salts": 0,
-            "ungoverned": 0,
-            "reused_tokens": 0,
-            "blocks_zeroized": 0,
-            "preemptions": 0,
-            "commands": 0,
-            "zeroize_failures": 0,
-        }
+        self.stats = self.reporter.stats  # engine-wide counters, reported with every heartbeat
 
     # --- wiring ---------------------------------------------------------------------------------
 
     def bind_pool(self, pool: Any) -> None:
         self._pool = pool
-        self.custody = Custody(len(pool.blocks), policy=self.policies.policy_for, tagger=self._tag)
+        self.custody = Custody(len(pool.blocks), policy=self._policy_for, tagger=self._tag)
+        self.reporter.register(
+            model=self._model_name, block_size=self._block_size, num_blocks=len(pool.blocks)
+        )
+
+    def _policy_for(self, tenant: str) -> TenantPolicy:
+        return self.policies.policy_for(tenant)  # looked up per call: policy commands swap the set
 
     def _tag(self, scope: Scope) -> str:
         tag = self.deriver.scope_tag(scope)
-        self._tag_tenant[tag] = scope.tenant_id
+        if tag not in self._tag_tenant:
+            self._tag_tenant[tag] = scope.tenant_id
+            self.reporter.new_tag(tag, scope.tenant_id)
         return tag
 
     def _level_for_tag(self, tag: str | None) -> AuditLevel:
@@ -115,6 +123,10 @@ class SchedulerGuard:
     def on_new_request(self, request: Any) -> None:
         """Decide how the request may use the cache, before the scheduler looks it up."""
         self.stats["requests"] += 1
+        # Expire, purge and take policy commands first: the request's admission must see the policy
+        # in force, and its prefix lookup must not hit a block that policy has already retired.
+        # (Safe here: nothing is being allocated right now.)
+        self._housekeeping(self._clock())
         params = getattr(request, "sampling_params", None)
         try:
             envelope = read_envelope(getattr(params, "extra_args", None))
@@ -123,7 +135,8 @@ class SchedulerGuard:
             envelope = None
         if envelope is None:
             self.stats["ungoverned"] += 1
-            envelope = Envelope(scope=self._ungoverned_scope(request.request_id), use_cache=False)
+            scope = ungoverned_scope(self._model_name, self._block_size, request.request_id)
+            envelope = Envelope(scope=scope, use_cache=False)
         elif envelope.use_cache and (
             request.cache_salt != self.deriver.salt(envelope.scope)
             or envelope.scope.cache_config.block_size != self._block_size
@@ -144,22 +157,9 @@ class SchedulerGuard:
         ):
             envelope = Envelope(scope=envelope.scope, use_cache=False)
         if not envelope.use_cache:
-            self._make_private(request)
+            make_private(request)
         self._envelopes[request.request_id] = envelope
-        # Expire and purge before this request's prefix lookup, so it cannot hit a block that
-        # policy has already retired. (Safe here: nothing is being allocated right now.)
-        self._housekeeping(self._clock())
-
-    @staticmethod
-    def _make_private(request: Any) -> None:
-        """No reads from the prefix cache, and no writes anyone could hit: the request's block hashes
-        are recomputed under a one-off salt. Without this, a request carrying a copied salt would
-        register blocks under the victim's hashes while it runs (the custody reuse check would then
-        stop the engine on the victim's next hit: safe, but a denial of service)."""
-        request.skip_reading_prefix_cache = True
-        request.cache_salt = "kvguard-private:" + secrets.token_urlsafe(16)
-        request.block_hashes = []
-        request.update_block_hashes()
+        self.reporter.prompt(envelope.scope.tenant_id, int(request.num_prompt_tokens))
 
     def _usage(self, tenant: str) -> Usage:
         # Counting a tenant's blocks walks the pool: only worth it when a quota can bind.
@@ -168,17 +168,6 @@ class SchedulerGuard:
         counts = self._c.tenant_counts(tenant)
         return Usage(
             blocks_active=counts[BlockStatus.ACTIVE], blocks_cached=counts[BlockStatus.CACHED]
-        )
-
-    def _ungoverned_scope(self, request_id: str) -> Scope:
-        # A private, single-request scope: nothing of ungoverned traffic is shared or retained.
-        return Scope(
-            tenant_id=UNGOVERNED_TENANT,
-            share=Share.SESSION,
-            session_id=request_id,
-            model=ModelRef(id=self._model_name, revision="unknown"),
-            tokenizer=TokenizerRef(id=self._model_name, revision="unknown"),
-            cache_config=CacheConfig(kv_dtype="auto", block_size=self._block_size),
         )
 
     def request_finished(self, request: Any) -> None:
@@ -234,8 +223,7 @@ class SchedulerGuard:
         # After the allocations: a cached block the engine just re-assigned is active by now.
         self._housekeeping(now)
         plan = c.take_plan()
-        with self.timer.phase("ledger_submit"):
-            self.bridge.forward(c.take_events())
+        self._forward(c.take_events())
         if self.options.canary:
             c.check_invariants()  # test-only: G4 after every step (walks the whole pool)
         return GuardStepMeta(
@@ -262,15 +250,18 @@ class SchedulerGuard:
             # Raises CustodyError on a cross-domain hit: the engine stops rather than serve it (G1).
             c.reuse(rid, hits, now, tokens_matched=num_computed)
             self.stats["reused_tokens"] += num_computed
+            self.reporter.prefix_hit(env.scope.tenant_id, num_computed)
         return self._allocate(rid, fresh, now)
 
     def _allocate(self, rid: str, block_ids: list[int], now: float) -> list[int]:
         c = self._c
         scope = self._envelopes[rid].scope
         entering = [b for b in block_ids if not self._same_owner(b, scope)]
+        owners = {b: o.tenant_id for b in entering if (o := c.record(b).owner) is not None}
         for b in block_ids:
             self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
-        c.allocate(rid, block_ids, now)
+        handover = c.allocate(rid, block_ids, now)
+        self.reporter.handover_owners({b: owners[b] for b in handover if b in owners})
         self._mark_hashed(block_ids)
         return entering
 
@@ -302,21 +293,44 @@ class SchedulerGuard:
         if now - self._last_sweep >= SWEEP_INTERVAL_S:
             c.sweep(now)
             self._last_sweep = now
-        if now - self._last_poll >= COMMAND_POLL_S:
-            self._last_poll = now
-            self._run_commands(now)
+        if self.commands.due(now):
+            self.stats["commands"] += self.commands.run(now, self)
         while self._purges:
             c.purge(self._purges.pop(0), now)
         self._hold_quarantined()
+        if self.reporter.due(now):
+            self.reporter.heartbeat(now, c.summary(), self._counters())
 
-    def _run_commands(self, now: float) -> None:
-        for command in self._commands.pending_after(self._last_command):
-            quarantined = self._c.purge(command.selector, now, details={"command_id": command.id})
-            self._commands.acknowledge(
-                command.id, self.engine_id, {"blocks_quarantined": len(quarantined)}
-            )
-            self._last_command = command.id
-            self.stats["commands"] += 1
+    # --- commands and reporting ---------------------------------------------------------------
+
+    def purge_for_command(
+        self, selector: PurgeSelector, now: float, command_id: int
+    ) -> dict[str, int]:
+        quarantined = self._c.purge(selector, now, details={"command_id": command_id})
+        events = self._c.take_events()
+        doomed = sum(
+            int(e.details.get("blocks_active_doomed") or 0)
+            for e in events
+            if e.kind is selector.event_kind
+        )
+        self._forward(events)
+        return {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
+
+    def use_policy(self, policies: PolicySet, version: int) -> None:
+        self.policies, self.policy_version = policies, version
+
+    def _counters(self) -> dict[str, int | float]:
+        version = {} if self.policy_version is None else {"policy_version": self.policy_version}
+        return {"ledger_submitted": self.bridge.submitted, **version}
+
+    def _forward(self, events: list[CustodyEvent]) -> None:
+        self.reporter.observe(events)
+        with self.timer.phase("ledger_submit"):
+            self.bridge.forward(events)
+
+    def report_now(self) -> bool:
+        """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
+        return self.reporter.heartbeat(self._clock(), self._c.summary(), self._counters())
 
     # --- pool holds -----------------------------------------------------------------------------
 
@@ -347,6 +361,9 @@ class SchedulerGuard:
                 )
                 c.requeue(result.blocks)
                 continue
+            self.reporter.zeroized(
+                c, result.blocks, result.details, handover=result.handover, now=now
+            )
             c.zeroized(result.blocks, now, dict(result.details), handover=result.handover)
             self.stats["blocks_zeroized"] += len(result.blocks)
             if result.handover:
@@ -355,8 +372,7 @@ class SchedulerGuard:
             self._held.difference_update(result.blocks)
             if release:
                 self._pool.free_blocks(release)
-        with self.timer.phase("ledger_submit"):
-            self.bridge.forward(c.take_events())
+        self._forward(c.take_events())
 
     def has_pending(self) -> bool:
         """True while blocks wait for zeroization (keeps the engine loop stepping)."""
@@ -376,5 +392,8 @@ class SchedulerGuard:
         if self._closed:
             return
         self._closed = True
+        self.commands.close()
+        if self.custody is not None:
+            self.reporter.close(self._clock(), self.custody.summary(), self._counters())
         self.ledger.flush()
         self.ledger.close()

@@ -4,7 +4,7 @@ For every `/v1/...` request it:
 1. maps `Authorization: Bearer <key>` to a tenant through the tenant registry (`TenantKeys`); a
    missing, unknown or revoked key gets 401 before the body is read, so no engine work happens;
 2. asks policy (`admit`) for the tenant's scope (optional `X-KVGuard-Session` header for session
-   scope); a refused request gets 403;
+   scope); a refused request (a disabled tenant, say) gets 403;
 3. on JSON request bodies, drops any client `cache_salt`, sets the salt derived by the server, and adds
    the scope envelope to `vllm_xargs`, which vLLM turns into the request's `extra_args` for the
    connector to check (G1).
@@ -12,7 +12,12 @@ For every `/v1/...` request it:
 Mounting: `vllm serve MODEL --middleware kvguard.engine_adapter.vllm.serve.KVGuardMiddleware` with the
 connector configured as in docs/vllm.md and these environment variables: `KVGUARD_SALT_KEYRING_FILE`,
 `KVGUARD_DB_URL` (the tenant registry), `KVGUARD_POLICY_FILE`, `KVGUARD_MODEL_ID` (the name vLLM serves
-the model under), `KVGUARD_MODEL_REVISION`, `KVGUARD_BLOCK_SIZE`, `KVGUARD_KV_DTYPE`.
+the model under), `KVGUARD_MODEL_REVISION`, `KVGUARD_BLOCK_SIZE`, `KVGUARD_KV_DTYPE`, and
+`KVGUARD_POLICY_URL` (the policy store the admin API writes): with it, the middleware follows the
+store's current version, re-read at most once a second (`POLICY_REFRESH_S`), so a tenant the admin
+disables gets 403 within about a second; `KVGUARD_POLICY_FILE` then only applies while the store holds
+no version. When the store cannot be read, requests get 503 until it can (G7: no admission on a policy
+that may be stale).
 """
 
 from __future__ import annotations
@@ -20,16 +25,21 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Final
+
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
+from kvguard.errors import PolicyError
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, Usage, admit, load_policy_file
+from kvguard.policy.store import PolicyStore
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -39,6 +49,7 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 _log = get_logger("vllm.serve")
 SESSION_HEADER = b"x-kvguard-session"
 MAX_BODY = 16 << 20
+POLICY_REFRESH_S: Final = 1.0
 
 
 class KVGuardMiddleware:
@@ -53,6 +64,8 @@ class KVGuardMiddleware:
         policies: PolicySet | None = None,
         model: ModelRef | None = None,
         cache: CacheConfig | None = None,
+        policy_store: PolicyStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         env = os.environ
         self.app = app
@@ -60,6 +73,11 @@ class KVGuardMiddleware:
         self.deriver = deriver or SaltDeriver(Keyring.load(env["KVGUARD_SALT_KEYRING_FILE"]))
         policy_file = env.get("KVGUARD_POLICY_FILE")
         self.policies = policies or (load_policy_file(policy_file) if policy_file else PolicySet())
+        policy_url = env.get("KVGUARD_POLICY_URL")
+        self.policy_store = policy_store or (PolicyStore.open(policy_url) if policy_url else None)
+        self.policy_version: int | None = None
+        self._clock = clock
+        self._policy_read_at = float("-inf")
         self.model = model or ModelRef(
             id=env["KVGUARD_MODEL_ID"], revision=env.get("KVGUARD_MODEL_REVISION", "main")
         )
@@ -79,6 +97,9 @@ class KVGuardMiddleware:
             _log.info("request refused: invalid or missing API key", path=scope.get("path"))
             await _reply(send, 401, "invalid or missing API key")
             return
+        if not self._refresh_policy():
+            await _reply(send, 503, "policy unavailable")
+            return
         session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
         request_scope = self._scope(tenant, session)
         decision = admit(self.policies, request_scope, Usage())
@@ -95,6 +116,24 @@ class KVGuardMiddleware:
             await _reply(send, 400, "request body must be a JSON object")
             return
         await self.app(_with_length(scope, len(rewritten)), _replay(rewritten), send)
+
+    def _refresh_policy(self) -> bool:
+        """Follow the policy store (at most once per POLICY_REFRESH_S); False if it cannot be read."""
+        if self.policy_store is None:
+            return True
+        now = self._clock()
+        if now - self._policy_read_at < POLICY_REFRESH_S:
+            return True
+        try:
+            current = self.policy_store.current()
+        except (SQLAlchemyError, PolicyError) as exc:
+            _log.warning("policy store unreadable; refusing requests", error=type(exc).__name__)
+            return False
+        if current is not None and current.change.version != self.policy_version:
+            self.policies, self.policy_version = current.policy, current.change.version
+            _log.info("policy version in force", version=self.policy_version)
+        self._policy_read_at = now
+        return True
 
     def _scope(self, tenant: str, session: str | None) -> Scope:
         return Scope(

@@ -1,0 +1,39 @@
+"""How a request the engine did not get from kvguard's front end is held: private and uncached.
+
+Two cases reach the scheduler without a usable scope: ungoverned traffic (no envelope) gets a private,
+single-request scope; a request whose salt the server did not derive, or that policy refuses the cache,
+keeps its scope but is made private here. Neither can read the prefix cache, and nothing either writes
+can ever be hit by anyone.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Final
+
+from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
+
+UNGOVERNED_TENANT: Final = "kvguard:ungoverned"
+
+
+def make_private(request: Any) -> None:
+    """No reads from the prefix cache, and no writes anyone could hit: the request's block hashes
+    are recomputed under a one-off salt. Without this, a request carrying a copied salt would
+    register blocks under the victim's hashes while it runs (the custody reuse check would then
+    stop the engine on the victim's next hit: safe, but a denial of service)."""
+    request.skip_reading_prefix_cache = True
+    request.cache_salt = "kvguard-private:" + secrets.token_urlsafe(16)
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def ungoverned_scope(model_name: str, block_size: int, request_id: str) -> Scope:
+    """A private, single-request scope: nothing of ungoverned traffic is shared or retained."""
+    return Scope(
+        tenant_id=UNGOVERNED_TENANT,
+        share=Share.SESSION,
+        session_id=request_id,
+        model=ModelRef(id=model_name, revision="unknown"),
+        tokenizer=TokenizerRef(id=model_name, revision="unknown"),
+        cache_config=CacheConfig(kv_dtype="auto", block_size=block_size),
+    )

@@ -1,0 +1,270 @@
+"""Cache statistics of one engine, and its heartbeats to the engine registry (`kvguard.control.engines`).
+
+`EngineReporter` counts, per tenant, the prompt tokens and prefix-hit tokens the scheduler saw and the
+blocks (and bytes) of the tenant's data that the worker zeroized, plus engine-wide latency sums:
+zeroization time as measured by the worker, and cleanup time, from a block entering quarantine to
+the worker reporting it clear. Every `HEARTBEAT_S` the scheduler thread calls `heartbeat` with a
+custody summary; the registry row, the per-tenant rows and the scope tags first seen since the last
+heartbeat are written in one transaction.
+
+Statistics are observability, not evidence (the ledger is): a heartbeat that fails is logged (the
+error's type only, never its text, which could carry the database URL) and retried at the next one,
+and the engine carries on. Buffered tags stay buffered until a heartbeat succeeds.
+
+All methods run in the scheduler thread except the keep-alive thread's, which only moves the engine
+row's `last_seen` on: an idle vLLM engine runs no scheduler code, and must not look dead to the API.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+import sqlalchemy as sa
+
+from kvguard.control.engines import EngineRegistry, TenantCacheStats
+from kvguard.engine_adapter.custody import Custody
+from kvguard.engine_adapter.records import CustodyEvent, EventKind, PoolSummary
+from kvguard.logging import get_logger
+
+HEARTBEAT_S: Final = 2.0
+ENGINE_COUNTERS: Final = (
+    "requests",
+    "untrusted_salts",
+    "ungoverned",
+    "reused_tokens",
+    "blocks_zeroized",
+    "preemptions",
+    "commands",
+    "zeroize_failures",
+)
+_STOP_WAIT_S: Final = 1.0
+_log = get_logger("vllm.reporting")
+
+
+class EngineReporter:
+    """Per-tenant counters and heartbeats for one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        *,
+        engine_id: str,
+        tenant_tag: Callable[[str], str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        self.engine_id = engine_id
+        self._tenant_tag = tenant_tag
+        self._clock = clock
+        self._identity: dict[str, Any] = {}
+        self._registered = False
+        self._last_beat = float("-inf")
+        self._tags: dict[str, str] = {}  # scope tag -> tenant, first seen since the last heartbeat
+        self._handover_owner: dict[int, str] = {}  # block -> tenant whose bytes a handover clears
+        self.prompt_tokens: Counter[str] = Counter()
+        self.prefix_hit_tokens: Counter[str] = Counter()
+        self.blocks_zeroized: Counter[str] = Counter()
+        self.bytes_zeroized: Counter[str] = Counter()
+        self.stats: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)  # kept by the scheduler
+        self.counts: Counter[str] = Counter()  # engine-wide counts kept here
+        self.sums: dict[str, float] = {}  # engine-wide latency sums
+        self.cleanup_max_s = 0.0
+        self.heartbeats = 0
+        self._keepalive: _Keepalive | None = None
+
+    # --- what the scheduler reports -----------------------------------------------------------
+
+    def register(self, *, model: str, block_size: int, num_blocks: int) -> None:
+        self._identity = {"model": model, "block_size": block_size, "num_blocks": num_blocks}
+        self._try_register()
+        if self._keepalive is None:
+            self._keepalive = _Keepalive(self.registry, self.engine_id, self._clock)
+
+    def new_tag(self, tag: str, tenant: str) -> None:
+        self._tags[tag] = tenant
+
+    def prompt(self, tenant: str, tokens: int) -> None:
+        self.prompt_tokens[tenant] += tokens
+
+    def prefix_hit(self, tenant: str, tokens: int) -> None:
+        self.prefix_hit_tokens[tenant] += tokens
+
+    def handover_owners(self, owners: Mapping[int, str]) -> None:
+        """Blocks about to be cleared on handover, and the tenants whose bytes they still hold."""
+        self._handover_owner.update(owners)
+
+    def observe(self, events: Iterable[CustodyEvent]) -> None:
+        for event in events:
+            if event.kind is EventKind.EVICT:
+                self.counts["evictions"] += len(event.block_ids)
+
+    def zeroized(
+        self,
+        custody: Custody,
+        blocks: Iterable[int],
+        details: Mapping[str, Any],
+        *,
+        handover: bool,
+        now: float,
+    ) -> None:
+        """Call before `custody.zeroized`: release clears still know their owner there."""
+        ids = list(blocks)
+        per_block = _bytes_per_block(details)
+        for b in ids:
+            if handover:
+                tenant = self._handover_owner.pop(b, None)
+            else:
+                rec = custody.record(b)
+                tenant = rec.owner.tenant_id if rec.owner is not None else None
+                if rec.quarantined_at is not None:
+                    self._cleanup(now - rec.quarantined_at)
+            if tenant is not None:
+                self.blocks_zeroized[tenant] += 1
+                self.bytes_zeroized[tenant] += per_block or 0
+        self.counts["bytes_zeroized"] += (per_block or 0) * len(ids)
+        for name in ("wall_time_us", "device_time_us"):
+            value = details.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self._add(f"zeroize_{name}_sum", float(value))
+                self.counts[f"zeroize_{name}_count"] += 1
+
+    def _cleanup(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self._add("cleanup_s_sum", seconds)
+        self.counts["cleanup_count"] += 1
+        self.cleanup_max_s = max(self.cleanup_max_s, seconds)
+
+    def _add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    # --- heartbeats ---------------------------------------------------------------------------
+
+    def due(self, now: float) -> bool:
+        return now - self._last_beat >= HEARTBEAT_S
+
+    def heartbeat(
+        self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]
+    ) -> bool:
+        """Write the figures; False (logged, retried next time) when the database refused them."""
+        self._last_beat = now
+        try:
+            if not self._registered:
+                self._try_register(raise_errors=True)
+            self.registry.heartbeat(
+                self.engine_id,
+                now=now,
+                totals=self._totals(summary, counters),
+                tenants=self._tenant_rows(summary),
+                new_tags=list(self._tags.items()),
+            )
+        except (sa.exc.SQLAlchemyError, OSError, LookupError) as exc:
+            self._registered = self._registered and not isinstance(exc, LookupError)
+            _log.warning("engine heartbeat failed; retrying", error=type(exc).__name__)
+            return False
+        self._tags.clear()
+        self.heartbeats += 1
+        return True
+
+    def close(self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]) -> None:
+        """Last heartbeat and `stopped_at`; stops the keep-alive thread. Never raises."""
+        if self._keepalive is not None:
+            self._keepalive.close()
+        if not self._identity:
+            return
+        if self.heartbeat(now, summary, counters):
+            try:
+                self.registry.stop(self.engine_id, now)
+            except sa.exc.SQLAlchemyError as exc:
+                _log.warning("could not record the engine's stop", error=type(exc).__name__)
+        self.registry.engine.dispose()
+
+    def _try_register(self, *, raise_errors: bool = False) -> None:
+        try:
+            self.registry.register(self.engine_id, now=self._clock(), **self._identity)
+            self._registered = True
+        except sa.exc.SQLAlchemyError as exc:
+            if raise_errors:
+                raise
+            _log.warning("engine registration failed; retrying", error=type(exc).__name__)
+
+    def _totals(
+        self, summary: PoolSummary, counters: Mapping[str, int | float]
+    ) -> dict[str, int | float]:
+        return {
+            **self.stats,
+            **counters,
+            **self.counts,
+            **self.sums,
+            "prompt_tokens": self.prompt_tokens.total(),
+            "prefix_hit_tokens": self.prefix_hit_tokens.total(),
+            "blocks_free": summary.free,
+            "blocks_active": summary.active,
+            "blocks_cached": summary.cached,
+            "blocks_quarantined": summary.quarantined,
+            "orphaned_blocks": summary.residue,
+            "cleanup_s_max": self.cleanup_max_s,
+        }
+
+    def _tenant_rows(self, summary: PoolSummary) -> list[TenantCacheStats]:
+        tenants = (
+            set(summary.tenants)
+            | set(self.prompt_tokens)
+            | set(self.prefix_hit_tokens)
+            | set(self.blocks_zeroized)
+        )
+        rows = []
+        for tenant in sorted(tenants):
+            held = summary.tenants.get(tenant)
+            rows.append(
+                TenantCacheStats(
+                    engine_id=self.engine_id,
+                    tenant_id=tenant,
+                    tenant_tag=self._tenant_tag(tenant),
+                    blocks_active=held.active if held else 0,
+                    blocks_cached=held.cached if held else 0,
+                    blocks_quarantined=held.quarantined if held else 0,
+                    prefix_hit_tokens=self.prefix_hit_tokens[tenant],
+                    prompt_tokens=self.prompt_tokens[tenant],
+                    blocks_zeroized=self.blocks_zeroized[tenant],
+                    bytes_zeroized=self.bytes_zeroized[tenant],
+                    oldest_cached_at=held.oldest_cached_at if held else None,
+                )
+            )
+        return rows
+
+
+def _bytes_per_block(details: Mapping[str, Any]) -> int | None:
+    cleared, count = details.get("bytes_cleared"), details.get("block_count")
+    if isinstance(cleared, int) and isinstance(count, int) and count > 0:
+        return cleared // count
+    return None
+
+
+class _Keepalive:
+    """A daemon thread that moves the engine row's `last_seen` on every `HEARTBEAT_S`."""
+
+    def __init__(
+        self, registry: EngineRegistry, engine_id: str, clock: Callable[[], float]
+    ) -> None:
+        self._registry = registry
+        self._engine_id = engine_id
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvguard-keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._registry.touch(self._engine_id, self._clock())
+            except sa.exc.SQLAlchemyError as exc:
+                _log.warning("engine keep-alive failed; retrying", error=type(exc).__name__)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(_STOP_WAIT_S)

@@ -1,0 +1,71 @@
+"""Engine statistics and heartbeats: a failing database never stops the engine, nothing is lost."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+import structlog
+
+from kvguard.control.engines import EngineRegistry
+from kvguard.engine_adapter.vllm.reporting import EngineReporter
+from tests.engine_adapter.conftest import DERIVER, scope_for
+
+
+def _reporter(url: str) -> EngineReporter:
+    reporter = EngineReporter(
+        EngineRegistry.open(url), engine_id="e1", tenant_tag=DERIVER.tenant_tag, clock=lambda: 0.0
+    )
+    reporter.register(model="tiny", block_size=16, num_blocks=16)
+    return reporter
+
+
+def test_failed_heartbeat_is_logged_without_detail_and_retried(
+    sqlite_url, make_custody, monkeypatch
+) -> None:
+    reporter = _reporter(sqlite_url)
+    custody = make_custody()
+    reporter.new_tag("st_a", "a")
+    reporter.prompt("a", 40)
+
+    def broken(*_args, **_kwargs):
+        raise sa.exc.OperationalError("UPDATE engines", {}, Exception(f"cannot reach {sqlite_url}"))
+
+    with monkeypatch.context() as patch, structlog.testing.capture_logs() as logs:
+        patch.setattr(reporter.registry, "heartbeat", broken)
+        assert reporter.heartbeat(1.0, custody.summary(), {}) is False
+    assert [e["error"] for e in logs] == ["OperationalError"]
+    assert sqlite_url not in repr(logs)  # the error text (it may carry the URL) is not logged
+    assert not reporter.due(2.0) and reporter.due(3.0)  # retried at the next heartbeat
+    assert reporter.heartbeat(3.0, custody.summary(), {}) is True
+    assert reporter.registry.tags_for_tenant("a") == ["st_a"]  # the buffered tag was kept
+    (row,) = reporter.registry.tenant_stats("a")
+    assert row.prompt_tokens == 40 and row.tenant_tag == DERIVER.tenant_tag("a")
+    reporter.close(4.0, custody.summary(), {})
+
+
+def test_zeroized_blocks_bytes_and_cleanup_latency_per_owner(sqlite_url, make_custody) -> None:
+    reporter = _reporter(sqlite_url)
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=False)
+    c.allocate("r1", [0, 1], 0.0)
+    c.finish("r1", 2.0)  # both quarantined at t=2
+    details = {
+        "bytes_cleared": 8192,
+        "block_count": 2,
+        "wall_time_us": 30.0,
+        "device_time_us": None,
+    }
+    reporter.zeroized(c, (0, 1), details, handover=False, now=2.5)
+    c.zeroized([0, 1], 2.5, details)
+    reporter.handover_owners({5: "b"})
+    reporter.zeroized(c, (5,), {"bytes_cleared": 4096, "block_count": 1}, handover=True, now=3.0)
+    assert reporter.blocks_zeroized == {"a": 2, "b": 1}
+    assert reporter.bytes_zeroized == {"a": 8192, "b": 4096}
+    assert reporter.sums == {"zeroize_wall_time_us_sum": 30.0, "cleanup_s_sum": 1.0}
+    assert reporter.counts["cleanup_count"] == 2 and reporter.cleanup_max_s == 0.5
+    assert reporter.heartbeat(4.0, c.summary(), {"ledger_submitted": 3})
+    (engine,) = reporter.registry.engines()
+    assert engine.totals["bytes_zeroized"] == 12288 and engine.totals["ledger_submitted"] == 3
+    assert engine.totals["blocks_free"] == 16 and engine.totals["zeroize_wall_time_us_count"] == 1
+    reporter.close(5.0, c.summary(), {})
+    (engine,) = reporter.registry.engines()
+    assert engine.stopped_at == 5.0

