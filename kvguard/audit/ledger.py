@@ -32,6 +32,7 @@ from kvguard.audit.migrate import upgrade
 from kvguard.audit.query import QueryPage, run_query
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.store import CheckpointRow, LedgerStore
+from kvguard.audit.timemarks import TimeMarks
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
@@ -66,6 +67,7 @@ class Ledger:
         self._clock = clock
         self._writer = writer
         self._periodic: PeriodicTask | None = None
+        self.time_marks = TimeMarks()  # per-chunk ts bounds for time-range queries (cached)
 
     @classmethod
     def open(
@@ -254,10 +256,10 @@ class Ledger:
     # -- reading -------------------------------------------------------------------------------
 
     def query(self, *, limit: int = 100, **filters: Any) -> QueryPage:
-        """Entries by `scope_tag`, `kinds`, `since`/`until`, `request_id`, `block_id`, paged by
-        `after` (the previous page's `next_after`)."""
+        """Entries by `scope_tag` or `scope_tags`, `kinds`, `since`/`until`, `request_id`,
+        `block_id`, paged by `after` (the previous page's `next_after`)."""
         with self.store.engine.connect() as conn:
-            return run_query(conn, limit=limit, **filters)
+            return run_query(conn, limit=limit, marks=self.time_marks, **filters)
 
     def export(self, path: str | Path, **options: Any) -> ExportSummary:
         """Write an export bundle: options `scope_tag`, `since`, `until`, `kinds`, `tlog_proofs`,

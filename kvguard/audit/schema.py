@@ -9,7 +9,8 @@ The live schema is created and upgraded by the Alembic migrations in `kvguard/au
   append locks it, which makes indices gapless without a sequence (sequences skip values on
   rollback).
 - `ledger_entries`: one row per leaf: the exact leaf bytes, its RFC 6962 leaf hash (the level-0
-  stored hash) and copies of the queryable fields (`verify()` checks every copy against the leaf).
+  stored hash) and copies of the queryable fields (`verify()` checks every copy against the leaf),
+  indexed by (scope tag, idx), (kind, idx), ts and request id.
 - `ledger_entry_blocks`: (block id, index) pairs for block-id queries.
 - `ledger_hashes`: the hash of every *complete* subtree of 2 or more leaves, keyed by
   `hash_key(level, index)`; any root or proof needs O(log n) of them (the sumdb `StoredHashIndex`
@@ -56,6 +57,7 @@ class LedgerEntry(LedgerBase):
     __tablename__ = "ledger_entries"
     __table_args__ = (
         sa.Index("ledger_entries_scope_idx", "scope_tag", "idx"),
+        sa.Index("ledger_entries_kind_idx", "kind", "idx"),
         sa.Index("ledger_entries_ts_idx", "ts_us"),
         sa.Index("ledger_entries_request_idx", "request_id"),
     )
