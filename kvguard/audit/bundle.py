@@ -64,6 +64,18 @@ def entry_line_joined(index: int, leaf: bytes, quoted_proof: str) -> str:
     )
 
 
+_LINE_FIXED = len(entry_line_joined(0, b"", "")) - 1  # the line less its index digits
+_PROOF_HASH_TEXT = 46  # '"' + 44 base64 characters of a 32-byte hash + '"'
+
+
+def entry_line_size(index: int, leaf_size: int, proof_hashes: int) -> int:
+    """Bytes of `entry_line(index, leaf, proof)` (UTF-8) for a leaf of `leaf_size` bytes and a
+    proof of `proof_hashes` 32-byte hashes, without rendering it: a streamed export announces the
+    size of `entries.jsonl` before writing it."""
+    proof = proof_hashes * (_PROOF_HASH_TEXT + 1) - 1 if proof_hashes else 0
+    return _LINE_FIXED + len(str(index)) + leaf_size + 4 * ((leaf_size + 2) // 3) + proof
+
+
 def consistency_line(old_checkpoint: str, proof: Sequence[bytes]) -> str:
     obj = {"old_checkpoint": old_checkpoint, "proof": [b64(h) for h in proof]}
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"

@@ -159,6 +159,14 @@ def _stored_proof(
 
 
 def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, size: int) -> None:
+    lines = consistency_lines(ledger, conn, size)
+    if lines:
+        (out / bundle.CONSISTENCY).write_text("".join(lines), encoding="utf-8", newline="")
+
+
+def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int) -> list[str]:
+    """`consistency.jsonl` lines from every stored checkpoint of 0 < size' < `size`, after checking
+    the stored chain (each row matches its note and names its predecessor)."""
     latest: dict[int, str] = {}
     previous = None
     for row in ledger.store.checkpoints(conn):
@@ -175,10 +183,10 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, size: int
         previous = row.size
         if 0 < row.size < size:
             latest[row.size] = row.note
-    if not latest:
-        return
     reader = ledger.store.reader(conn)
-    with open(out / bundle.CONSISTENCY, "w", encoding="utf-8", newline="") as f:
-        for old in sorted(latest):
-            proof = merkle.hashes_for_ranges(merkle.consistency_ranges(old, size), reader)
-            f.write(bundle.consistency_line(latest[old], proof))
+    return [
+        bundle.consistency_line(
+            latest[old], merkle.hashes_for_ranges(merkle.consistency_ranges(old, size), reader)
+        )
+        for old in sorted(latest)
+    ]

@@ -104,6 +104,16 @@ def inclusion_ranges(index: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
+def inclusion_path_length(index: int, size: int) -> int:
+    """len(PATH(index, D[size])) without building it: the levels where `index` and `size - 1`
+    differ (an inner path through complete subtrees) plus, above them, one hash per level where
+    `index` is a right child on the right border (transparency-dev/merkle `decompInclProof`)."""
+    if not 0 <= index < size:
+        raise ValueError(f"leaf index {index} is not in a tree of size {size}")
+    inner = (index ^ (size - 1)).bit_length()
+    return inner + (index >> inner).bit_count()
+
+
 def consistency_ranges(old_size: int, new_size: int) -> list[tuple[int, int]]:
     """Leaf ranges of PROOF(old_size, D[new_size]) (RFC 9162 section 2.1.4.1)."""
     if not 0 < old_size <= new_size:

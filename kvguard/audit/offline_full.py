@@ -255,7 +255,7 @@ def _check_part(
     leaf of the same index. A changed block fails at its first line.
     """
     sha256, b2a, join = hashlib.sha256, binascii.b2a_base64, b"".join
-    paths, lengths, blocks = _PathText(tree.levels), tree.lengths, part.blocks
+    paths, lengths, blocks = PathText(tree.levels), tree.lengths, part.blocks
     body, index, done = len(_EVENT), part.first, 0
     for block, lines in enumerate(_line_blocks(path, part)):
         stop = index + len(lines)
@@ -287,7 +287,7 @@ def _raise_first(lines: list[bytes], expected: list[bytes], offset: int) -> None
     raise AssertionError("no line of the block differs")  # internal invariant
 
 
-class _PathText:
+class PathText:
     """The rendered audit paths (`"b64","b64",...` as bytes) of consecutive leaves of one tree.
 
     PATH(i) is the sibling at each level below the root that exists (`merkle.levels_inclusion_

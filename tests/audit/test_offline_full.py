@@ -29,7 +29,7 @@ Opener = Callable[..., Ledger]
 @given(st.integers(1, 300), st.data())
 def test_path_text_is_the_rfc_9162_audit_path(size: int, data: st.DataObject) -> None:
     levels = merkle.tree_levels(merkle.leaf_hash(i.to_bytes(4, "big")) for i in range(size))
-    paths = offline_full._PathText(levels)
+    paths = offline_full.PathText(levels)
     start = data.draw(st.integers(0, size - 1))
     for index in range(start, size):  # consecutive indices, as the check walks them
         expected = ",".join(

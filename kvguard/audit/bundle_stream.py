@@ -1,0 +1,213 @@
+"""Export bundles as a stream: the `kvguard audit export` bundle (`kvguard.audit.bundle`) as a tar
+archive, optionally gzip-compressed, produced while it is sent.
+
+The archive holds one directory, `kvguard-audit-<tree size>/`, with `checkpoint`,
+`consistency.jsonl` (when older checkpoints exist) and `entries.jsonl`, byte for byte what
+`Ledger.export(..., renderings=False)` writes for the same checkpoint; unpacked, it passes
+`kvguard verify DIR --key VKEY`. The SIEM renderings are left out: their size is unknown before they
+are rendered, and the verifier regenerates nothing that is absent.
+
+Memory stays flat however large the export: entries are read in index order through a
+server-side cursor and written chunk by chunk (`kvguard.audit.proof_runs`). A tar header must state
+its member's size before the member, so `entries.jsonl` is measured first, by a pass over the
+matching indices and leaf lengths only: a line's size follows from its index, leaf length and proof
+length (`bundle.entry_line_size`). The log is append-only and the export stops at the signed tree
+size, so both passes see the same rows; if they did not, the stream fails (`VerificationError`)
+rather than end in a well-formed but wrong archive.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+import tarfile
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from kvguard.audit import bundle, merkle, note
+from kvguard.audit import schema as t
+from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.export import consistency_lines
+from kvguard.audit.leaf import format_micros
+from kvguard.audit.proof_runs import CHUNK_BITS, ProofRuns
+from kvguard.audit.query import select_indices
+from kvguard.errors import VerificationError
+
+if TYPE_CHECKING:
+    from kvguard.audit.ledger import Ledger
+
+_BLOCK = 512  # tar block size
+_FLUSH = 1 << 20  # bytes handed to the transport at once: few enough hand-offs per second
+_GZIP_LEVEL = 1  # base64 hashes barely compress; level 1 keeps up with the generator (measured)
+_YIELD_PER = 4096
+_LINE = b'{"event":%s,"inclusion_proof":[%s],"index":%d,"leaf":"%s"}\n'  # = bundle.entry_line
+
+
+@dataclass(frozen=True)
+class ExportQuery:
+    """Which entries an export holds. Empty `kinds` means every kind; empty `scope_tags` none."""
+
+    scope_tags: Sequence[str] | None = None
+    kinds: Sequence[str] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.scope_tags is None and not self.kinds and self.since is None and not self.until
+
+    def filters(self, size: int) -> dict[str, Any]:
+        return {
+            "scope_tags": self.scope_tags,
+            "kinds": list(self.kinds) if self.kinds else None,
+            "since": self.since,
+            "until": self.until,
+            "below": size,
+        }
+
+
+class BundleStream:
+    """One export: signs a checkpoint when made; iterating yields the archive's bytes."""
+
+    def __init__(
+        self, ledger: Ledger, query: ExportQuery, *, gzip: bool = False, mtime: int = 0
+    ) -> None:
+        self._ledger, self._query, self._gzip, self._mtime = ledger, query, gzip, mtime
+        self.checkpoint = ledger.checkpoint()
+        cp = parse_checkpoint(note.split_note(self.checkpoint)[0])
+        self.tree_size, self._root = cp.size, cp.root
+        self.name = f"kvguard-audit-{cp.size}"
+        self.filename = self.name + (".tar.gz" if gzip else ".tar")
+        self.media_type = "application/gzip" if gzip else "application/x-tar"
+
+    def __iter__(self) -> Iterator[bytes]:
+        pending: list[bytes] = []
+        held = 0
+        pack = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, 31) if self._gzip else None
+        for piece in self._archive():
+            pending.append(piece)
+            held += len(piece)
+            if held >= _FLUSH:
+                data = b"".join(pending)
+                pending, held = [], 0
+                out = pack.compress(data) if pack else data
+                if out:
+                    yield out
+        data = b"".join(pending)
+        yield (pack.compress(data) + pack.flush()) if pack else data
+
+    def _archive(self) -> Iterator[bytes]:
+        engine = self._ledger.store.engine
+        with engine.connect() as conn, engine.connect() as aux:
+            yield _header(self.name + "/", 0, self._mtime, directory=True)
+            yield from self._member(bundle.CHECKPOINT, self.checkpoint.encode("utf-8"))
+            lines = consistency_lines(self._ledger, conn, self.tree_size)
+            if lines:
+                yield from self._member(bundle.CONSISTENCY, "".join(lines).encode("utf-8"))
+            size = self._measure(conn)
+            yield _header(f"{self.name}/{bundle.ENTRIES}", size, self._mtime)
+            written = 0
+            for piece in self._entries(conn, aux):
+                written += len(piece)
+                yield piece
+            if written != size:
+                raise VerificationError(f"{bundle.ENTRIES} changed while it was exported")
+            yield _padding(size)
+        yield b"\0" * (2 * _BLOCK)  # end of archive
+
+    def _member(self, name: str, data: bytes) -> Iterator[bytes]:
+        yield _header(f"{self.name}/{name}", len(data), self._mtime)
+        yield data
+        yield _padding(len(data))
+
+    def _measure(self, conn: sa.Connection) -> int:
+        """Bytes of `entries.jsonl`, from the matching indices and leaf lengths alone."""
+        e = t.entries.c
+        stmt = select_indices(**self._query.filters(self.tree_size)).with_only_columns(
+            e.idx, sa.func.length(e.leaf)
+        )
+        n, line_size, path_length = (
+            self.tree_size,
+            bundle.entry_line_size,
+            merkle.inclusion_path_length,
+        )
+        rows = conn.execute(stmt.execution_options(yield_per=_YIELD_PER * 4))
+        return sum(line_size(i, length, path_length(i, n)) for i, length in rows)
+
+    def _entries(self, conn: sa.Connection, aux: sa.Connection) -> Iterator[bytes]:
+        """`entries.jsonl`, one chunk of consecutive indices at a time."""
+        proofs = ProofRuns(
+            self._ledger.store, aux, self.tree_size, self._root, complete=self._query.complete
+        )
+        chunk: list[tuple[int, bytes]] = []
+        for index, leaf in self._rows(conn):
+            if chunk and index >> CHUNK_BITS != chunk[0][0] >> CHUNK_BITS:
+                yield _lines(chunk, proofs.chunk(chunk))
+                chunk = []
+            chunk.append((index, leaf))
+        if chunk:
+            yield _lines(chunk, proofs.chunk(chunk))
+
+    def _rows(self, conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
+        """(index, leaf) of the matching entries. In a filtered export each row's filtered columns
+        are held to its leaf: a doctored column could otherwise slip a foreign entry in."""
+        q = self._query
+        e = t.entries.c
+        stmt = select_indices(**q.filters(self.tree_size))
+        if q.complete:
+            for index, leaf in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
+                yield int(index), bytes(leaf)
+            return
+        stmt = stmt.add_columns(e.kind, e.scope_tag, e.ts_us)
+        timed = q.since is not None or q.until is not None
+        for index, raw, kind, tag, ts_us in conn.execute(
+            stmt.execution_options(yield_per=_YIELD_PER)
+        ):
+            leaf = bytes(raw)
+            if (
+                (q.kinds and not _holds(leaf, b',"kind":', json.dumps(kind), b',"payload_c'))
+                or (
+                    q.scope_tags is not None
+                    and not _holds(leaf, b',"scope_tag":', json.dumps(tag), b',"ts":')
+                )
+                or (timed and not _holds(leaf, b',"ts":', f'"{format_micros(ts_us)}"', b',"v":'))
+            ):
+                raise VerificationError(f"entry {index}: index columns do not match the leaf")
+            yield int(index), leaf
+
+
+def _holds(leaf: bytes, key: bytes, value: str, following: bytes) -> bool:
+    """Whether the canonical leaf's top-level field `key` is `value` (JSON text). `kind`,
+    `scope_tag` and `ts` come after `details` in a canonical leaf (sorted keys) and a `,"` can occur
+    only between fields (a quote inside a string is escaped), so the last `key` is the top-level
+    one. Slicing costs a fraction of `json.loads` per row (a leaf that is not canonical fails its
+    proof anyway)."""
+    at = leaf.rfind(key)
+    return at >= 0 and leaf.startswith(key + value.encode("utf-8") + following, at)
+
+
+def _lines(rows: list[tuple[int, bytes]], proofs: list[bytes]) -> bytes:
+    b2a = binascii.b2a_base64
+    return b"".join(
+        [
+            _LINE % (leaf, p, i, b2a(leaf, newline=False))
+            for (i, leaf), p in zip(rows, proofs, strict=True)
+        ]
+    )
+
+
+def _header(name: str, size: int, mtime: int, *, directory: bool = False) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = size, mtime
+    info.mode = 0o755 if directory else 0o644
+    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+def _padding(size: int) -> bytes:
+    return b"\0" * (-size % _BLOCK)
