@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 
 from kvguard.api.auth import Principal, Role
 from kvguard.api.services import Services
@@ -100,6 +101,19 @@ class Access:
             return self.tenant(tenant_id)
         return self.principal.tenant_id if self.principal.role is Role.TENANT_ADMIN else None
 
+    def ledger_tags(self, tenant_id: str | None) -> list[str] | None:
+        """The scope tags a ledger read is limited to: the requested tenant's (checked, as
+        `one_tenant_or_all`), a tenant_admin's own, or None for every entry."""
+        tenant = self.one_tenant_or_all(tenant_id)
+        if tenant is not None:
+            return self.services.tenant_ledger_tags(tenant)
+        return None if self.visible is None else []  # a tenant_admin bound to nothing sees nothing
+
+    def may_see_entry(self, scope_tag: str | None) -> bool:
+        """Whether the caller may see a ledger entry carrying `scope_tag`."""
+        tags = self.ledger_tags(None)
+        return tags is None or (scope_tag is not None and scope_tag in tags)
+
 
 def require(*roles: Role) -> Any:
     """A dependency giving `Access` to callers holding one of `roles` (403 for the others)."""
@@ -146,6 +160,8 @@ def _outcome(exc: BaseException) -> str:
             return outcome
     if isinstance(exc, HTTPException) and exc.status_code < 500:
         return "denied" if exc.status_code == 403 else "invalid"
+    if isinstance(exc, RequestValidationError):  # parameters are checked after dependencies run
+        return "invalid"
     from kvguard.api.errors import status_for  # noqa: PLC0415 (errors imports this module's types)
 
     return "invalid" if status_for(exc) < 500 else "failed"

@@ -93,6 +93,13 @@ class Services:
             clock=clock,
         )
 
+    def tenant_ledger_tags(self, tenant_id: str) -> list[str]:
+        """The scope tags of a tenant's ledger entries: the `st_` tags engines registered for its
+        scopes and the `tt_` tag the API's own `admin.action` entries about it carry."""
+        return sorted(
+            {*self.engines.tags_for_tenant(tenant_id), self.deriver.tenant_tag(tenant_id)}
+        )
+
     def close(self) -> None:
         self.ledger.close()
         self.policies.engine.dispose()
