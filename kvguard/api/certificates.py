@@ -84,9 +84,9 @@ def _notes(report: JobReport, deferred: int) -> list[str]:
         notes.append("No engine was live when the job was created: no KV cache held data to clear.")
     if deferred:
         notes.append(
-            f"{deferred} blocks were in use by running requests when the purge ran: they were marked "
-            "to be quarantined and cleared when those requests end, like every released block, and "
-            "are counted here without being linked block by block."
+            f"Blocks in use by running requests when the purge ran ({deferred}) were marked to be "
+            "quarantined and cleared when those requests end, like every released block; they are "
+            "counted here without being linked block by block."
         )
     notes.append(
         "Request and acknowledgement times and engine models are reported from the control "

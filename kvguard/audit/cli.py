@@ -184,9 +184,10 @@ def _verify_certificate(path: Path, key: list[str], origin: str | None) -> None:
         report = verify_certificate(load_certificate(path), key, origin=origin)
     except VerificationError as exc:
         raise _fail(f"INVALID: {exc}", EXIT_INVALID) from None
+    engines = f"{report.engines} engine{'' if report.engines == 1 else 's'}"
     typer.echo(
         f"valid: erasure certificate of purge job {report.job_id}: {report.blocks_cleared} blocks "
-        f"cleared on {report.engines} engines, {report.entries} entries proven against checkpoint "
+        f"cleared on {engines}, {report.entries} entries proven against checkpoint "
         f"{report.origin} size {report.tree_size}"
     )
 

