@@ -19,6 +19,7 @@ import pytest
 from kvguard.control.engines import EngineRegistry
 from kvguard.engine_adapter.commands import CommandQueue
 from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.errors import AdmissionError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyStore
 from tests.engine_adapter.vllm_support import BLOCK
@@ -89,8 +90,11 @@ def test_policy_command_swaps_the_policy_and_a_disabled_tenant_gets_no_hits(guar
     queue = CommandQueue.open(guarded.options.ledger_url)
     command_id = queue.submit_policy(version, requested_by="test")
     time.sleep(1.1)  # SQLite: engines poll at most every second
-    # The front end (GuardedLLM's own policy) still admits the tenant; the engine refuses it the cache.
-    assert guarded.generate([PROMPT], _params(), tenant=tenant)[0].num_cached_tokens == 0
+    # GuardedLLM follows the engine's policy: the disabled tenant is refused before any engine work.
+    with pytest.raises(AdmissionError, match="tenant_disabled"):
+        guarded.generate([PROMPT], _params(), tenant=tenant)
+    # A front end that has not seen the change yet still gets no cache from the engine.
+    assert _unchecked_generate(guarded, tenant).num_cached_tokens == 0
     (ack,) = queue.acks(command_id)
     assert ack["engine_id"] == sched.engine_id and ack["policy_version"] == version
     assert sched.policy_version == version
@@ -108,6 +112,19 @@ def test_policy_command_swaps_the_policy_and_a_disabled_tenant_gets_no_hits(guar
     assert queue.acks(again)[0]["policy_version"] == version
     store.engine.dispose()
     queue.engine.dispose()
+
+
+def _unchecked_generate(g, tenant: str):
+    """A request as a stale front end would send it: the tenant's real salt and envelope."""
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.transport import Envelope  # noqa: PLC0415
+
+    scope = g.scope(tenant)
+    params = _params()
+    params.extra_args = Envelope(scope=scope, use_cache=True).to_extra_args()
+    prompt = TokensPrompt(prompt_token_ids=list(PROMPT), cache_salt=g._deriver.salt(scope))
+    return g.llm.generate([prompt], [params], use_tqdm=False)[0]
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
@@ -162,7 +179,11 @@ def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_pa
     assert policy_ack["policy_version"] == version
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["policy_version"] == version
-    assert out["after"] == {"purged": 0, "off": 0, "kept": 2 * BLOCK}
+    assert out["after"] == {
+        "purged": 0,
+        "off": "refused: request refused by policy: tenant_disabled",
+        "kept": 2 * BLOCK,
+    }
     registry = EngineRegistry.open(db_url)
     (engine,) = registry.engines()
     assert engine.engine_id == engine_id and engine.stopped_at is not None

@@ -27,6 +27,7 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
 
     from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
     from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from kvguard.errors import AdmissionError  # noqa: PLC0415
     from tests.engine_adapter.vllm_support import engine_kwargs, write_secrets  # noqa: PLC0415
 
     url = spec["control_url"]
@@ -42,7 +43,12 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     while not Path(spec["stop_file"]).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
         g.generate([[5, 6, 7]], params, tenant="child-keepalive")
-    after = {t: g.generate([prompt], params, tenant=t)[0].num_cached_tokens for t in tenants}
+    after: dict[str, int | str] = {}
+    for tenant in tenants:
+        try:
+            after[tenant] = g.generate([prompt], params, tenant=tenant)[0].num_cached_tokens
+        except AdmissionError as exc:  # a tenant disabled by a policy command
+            after[tenant] = f"refused: {exc}"
     result = {"after": after, "policy_version": sched.policy_version}
     g.close()
     Path(out_file).write_text(json.dumps(result))

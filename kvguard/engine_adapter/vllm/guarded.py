@@ -24,7 +24,7 @@ from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.transport import Envelope
 from kvguard.errors import AdmissionError, ConfigError
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
-from kvguard.policy import Usage, admit
+from kvguard.policy import PolicySet, Usage, admit
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 _SETTLE_STEPS = 64
@@ -62,7 +62,7 @@ class GuardedLLM:
                 raise ConfigError(f"GuardedLLM sets {refused} itself; do not pass it")
         self.options = options
         self._deriver = options.deriver()
-        self._policies = options.policy_set()
+        self._policies = options.initial_policy()[0]
         transfer = KVTransferConfig(
             kv_connector=KVGuardConnector.__name__,
             kv_connector_module_path=CONNECTOR_MODULE,
@@ -107,7 +107,7 @@ class GuardedLLM:
             tokenizer=self._tokenizer,
             adapter=adapter,
             cache_config=self._cache,
-            policy_epoch=self._policies.epoch,
+            policy_epoch=self.policies.epoch,
         )
 
     def generate(
@@ -138,6 +138,9 @@ class GuardedLLM:
 
         Admission runs first for every item: if any is refused, nothing is sent to the engine."""
         base = sampling_params or SamplingParams()
+        guard = self.connector.scheduler_guard if self.connector is not None else None
+        if guard is not None:
+            guard.apply_now()  # pick up purge and policy commands (a disabled tenant) before admitting
         prompts: list[TokensPrompt] = []
         params: list[SamplingParams] = []
         for request, prompt in items:
@@ -152,7 +155,7 @@ class GuardedLLM:
         scope = self.scope(
             request.tenant, session=request.session, group=request.group, public=request.public
         )
-        decision = admit(self._policies, scope, Usage())
+        decision = admit(self.policies, scope, Usage())
         if not decision.admitted or decision.scope is None:
             raise AdmissionError(f"request refused by policy: {decision.reason.value}")
         envelope = Envelope(scope=decision.scope, use_cache=decision.use_cache)
@@ -179,6 +182,14 @@ class GuardedLLM:
     def _engine_core(self) -> Any | None:
         client = self.llm.llm_engine.engine_core
         return getattr(client, "engine_core", None)
+
+    @property
+    def policies(self) -> PolicySet:
+        """The policy in force: the in-process engine's, which follows policy commands from the
+        admin API, else the one loaded at start (`policy_url` store, `policy_file` or defaults)."""
+        conn = self.connector
+        guard = conn.scheduler_guard if conn is not None else None
+        return guard.policies if guard is not None else self._policies
 
     @property
     def connector(self) -> KVGuardConnector | None:
