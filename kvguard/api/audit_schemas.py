@@ -7,11 +7,12 @@ they still exist; an erased payload shows as `payload: null, payload_erased: tru
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, Field
 
 from kvguard.audit import bundle
 from kvguard.audit.events import DetailValue
-from kvguard.audit.leaf import format_ts
 from kvguard.audit.query import LedgerRecord
 from kvguard.audit.store import CheckpointRow
 
@@ -31,16 +32,17 @@ class EntryPublic(BaseModel):
 
     @classmethod
     def of(cls, record: LedgerRecord) -> EntryPublic:
-        event = record.event
+        """From the leaf's JSON (its `ts` already in canonical spelling): see `LedgerRecord`."""
+        leaf = json.loads(record.leaf)
         return cls(
             index=record.index,
-            kind=str(event.kind),
-            ts=format_ts(event.ts),
-            scope_tag=event.scope_tag,
-            request_id=event.request_id,
-            block_ids=list(event.block_ids),
-            details=dict(event.details),
-            payload=dict(event.payload) if event.payload is not None else None,
+            kind=leaf["kind"],
+            ts=leaf["ts"],
+            scope_tag=leaf["scope_tag"],
+            request_id=leaf["request_id"],
+            block_ids=leaf["block_ids"],
+            details=leaf["details"],
+            payload=record.payload,
             payload_erased=record.payload_erased,
         )
 

@@ -9,6 +9,7 @@ is an admin action (`audit.checkpoint`).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
@@ -141,7 +142,7 @@ def _entry(access: Access, index: int) -> LedgerRecord:
     if not page.records or page.records[0].index != index:
         raise NotFoundError(f"entry {index} not found")
     record = page.records[0]
-    if not access.may_see_entry(record.event.scope_tag):
+    if not access.may_see_entry(json.loads(record.leaf)["scope_tag"]):
         raise NotFoundError(f"entry {index} not found")
     return record
 
