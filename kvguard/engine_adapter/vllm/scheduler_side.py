@@ -364,7 +364,12 @@ class SchedulerGuard:
             self.reporter.zeroized(
                 c, result.blocks, result.details, handover=result.handover, now=now
             )
-            c.zeroized(result.blocks, now, dict(result.details), handover=result.handover)
+            c.zeroized(
+                result.blocks,
+                now,
+                {**dict(result.details), "engine_id": self.engine_id},
+                handover=result.handover,
+            )
             self.stats["blocks_zeroized"] += len(result.blocks)
             if result.handover:
                 continue
