@@ -284,6 +284,35 @@ def test_engines_without_engine_ids_share_one_id_space(env: ApiEnv) -> None:
     assert verify_certificate(cert, [_vkey(env)]).blocks_cleared == 2
 
 
+def _api_on(files: dict[str, Any]) -> tuple[Services, TestClient, dict[str, str]]:
+    """The API on the engine's database, keyring and signing key, with tenant acme and an admin."""
+    config = ApiConfig(
+        db_url=files["ledger_url"],
+        signing_key_file=files["signing_key_file"],
+        salt_keyring_file=files["salt_keyring_file"],
+        origin=files["ledger_origin"],
+        checkpoint_interval_s=None,
+    )
+    services = Services.open(config)
+    services.tenants.create("acme", display_name="Acme", created_by="test")
+    headers = {"Authorization": f"Bearer {services.keys.create(Role.ADMIN).api_key}"}
+    return services, TestClient(create_app(services)), headers
+
+
+def _until_done(llm: Any, client: TestClient, headers: dict[str, str], job_id: int) -> Any:
+    sched = llm.connector.scheduler_guard
+    job: dict[str, Any] = {}
+    for _ in range(20):
+        time.sleep(0.6)  # the engine polls commands at most once a second
+        sched.apply_now()
+        llm.settle()
+        sched.ledger.flush()
+        job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
+        if job["status"] == "done":
+            break
+    return job
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_purge_on_a_real_engine_certificate_verifies_offline(
@@ -302,38 +331,18 @@ def test_purge_on_a_real_engine_certificate_verifies_offline(
 
     files = write_secrets(tmp_path / "engine")
     llm = GuardedLLM(str(tiny_llama_dir()), options=GuardOptions(**files), **engine_kwargs())
-    config = ApiConfig(
-        db_url=files["ledger_url"],
-        signing_key_file=files["signing_key_file"],
-        salt_keyring_file=files["salt_keyring_file"],
-        origin=files["ledger_origin"],
-        checkpoint_interval_s=None,
-    )
-    services = Services.open(config)
+    services, client, headers = _api_on(files)
     try:
-        services.tenants.create("acme", display_name="Acme", created_by="test")
-        headers = {"Authorization": f"Bearer {services.keys.create(Role.ADMIN).api_key}"}
-        client = TestClient(create_app(services))
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         docs = [[(31 * d + 7 * i) % 500 + 5 for i in range(2 * BLOCK)] for d in range(3)]
         llm.generate(docs[:2], params, tenant="acme")
         llm.generate(docs[2:], params, tenant="globex")
         r = client.post("/v1/purges", json={"kind": "tenant", "value": "acme"}, headers=headers)
         assert r.status_code == 202 and r.json()["engines_expected"] == 1, r.text
-        job_id = r.json()["job_id"]
-        sched = llm.connector.scheduler_guard  # type: ignore[union-attr]
-        job: dict[str, Any] = {}
-        for _ in range(20):
-            time.sleep(0.6)  # the engine polls commands at most once a second
-            sched.apply_now()
-            llm.settle()
-            sched.ledger.flush()
-            job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
-            if job["status"] == "done":
-                break
+        job = _until_done(llm, client, headers, r.json()["job_id"])
         assert job["status"] == "done", job
         assert job["blocks_quarantined"] == job["blocks_cleared"] >= 4  # two 2-block prompts
-        cert = client.get(f"/v1/purges/{job_id}/certificate", headers=headers)
+        cert = client.get(f"/v1/purges/{job['job_id']}/certificate", headers=headers)
         assert cert.status_code == 200, cert.text
         body = cert.json()
         assert body["selector"]["tenant_tag"] == services.deriver.tenant_tag("acme")
@@ -344,9 +353,9 @@ def test_purge_on_a_real_engine_certificate_verifies_offline(
         vkey = SigningKey.load(files["signing_key_file"]).verifier_key()
         result = CliRunner().invoke(cli_app, ["verify", str(path), "--key", vkey])
         assert result.exit_code == 0, result.output
-        assert f"purge job {job_id}: {job['blocks_cleared']} blocks cleared on 1 engine," in (
-            result.output
-        )
+        cleared = f"purge job {job['job_id']}: {job['blocks_cleared']} blocks cleared on 1 engine,"
+        assert cleared in result.output
     finally:
+        client.close()
         services.close()
         llm.close()
