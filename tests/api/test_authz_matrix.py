@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from fastapi.routing import APIRoute
 
+from kvguard.audit.events import AuditEvent
 from tests.api.conftest import ApiEnv
 
 ALL = frozenset({"admin", "auditor", "tenant"})
@@ -63,6 +65,14 @@ def _acme_purge_job(env: ApiEnv) -> None:
     """Purge job 1, of tenant acme: done at once (no engine is live)."""
     r = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
     assert r.json()["job_id"] == 1, r.text
+
+
+def _acme_ledger_entry(env: ApiEnv) -> None:
+    """Ledger entry 0 carries acme's tag, and a checkpoint covers it."""
+    tag = env.services.deriver.tenant_tag("acme")
+    event = AuditEvent(kind="block.alloc", scope_tag=tag, ts=datetime.now(UTC))
+    assert env.services.ledger.append(event) == 0
+    env.services.ledger.checkpoint()
 
 
 MATRIX: list[Row] = [
@@ -126,6 +136,23 @@ MATRIX: list[Row] = [
         url="/v1/purges/1/certificate",
         setup=_acme_purge_job,
     ),
+    Row("GET", "/v1/audit/entries", ALL),
+    Row("GET", "/v1/audit/entries", ALL, params={"tenant_id": "{own}"}, tenant_scoped=True),
+    Row(
+        "GET", "/v1/audit/entries/{index}", ALL, url="/v1/audit/entries/0", setup=_acme_ledger_entry
+    ),
+    Row("GET", "/v1/audit/checkpoints/latest", ALL, setup=_acme_ledger_entry),
+    Row("GET", "/v1/audit/checkpoints", ALL),
+    Row("POST", "/v1/audit/checkpoints", ADMIN),
+    Row(
+        "GET",
+        "/v1/audit/consistency",
+        ALL,
+        params={"old_size": 1, "new_size": 1},
+        setup=_acme_ledger_entry,
+    ),
+    Row("GET", "/v1/audit/export", ALL),
+    Row("GET", "/v1/audit/export", ALL, params={"tenant_id": "{own}"}, tenant_scoped=True),
 ]
 
 CALLERS = {"admin": "admin", "auditor": "auditor", "tenant": "acme"}

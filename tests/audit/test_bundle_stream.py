@@ -28,8 +28,7 @@ CHUNK = 1 << CHUNK_BITS
 
 def _unpack(stream: BundleStream, into: Path) -> Path:
     data = b"".join(stream)
-    mode = "r:gz" if stream.filename.endswith(".gz") else "r:"
-    with tarfile.open(fileobj=io.BytesIO(data), mode=mode) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         names = tar.getnames()
         assert all(n == stream.name or n.startswith(stream.name + "/") for n in names)
         tar.extractall(into, filter="data")

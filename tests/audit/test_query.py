@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -128,7 +129,10 @@ def test_time_marks_follow_the_growing_log(sqlite_url: str, open_ledger: Opener)
     ledger = open_ledger(sqlite_url)
     chunk = 1 << CHUNK_BITS
     ledger.append_many([make_event(i, ts=T0 + timedelta(seconds=i)) for i in range(chunk + 5)])
-    window = {"since": T0 + timedelta(seconds=3), "until": T0 + timedelta(seconds=4)}
+    window: dict[str, Any] = {
+        "since": T0 + timedelta(seconds=3),
+        "until": T0 + timedelta(seconds=4),
+    }
     assert [r.index for r in ledger.query(**window).records] == [3]
     # A late submission with an old timestamp lands in a later chunk, after the marks were read.
     ledger.append_many([make_event(i, ts=T0 + timedelta(seconds=3.5)) for i in range(2 * chunk)])
