@@ -33,7 +33,9 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
 app.command(
-    "verify", help="Verify an exported audit bundle offline (exit 0 valid, 1 invalid, 2 usage)."
+    "verify",
+    help="Verify an exported audit bundle (a directory) or an erasure certificate (a JSON file) "
+    "offline (exit 0 valid, 1 invalid, 2 usage).",
 )(verify_command)
 app.command("serve")(serve_command)
 keys_app.command("create")(create_key_command)

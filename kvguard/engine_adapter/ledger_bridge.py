@@ -10,10 +10,11 @@ serving it unrecorded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Final, Protocol
 
-from kvguard.audit.events import AuditEvent
+from kvguard.audit.events import MAX_BLOCK_IDS, AuditEvent
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
 from kvguard.policy import AuditLevel
 
@@ -63,6 +64,39 @@ def to_audit_event(event: CustodyEvent) -> AuditEvent:
     )
 
 
+# Counts that describe the blocks of one entry: a split entry carries its own part of them.
+_PER_BLOCK_COUNTS: Final = ("blocks_quarantined", "block_count")
+# Figures that belong to the event as a whole: kept on the first part, zero on the others, so that
+# summing the parts gives the event's figure.
+_ONCE: Final = ("blocks_active_doomed", "blocks_verified")
+
+
+def to_audit_events(event: CustodyEvent) -> list[AuditEvent]:
+    """The ledger form of one custody event: one entry, or several of at most `MAX_BLOCK_IDS` block
+    ids each when the event names more blocks than one entry may carry (a large purge or release).
+
+    Parts carry `part` / `parts`; per-block counts and `bytes_cleared` are split in proportion, so a
+    verifier summing the parts gets the event's figures back."""
+    ids = event.block_ids
+    if len(ids) <= MAX_BLOCK_IDS:
+        return [to_audit_event(event)]
+    chunks = [ids[i : i + MAX_BLOCK_IDS] for i in range(0, len(ids), MAX_BLOCK_IDS)]
+    parts = []
+    for n, chunk in enumerate(chunks):
+        details = {**event.details, "part": n + 1, "parts": len(chunks)}
+        for key in _PER_BLOCK_COUNTS:
+            if key in details:
+                details[key] = len(chunk)
+        for key in _ONCE:
+            if key in details and n > 0:
+                details[key] = 0
+        total = event.details.get("bytes_cleared")
+        if isinstance(total, int) and not isinstance(total, bool):
+            details["bytes_cleared"] = total // len(ids) * len(chunk)
+        parts.append(to_audit_event(replace(event, block_ids=chunk, details=details)))
+    return parts
+
+
 class LedgerBridge:
     """Filters custody events by the owner's audit level and submits them to a ledger."""
 
@@ -82,7 +116,8 @@ class LedgerBridge:
                 event.scope_tag is None
                 or event.kind in AUDITED[self._level_for_tag(event.scope_tag)]
             ):
-                self._ledger.submit(to_audit_event(event))
-                count += 1
+                for entry in to_audit_events(event):
+                    self._ledger.submit(entry)
+                    count += 1
         self.submitted += count
         return count

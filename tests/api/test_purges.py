@@ -359,3 +359,22 @@ def test_purge_on_a_real_engine_certificate_verifies_offline(
         client.close()
         services.close()
         llm.close()
+
+
+def test_a_purge_larger_than_one_ledger_entry_is_split_and_still_certified(env: ApiEnv) -> None:
+    """An event names at most 4,096 blocks: a 9,000-block purge and its clear become several
+    entries each, and the certificate still covers every block."""
+    blocks = 9_000
+    engine = SimEngine(env.services, "engine-big", num_blocks=blocks)
+    engine.cache(scope("acme"), list(range(blocks)))
+    job_id = _purge(env, "admin", kind="tenant", value="acme").json()["job_id"]
+    engine.run_commands()
+    assert len(engine.zeroize()) == blocks
+    assert _job(env, job_id)["status"] == "done"
+    cert = env.call("auditor", "GET", f"/v1/purges/{job_id}/certificate").json()
+    roles = [e["role"] for e in cert["evidence"]["entries"]]
+    assert roles.count("purge") == 3 and roles.count("zeroize") == 3
+    assert cert["media"]["kv_cache_blocks"]["quarantined"] == blocks
+    assert cert["media"]["kv_cache_blocks"]["cleared"] == blocks
+    assert cert["media"]["kv_cache_blocks"]["bytes_cleared"] == blocks * BLOCK_BYTES
+    verify_certificate(cert, [_vkey(env)])

@@ -306,7 +306,9 @@ class SchedulerGuard:
     def purge_for_command(
         self, selector: PurgeSelector, now: float, command_id: int
     ) -> dict[str, int]:
-        quarantined = self._c.purge(selector, now, details={"command_id": command_id})
+        quarantined = self._c.purge(
+            selector, now, details={"command_id": command_id, "engine_id": self.engine_id}
+        )
         events = self._c.take_events()
         doomed = sum(
             int(e.details.get("blocks_active_doomed") or 0)
