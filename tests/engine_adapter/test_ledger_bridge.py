@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.engine_adapter.ledger_bridge import AUDITED, LedgerBridge, to_audit_event
+from kvguard.engine_adapter.ledger_bridge import (
+    AUDITED,
+    LedgerBridge,
+    to_audit_event,
+    to_audit_events,
+)
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
 from kvguard.policy import AuditLevel
 
@@ -37,3 +42,43 @@ def test_audit_level_filters_per_owner() -> None:
     assert bridge.forward(events) == 2
     assert [e.scope_tag for e in ledger.events] == ["st_full", None]
     assert EventKind.ZEROIZE in AUDITED[AuditLevel.MINIMAL]
+
+
+@pytest.mark.parametrize("count", [1, 4096, 4097, 10_000])
+def test_events_over_the_block_limit_are_split_and_their_figures_add_up(count: int) -> None:
+    ids = tuple(range(count))
+    purge = CustodyEvent(
+        EventKind.TENANT_PURGE,
+        1.0,
+        None,
+        None,
+        ids,
+        {"command_id": 7, "blocks_quarantined": count, "blocks_active_doomed": 3},
+    )
+    clear = CustodyEvent(
+        EventKind.ZEROIZE,
+        2.0,
+        None,
+        None,
+        ids,
+        {
+            "block_count": count,
+            "bytes_cleared": count * 512,
+            "blocks_verified": 5,
+            "verified": True,
+        },
+    )
+    for event, counted in ((purge, "blocks_quarantined"), (clear, "block_count")):
+        parts = to_audit_events(event)
+        assert len(parts) == -(-count // 4096)
+        assert [b for p in parts for b in p.block_ids] == list(ids)
+        assert all(len(p.block_ids) <= 4096 for p in parts)
+        assert sum(p.details[counted] for p in parts) == count
+        assert all(p.details[counted] == len(p.block_ids) for p in parts)
+        if len(parts) > 1:
+            assert [p.details["part"] for p in parts] == list(range(1, len(parts) + 1))
+    purge_parts, clear_parts = to_audit_events(purge), to_audit_events(clear)
+    assert sum(p.details["blocks_active_doomed"] for p in purge_parts) == 3
+    assert sum(p.details["bytes_cleared"] for p in clear_parts) == count * 512
+    assert sum(p.details["blocks_verified"] for p in clear_parts) == 5
+    assert all(p.details["command_id"] == 7 for p in purge_parts)
