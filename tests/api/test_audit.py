@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kvguard.audit import bundle, merkle, note
 from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.cli import verify_command
 from kvguard.audit.events import AuditEvent
-from kvguard.cli import app
 from tests.api.conftest import ApiEnv
 
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -237,9 +238,14 @@ def _unpack(data: bytes, into: Path, gz: bool = False) -> Path:
 
 
 def _verify(directory: Path, env: ApiEnv, *extra: str) -> None:
+    """`kvguard verify DIR --key VKEY`: the command itself, without `kvguard`'s callback, which
+    would point the process's logging at CliRunner's stream (closed after the call)."""
     assert env.signing_key is not None
+    cli = typer.Typer()
+    cli.callback()(lambda: None)  # a group, so that `verify` stays a named subcommand
+    cli.command("verify")(verify_command)
     args = ["verify", str(directory), "--key", env.signing_key.verifier_key(), *extra]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
 
 
