@@ -154,11 +154,26 @@ def _processors(json_output: bool) -> list[Any]:
     ]
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is when a line is written, not when logging was configured: test
+    runners and CLI harnesses swap and close streams, and a logger holding a closed one would raise
+    in whichever thread logs next (a background listener died of exactly that)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(
     level: str = "INFO", *, json_output: bool | None = None, stream: TextIO | None = None
 ) -> None:
     """Configure structlog for this process. `json_output=None` picks JSON unless stderr is a TTY."""
-    out = stream if stream is not None else sys.stderr
+    out: Any = stream if stream is not None else _CurrentStderr()
     if json_output is None:
         json_output = not out.isatty()
     structlog.configure(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 import structlog
@@ -114,3 +115,16 @@ def test_sensitive_names(name, sensitive) -> None:
 def test_counts_survive_but_sensitive_lists_do_not() -> None:
     out = redact(None, "info", {"num_tokens": 5, "tokens": [1, 2], "token_count": 9})
     assert out == {"num_tokens": 5, "tokens": REDACTED, "token_count": 9}
+
+
+def test_logging_follows_the_current_stderr_not_a_closed_one(monkeypatch) -> None:
+    """A CLI harness swaps stderr and closes it afterwards; a later log line (possibly from a
+    background thread) must go to the stderr of that moment, never raise on the closed one."""
+    swapped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", swapped)
+    configure_logging("INFO", json_output=True)
+    swapped.close()
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    get_logger("t").warning("after the swap")
+    assert "after the swap" in now.getvalue()

