@@ -68,6 +68,7 @@ class SchedulerGuard:
         self._pool: Any = None
         self.custody: Custody | None = None
         self._envelopes: dict[str, Envelope] = {}
+        self._live: dict[str, Any] = {}  # request objects, for the active-token count only
         self._begun: set[str] = set()
         self._held: set[int] = set()
         self._tag_tenant: dict[str, str] = {}
@@ -159,6 +160,7 @@ class SchedulerGuard:
         if not envelope.use_cache:
             make_private(request)
         self._envelopes[request.request_id] = envelope
+        self._live[request.request_id] = request
         self.reporter.prompt(envelope.scope.tenant_id, int(request.num_prompt_tokens))
 
     def _usage(self, tenant: str) -> Usage:
@@ -175,9 +177,11 @@ class SchedulerGuard:
         rid = request.request_id
         if rid not in self._begun:
             self._envelopes.pop(rid, None)
+            self._live.pop(rid, None)
             return
         self._end(rid, self._clock())
         self._envelopes.pop(rid, None)
+        self._live.pop(rid, None)
 
     def _end(self, rid: str, now: float, *, hold: bool = True) -> None:
         c = self._c
@@ -323,7 +327,8 @@ class SchedulerGuard:
 
     def _counters(self) -> dict[str, int | float]:
         version = {} if self.policy_version is None else {"policy_version": self.policy_version}
-        return {"ledger_submitted": self.bridge.submitted, **version}
+        active = sum(int(getattr(r, "num_computed_tokens", 0) or 0) for r in self._live.values())
+        return {"ledger_submitted": self.bridge.submitted, "active_tokens": active, **version}
 
     def _forward(self, events: list[CustodyEvent]) -> None:
         self.reporter.observe(events)
