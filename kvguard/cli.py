@@ -104,6 +104,7 @@ def demo(
     ok = (
         summary["cross_scope_hits"] == 0
         and summary["export_verified"]
+        and summary["erasure_certificate_verified"]
         and not summary["zeroize_failures"]
     )
     if not ok:

@@ -7,8 +7,6 @@ export bundle and its offline verification. Progress goes to stderr; `--json` pr
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import shutil
 import time
@@ -20,13 +18,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
-from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
-from kvguard.errors import VerificationError
+from kvguard.errors import KvguardError, VerificationError
 from kvguard.isolation.keyring import Keyring
 
 ORIGIN = "kvguard.demo/ledger"
+TENANTS = ("acme", "globex", "initech", "umbrella")
 BLOCK = 32
 TTL_S = 2
 POLICY = f"""\
@@ -185,11 +184,14 @@ def run_demo(
     console.print(
         f"[bold]*[/bold] after the TTL initech's prompt is gone: cached tokens {ask('initech', _doc(3))}"
     )
-    g.purge(PurgeSelector(PurgeKind.TENANT, "acme"))
+    with console.status("tenant purge of acme through the admin API, then its erasure certificate"):
+        certificate = _purge_through_api(g, sched, data_dir, paths)
     console.print(
-        f"[bold]*[/bold] tenant purge of acme: cached tokens afterwards {ask('acme', _doc(2))}"
+        f"[bold]*[/bold] tenant purge of acme (admin API job {certificate['job']['job_id']}): "
+        f"cached tokens afterwards {ask('acme', _doc(2))}"
     )
     summary = _evidence(g, sched, data_dir, paths, tally)
+    summary.update(_certificate_summary(certificate, data_dir, paths))
     summary["seconds"] = round(time.perf_counter() - started, 1)
     g.close()
     _print_table(console, summary)
@@ -203,8 +205,6 @@ def _evidence(
     ledger.flush()
     checkpoint = ledger.checkpoint()
     size = ledger.size
-    erasure = _erasure_record(g, ledger, size)
-    (data_dir / "erasure-acme.json").write_text(json.dumps(erasure, indent=2) + "\n")
     export_dir = data_dir / "export"
     if export_dir.exists():
         shutil.rmtree(export_dir)
@@ -226,8 +226,6 @@ def _evidence(
         "zeroize_failures": sched.stats["zeroize_failures"],
         "ledger_size": size,
         "checkpoint_first_line": checkpoint.splitlines()[0],
-        "erasure_record": str(data_dir / "erasure-acme.json"),
-        "erasure_blocks": erasure["blocks_purged"],
         "export": str(export_dir),
         "export_verified": verified,
         "export_entries_verified": verified_entries,
@@ -235,28 +233,65 @@ def _evidence(
     }
 
 
-def _erasure_record(g: Any, ledger: Any, size: int) -> dict[str, Any]:
-    """What the acme purge removed and the ledger entries that prove it (an erasure record)."""
-    purge = ledger.query(kinds=["tenant.purge"], limit=1000).records[-1]
-    page = ledger.query(kinds=["block.zeroize"], after=purge.index, limit=10_000)
-    zeroized = [r for r in page.records if not r.event.details.get("handover")]
-    proofs = {
-        r.index: [base64.b64encode(h).decode() for h in ledger.inclusion_proof(r.index, size)]
-        for r in [purge, *zeroized]
-    }
+def _purge_through_api(g: Any, sched: Any, data_dir: Path, paths: dict[str, Any]) -> dict[str, Any]:
+    """The compliance admin's path: the admin API (in-process, on the demo's database) queues a
+    tenant purge; the engine picks the command up from the database, quarantines and zeroizes the
+    tenant's blocks; the API then issues the erasure certificate from the ledger."""
+    from fastapi.testclient import TestClient  # noqa: PLC0415
+
+    from kvguard.api.app import create_app  # noqa: PLC0415
+    from kvguard.api.auth import Role  # noqa: PLC0415
+    from kvguard.api.services import ApiConfig, Services  # noqa: PLC0415
+
+    config = ApiConfig(
+        db_url=paths["ledger_url"],
+        signing_key_file=paths["signing_key_file"],
+        salt_keyring_file=paths["salt_keyring_file"],
+        origin=ORIGIN,
+        checkpoint_interval_s=None,
+    )
+    services = Services.open(config)
+    try:
+        for tenant in TENANTS:
+            services.tenants.create(tenant, display_name=tenant.title(), created_by="demo")
+        key = services.keys.create(Role.ADMIN, label="kvguard demo").api_key
+        headers = {"Authorization": f"Bearer {key}"}
+        with TestClient(create_app(services)) as client:
+            body = {"kind": "tenant", "value": "acme"}
+            job_id = client.post("/v1/purges", json=body, headers=headers).json()["job_id"]
+            for _ in range(40):  # the engine polls its commands at most once a second
+                sched.apply_now()
+                g.settle()
+                sched.ledger.flush()
+                job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
+                if job["status"] == "done":
+                    break
+                time.sleep(0.1)
+            response = client.get(f"/v1/purges/{job_id}/certificate", headers=headers)
+            if response.status_code != 200:
+                raise KvguardError(f"no erasure certificate for job {job_id}: {response.text}")
+            (data_dir / "erasure-certificate-acme.json").write_bytes(response.content)
+            certificate: dict[str, Any] = response.json()
+            return certificate
+    finally:
+        services.close()
+
+
+def _certificate_summary(
+    certificate: dict[str, Any], data_dir: Path, paths: dict[str, Any]
+) -> dict[str, Any]:
+    key = SigningKey.load(paths["signing_key_file"]).verifier_key()
+    try:
+        verify_certificate(certificate, [key], origin=ORIGIN)
+        verified = True
+    except VerificationError:
+        verified = False
+    blocks = certificate["media"]["kv_cache_blocks"]
     return {
-        "kind": "kvguard.erasure-record/v1",
-        "tenant_tag": g._deriver.tenant_tag("acme"),
-        "blocks_purged": purge.event.details.get("blocks_quarantined", 0),
-        "blocks_zeroized": sum(int(r.event.details.get("block_count", 0)) for r in zeroized),
-        "bytes_cleared": sum(int(r.event.details.get("bytes_cleared", 0)) for r in zeroized),
-        "method": sorted({str(r.event.details.get("method")) for r in zeroized}),
-        "verification": sorted({str(r.event.details.get("verify_mode")) for r in zeroized}),
-        "purged_at": purge.event.ts.isoformat(),
-        "ledger_entries": {str(i): p for i, p in proofs.items()},
-        "tree_size": size,
-        "checkpoint": ledger.checkpoint(),
-        "reference": "NIST SP 800-53 SC-4 (information in shared system resources)",
+        "erasure_certificate": str(data_dir / "erasure-certificate-acme.json"),
+        "erasure_certificate_verified": verified,
+        "erasure_blocks_quarantined": blocks["quarantined"],
+        "erasure_blocks_cleared": blocks["cleared"],
     }
 
 
@@ -278,7 +313,9 @@ def _print_table(console: Console, summary: dict[str, Any]) -> None:
         "ledger_size",
         "export_verified",
         "export_entries_verified",
-        "erasure_record",
+        "erasure_blocks_cleared",
+        "erasure_certificate_verified",
+        "erasure_certificate",
         "seconds",
     ):
         facts.add_row(key.replace("_", " "), str(summary[key]))
