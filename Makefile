@@ -6,7 +6,8 @@ STAMP := $(VENV)/.kvguard-installed
 
 .PHONY: demo test lint typecheck pytest install clean
 
-$(STAMP): pyproject.toml scripts/bootstrap.sh
+# setup.py and the C source: an edited planner extension is rebuilt by the next make.
+$(STAMP): pyproject.toml setup.py kvguard/zeroize/_plan.c scripts/bootstrap.sh
 	VENV=$(VENV) scripts/bootstrap.sh
 	touch $(STAMP)
 

@@ -2,6 +2,7 @@
 naive alternatives, on Llama-3-8B and 70B KV cache shapes. Needs a CUDA GPU.
 
     PYTHONPATH=. python benchmarks/zeroize_bench.py [--sweep] [--json PATH]
+    PYTHONPATH=. python benchmarks/zeroize_bench.py --plan-only   # the host-side planner, any machine
 
 Timing. "Device time" is CUDA-event time with the host kept ahead of the GPU: each repetition first
 enqueues a ~2 ms spin kernel, so the events bracket only device work, never Python or launch gaps
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvguard.zeroize import KVCacheSpec, plan_zeroize, triton_exec, zeroize
+from kvguard.zeroize import KVCacheSpec, plan, plan_zeroize, triton_exec, zeroize
 from kvguard.zeroize.triton_exec import Tuning
 
 GIB = 1 << 30
@@ -174,22 +175,45 @@ def sweep_one(
     return entry
 
 
-def plan_cost_us() -> dict[str, float]:
-    """Host time to plan 10,000 scattered ids (best of 20), alone and with the runs coalesced."""
+def plan_cost_us(reps: int = 50) -> dict[str, dict[str, dict[str, float]]]:
+    """Host time of the planner, best and median of `reps`, for the C extension and the pure-Python
+    path in the same run (alternating): 10,000 scattered ids of 100,000, alone and with the runs
+    coalesced, and 64 of those ids. The "c" entry is missing when the extension is not built."""
     ids = random.Random(4).sample(range(100_000), 10_000)
-    best = {"plan": float("inf"), "plan_and_runs": float("inf"), "plan_64_ids": float("inf")}
-    for _ in range(20):
-        started = time.perf_counter()
-        plan = plan_zeroize(ids, 100_000)
-        planned = time.perf_counter()
-        _ = plan.runs
-        done = time.perf_counter()
-        plan_zeroize(ids[:64], 100_000)
-        small = time.perf_counter()
-        best["plan"] = min(best["plan"], (planned - started) * 1e6)
-        best["plan_and_runs"] = min(best["plan_and_runs"], (done - started) * 1e6)
-        best["plan_64_ids"] = min(best["plan_64_ids"], (small - done) * 1e6)
-    return best
+    paths: dict[str, tuple[Callable[..., tuple[int, ...]], Callable[..., object]]] = {
+        "python": (plan._canonical_ids_python, plan._coalesce_python)
+    }
+    if plan.native_planner_available():
+        paths["c"] = (plan._canonical_ids, plan._coalesce)
+    samples: dict[str, dict[str, list[float]]] = {
+        path: {"plan": [], "plan_and_runs": [], "plan_64_ids": []} for path in paths
+    }
+    for _ in range(reps):
+        for path, (canonical, coalesce) in paths.items():
+            started = time.perf_counter()
+            planned = plan.ZeroizePlan(100_000, canonical(ids, 100_000))  # as plan_zeroize does
+            middle = time.perf_counter()
+            coalesce(planned.block_ids)  # as ZeroizePlan.runs does
+            done = time.perf_counter()
+            plan.ZeroizePlan(100_000, canonical(ids[:64], 100_000))
+            small = time.perf_counter()
+            times = samples[path]
+            times["plan"].append((middle - started) * 1e6)
+            times["plan_and_runs"].append((done - started) * 1e6)
+            times["plan_64_ids"].append((small - done) * 1e6)
+    return {
+        path: {
+            case: {"best": min(values), "median": statistics.median(values)}
+            for case, values in cases.items()
+        }
+        for path, cases in samples.items()
+    }
+
+
+def print_plan_cost(cost: dict[str, dict[str, dict[str, float]]]) -> None:
+    for path, cases in cost.items():
+        print(f"plan ({path:6}, host CPU) best / median us: "
+              + ", ".join(f"{case} {v['best']:.0f} / {v['median']:.0f}" for case, v in cases.items()))  # fmt: skip
 
 
 def main() -> None:
@@ -197,7 +221,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--plan-only", action="store_true", help="only the host-side planner (no GPU)"
+    )
     args = parser.parse_args()
+    if args.plan_only:
+        print("env", json.dumps({"python": platform.python_version(), "cpu": platform.processor()}))
+        print_plan_cost(plan_cost_us())
+        return
     props = torch.cuda.get_device_properties(0)
     env = {
         "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
@@ -229,10 +260,10 @@ def main() -> None:
 def print_table(report: dict[str, object], rows: list[Row]) -> None:
     ceil = report["ceilings"]
     assert isinstance(ceil, dict)
-    plan = report["plan_10k_ids_us"]
-    assert isinstance(plan, dict)
-    print(f"\nplan 10k ids (host CPU, best of 20): {plan['plan']:.0f} us, with runs "
-          f"{plan['plan_and_runs']:.0f} us; 64 ids {plan['plan_64_ids']:.0f} us")  # fmt: skip
+    cost = report["plan_10k_ids_us"]
+    assert isinstance(cost, dict)
+    print()
+    print_plan_cost(cost)
     print(f"ceilings: zero_ {ceil['zero_tb_s']:.2f} TB/s, read (amax) {ceil['read_tb_s']:.2f} TB/s, "
           f"copy {ceil['copy_tb_s']:.2f} TB/s")  # fmt: skip
     print(f"{'shape':11} {'method':20} {'blocks':>6} {'dev us':>10} {'TB/s':>6} {'%ceil':>6} "

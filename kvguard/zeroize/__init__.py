@@ -13,7 +13,13 @@ and checks the bytes and returns a `ZeroizeEvidence` for the ledger. See docs/ze
 from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
 from kvguard.zeroize.executor import zeroize
 from kvguard.zeroize.layout import SUPPORTED_DTYPES, KVCacheSpec, KVLayout
-from kvguard.zeroize.plan import BlockRun, ZeroizePlan, digest_block_ids, plan_zeroize
+from kvguard.zeroize.plan import (
+    BlockRun,
+    ZeroizePlan,
+    digest_block_ids,
+    native_planner_available,
+    plan_zeroize,
+)
 from kvguard.zeroize.triton_exec import triton_available
 from kvguard.zeroize.verify import DEFAULT_SAMPLE_SIZE, VerifyReport, verify_zeroized
 
@@ -29,6 +35,7 @@ __all__ = [
     "ZeroizeEvidence",
     "ZeroizePlan",
     "digest_block_ids",
+    "native_planner_available",
     "plan_zeroize",
     "triton_available",
     "verify_zeroized",
