@@ -202,3 +202,28 @@ def test_no_key_no_entry(env: ApiEnv, row: Row) -> None:
     url, kwargs = row.request("acme")
     response = env.call(None, row.method, url, **kwargs)
     assert response.status_code == 401, response.text
+
+
+def test_tenant_admin_cannot_reach_another_tenants_jobs_entries_or_exports(env: ApiEnv) -> None:
+    """Objects addressed by id, not by tenant: globex's purge job, its certificate, its ledger
+    entry. acme's tenant_admin gets 404 for each, and acme's own export holds none of them."""
+    job = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "globex"})
+    job_id = job.json()["job_id"]
+    tag = env.services.deriver.tenant_tag("globex")
+    index = env.services.ledger.append(
+        AuditEvent(kind="block.alloc", scope_tag=tag, ts=datetime.now(UTC))
+    )
+    env.services.ledger.checkpoint()
+    for url in (
+        f"/v1/purges/{job_id}",
+        f"/v1/purges/{job_id}/certificate",
+        f"/v1/audit/entries/{index}",
+    ):
+        response = env.call("acme", "GET", url)
+        assert response.status_code == 404, (url, response.text)
+        assert tag not in response.text
+    assert env.call("globex", "GET", f"/v1/purges/{job_id}").status_code == 200
+    listed = env.call("acme", "GET", "/v1/audit/entries").json()["entries"]
+    assert all(e["scope_tag"] != tag for e in listed)
+    export = env.call("acme", "GET", "/v1/audit/export")
+    assert export.status_code == 200 and tag.encode() not in export.content
