@@ -99,6 +99,11 @@ class Custody:
         """Quarantined blocks not yet handed to the worker (the adapter holds them out of the pool)."""
         return tuple(self._pending_release)
 
+    @property
+    def cached_count(self) -> int:
+        """Blocks cached now (O(1); safe to read from another thread, as an approximate hint)."""
+        return len(self._cached)
+
     def has_pending_plan(self) -> bool:
         return bool(self._pending_release or self._pending_handover)
 

@@ -193,3 +193,67 @@ def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_pa
     assert kept.blocks_cached == 2 and kept.prefix_hit_tokens == 2 * BLOCK
     for handle in (registry, store, queue):
         handle.engine.dispose()
+
+
+def test_an_idle_multiprocess_engine_wakes_for_a_purge(tmp_path) -> None:
+    """No request reaches the engine after the purge is queued: its engine-core process is blocked
+    on its input queue, and only kvguard's idle waker can make it run the command and clear."""
+    db_url = f"sqlite:///{tmp_path / 'control.db'}"
+    spec = {
+        "control_url": db_url,
+        "prompt": PROMPT,
+        "tenants": ["purged", "kept"],
+        "ready_file": str(tmp_path / "ready.json"),
+        "stop_file": str(tmp_path / "stop"),
+        "timeout_s": 120,
+        "idle": True,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
+    command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    queue = CommandQueue.open(db_url)
+    ledger_url = f"sqlite:///{tmp_path / 'work' / 'ledger.db'}"
+    try:
+        _wait_for(Path(spec["ready_file"]).exists, 300, proc)
+        time.sleep(1.5)  # idle: the last request is done, the engine loop is blocked
+        purge_id = queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "purged"), requested_by="t")
+        _wait_for(lambda: queue.acks(purge_id), 15, proc)
+        (ack,) = queue.acks(purge_id)
+        assert ack["blocks_quarantined"] == 2
+        # ...and cleared them while still idle: the zeroization is in the ledger before any request.
+        _wait_for(lambda: _release_clears(ledger_url) >= 1, 15, proc)
+        Path(spec["stop_file"]).touch()
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        queue.engine.dispose()
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["after"] == {"purged": 0, "kept": 2 * BLOCK}
+
+
+def _release_clears(ledger_url: str) -> int:
+    """Release zeroizations after the newest tenant purge in the engine's ledger."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from kvguard.audit.ledger import Ledger  # noqa: PLC0415
+    from kvguard.audit.signing import SigningKey  # noqa: PLC0415
+
+    try:
+        ledger = Ledger.open(ledger_url, origin="x", signing_key=SigningKey.generate("x"))
+    except sa.exc.OperationalError:
+        return 0
+    try:
+        purges = ledger.query(kinds=["tenant.purge"], limit=100).records
+        if not purges:
+            return 0
+        after = ledger.query(kinds=["block.zeroize"], after=purges[-1].index, limit=100).records
+        return sum(1 for r in after if not r.event.details.get("handover"))
+    finally:
+        ledger.close()

@@ -25,6 +25,7 @@ from typing import Any
 def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     from vllm import SamplingParams  # noqa: PLC0415
 
+    from kvguard.control.engines import EngineRegistry  # noqa: PLC0415
     from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
     from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
     from kvguard.errors import AdmissionError  # noqa: PLC0415
@@ -33,23 +34,27 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     url = spec["control_url"]
     options = GuardOptions(**write_secrets(workdir), commands_url=url, policy_url=url)
     g = GuardedLLM(str(tiny_llama_dir()), options=options, **engine_kwargs())
-    sched = g.connector.scheduler_guard
+    # In multiprocess mode (`SPEC["idle"]`: the engine core runs in its own process) the guard is
+    # not reachable from here; the engine id comes from the engine registry instead.
+    sched = g.connector.scheduler_guard if g.connector is not None else None
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt, tenants = spec["prompt"], spec["tenants"]
     for tenant in tenants:
         g.generate([prompt], params, tenant=tenant)
-    Path(spec["ready_file"]).write_text(json.dumps({"engine_id": sched.engine_id}))
+    engine_id = sched.engine_id if sched else EngineRegistry.open(url).engines()[-1].engine_id
+    Path(spec["ready_file"]).write_text(json.dumps({"engine_id": engine_id}))
     deadline = time.monotonic() + spec.get("timeout_s", 120)
     while not Path(spec["stop_file"]).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-        g.generate([[5, 6, 7]], params, tenant="child-keepalive")
+        if not spec.get("idle"):  # idle: no requests at all, the engine must wake by itself
+            g.generate([[5, 6, 7]], params, tenant="child-keepalive")
     after: dict[str, int | str] = {}
     for tenant in tenants:
         try:
             after[tenant] = g.generate([prompt], params, tenant=tenant)[0].num_cached_tokens
         except AdmissionError as exc:  # a tenant disabled by a policy command
             after[tenant] = f"refused: {exc}"
-    result = {"after": after, "policy_version": sched.policy_version}
+    result = {"after": after, "policy_version": sched.policy_version if sched else None}
     g.close()
     Path(out_file).write_text(json.dumps(result))
 

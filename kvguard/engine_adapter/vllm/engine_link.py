@@ -59,6 +59,11 @@ class CommandRunner:
             self.listener = CommandListener(self.queue.engine).start()
         self.executed = 0
 
+    @property
+    def last_id(self) -> int:
+        """The newest command this engine has run (or skipped as older than itself)."""
+        return self._last
+
     def due(self, now: float) -> bool:
         woken = self.listener is not None and self.listener.take()
         return woken or now - self._last_poll >= COMMAND_POLL_S

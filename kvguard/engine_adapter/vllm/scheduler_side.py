@@ -35,6 +35,7 @@ from kvguard.engine_adapter.vllm.reporting import EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
+from kvguard.engine_adapter.vllm.wakeup import IdleWaker
 from kvguard.errors import CustodyError, ScopeError
 from kvguard.isolation.scope import Scope
 from kvguard.logging import get_logger
@@ -87,6 +88,13 @@ class SchedulerGuard:
             clock=clock,
         )
         self._last_sweep = float("-inf")
+        self._wake_requested = False  # set by the idle waker's thread, cleared by the next step
+        self.waker = IdleWaker.attach(
+            control_url=options.control_url,
+            last_command=lambda: self.commands.last_id,
+            cached_blocks=lambda: self.custody.cached_count if self.custody is not None else 0,
+            request_wake=self._request_wake,
+        )
         atexit.register(self.close)
         self.stats = self.reporter.stats  # engine-wide counters, reported with every heartbeat
 
@@ -226,6 +234,7 @@ class SchedulerGuard:
                 canary += self._allocate(rid, list(ids[0]), now)
         # After the allocations: a cached block the engine just re-assigned is active by now.
         self._housekeeping(now)
+        self._wake_requested = False
         plan = c.take_plan()
         self._forward(c.take_events())
         if self.options.canary:
@@ -388,7 +397,12 @@ class SchedulerGuard:
 
     def has_pending(self) -> bool:
         """True while blocks wait for zeroization (keeps the engine loop stepping)."""
+        if self._wake_requested:  # the idle waker saw a new command or blocks that may expire
+            return True
         return bool(self._held) or bool(self._purges) or self._c.has_pending_plan()
+
+    def _request_wake(self) -> None:
+        self._wake_requested = True
 
     def request_purge(self, selector: PurgeSelector) -> None:
         """Queue a purge; it takes effect at the next request arrival or engine step."""
@@ -404,6 +418,8 @@ class SchedulerGuard:
         if self._closed:
             return
         self._closed = True
+        if self.waker is not None:
+            self.waker.close()
         self.commands.close()
         if self.custody is not None:
             self.reporter.close(self._clock(), self.custody.summary(), self._counters())
