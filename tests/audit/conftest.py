@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from kvguard.audit.events import AuditEvent
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from tests.dbs import fresh_pg_database
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "conformance"
-PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 
 
@@ -55,21 +52,8 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A freshly created PostgreSQL database for one test, dropped afterwards."""
-    name = f"kvg_audit_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
-    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_pg_database("kvg_audit") as url:
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

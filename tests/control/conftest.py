@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
-PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from tests.dbs import fresh_pg_database
 
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A freshly created PostgreSQL database for one test, dropped afterwards."""
-    name = f"kvg_control_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
-    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_pg_database("kvg_control") as url:
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 @pytest.fixture
