@@ -67,6 +67,25 @@ static int read_ids(PyObject *seq, long long *out, Py_ssize_t *min_at, Py_ssize_
     return 1;
 }
 
+/* The ids of `seq` (a list or tuple) in a new PyMem array: 1 with `*out` set (the caller frees it),
+ * 0 when an item is not an exact int that fits in 64 bits (the caller falls back to Python), -1 with
+ * an exception set. */
+static int load_ids(PyObject *seq, long long **out, Py_ssize_t *min_at, Py_ssize_t *max_at)
+{
+    long long *ids = PyMem_New(long long, (size_t)PySequence_Fast_GET_SIZE(seq));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int read = read_ids(seq, ids, min_at, max_at);
+    if (read <= 0) {
+        PyMem_Free(ids);
+        return read;
+    }
+    *out = ids;
+    return 1;
+}
+
 static int compare_ids(const void *a, const void *b)
 {
     long long x = *(const long long *)a;
@@ -133,17 +152,13 @@ static PyObject *plan_ids(PyObject *seq, long long last)
     if (n == 0) {
         return PyTuple_New(0);
     }
-    long long *ids = PyMem_New(long long, (size_t)n);
-    if (ids == NULL) {
-        return PyErr_NoMemory();
+    long long *ids;
+    Py_ssize_t min_at, max_at;
+    int read = load_ids(seq, &ids, &min_at, &max_at);
+    if (read <= 0) {
+        return read == 0 ? Py_NewRef(Py_None) : NULL;
     }
     PyObject *result = NULL;
-    Py_ssize_t min_at, max_at;
-    int read = read_ids(seq, ids, &min_at, &max_at);
-    if (read <= 0) {
-        result = read == 0 ? Py_NewRef(Py_None) : NULL;
-        goto done;
-    }
     long long low = ids[min_at], high = ids[max_at];
     /* The smallest negative id, else the largest too large one: the id Python's sorted path names. */
     if (low < 0 || high > last) {
@@ -222,17 +237,13 @@ static PyObject *coalesce(PyObject *module, PyObject *block_ids)
     if (n == 0) {
         return PyTuple_New(0);
     }
-    long long *ids = PyMem_New(long long, (size_t)n);
-    if (ids == NULL) {
-        return PyErr_NoMemory();
+    long long *ids;
+    Py_ssize_t min_at, max_at;
+    int read = load_ids(block_ids, &ids, &min_at, &max_at);
+    if (read <= 0) {
+        return read == 0 ? Py_NewRef(Py_None) : NULL;
     }
     PyObject *result = NULL;
-    Py_ssize_t min_at, max_at;
-    int read = read_ids(block_ids, ids, &min_at, &max_at);
-    if (read <= 0) {
-        result = read == 0 ? Py_NewRef(Py_None) : NULL;
-        goto done;
-    }
     /* A run breaks at k when ids[k] - ids[k-1] != 1 (written so that it cannot overflow). */
     Py_ssize_t runs = 1;
     for (Py_ssize_t k = 1; k < n; k++) {
