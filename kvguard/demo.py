@@ -185,7 +185,7 @@ def run_demo(
         f"[bold]*[/bold] after the TTL initech's prompt is gone: cached tokens {ask('initech', _doc(3))}"
     )
     with console.status("tenant purge of acme through the admin API, then its erasure certificate"):
-        certificate = _purge_through_api(g, sched, data_dir, paths)
+        certificate = _purge_through_api(g, data_dir, paths)
     console.print(
         f"[bold]*[/bold] tenant purge of acme (admin API job {certificate['job']['job_id']}): "
         f"cached tokens afterwards {ask('acme', _doc(2))}"
@@ -233,7 +233,7 @@ def _evidence(
     }
 
 
-def _purge_through_api(g: Any, sched: Any, data_dir: Path, paths: dict[str, Any]) -> dict[str, Any]:
+def _purge_through_api(g: Any, data_dir: Path, paths: dict[str, Any]) -> dict[str, Any]:
     """The compliance admin's path: the admin API (in-process, on the demo's database) queues a
     tenant purge; the engine picks the command up from the database, quarantines and zeroizes the
     tenant's blocks; the API then issues the erasure certificate from the ledger."""
@@ -260,9 +260,7 @@ def _purge_through_api(g: Any, sched: Any, data_dir: Path, paths: dict[str, Any]
             body = {"kind": "tenant", "value": "acme"}
             job_id = client.post("/v1/purges", json=body, headers=headers).json()["job_id"]
             for _ in range(40):  # the engine polls its commands at most once a second
-                sched.apply_now()
-                g.settle()
-                sched.ledger.flush()
+                g.sync()
                 job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
                 if job["status"] == "done":
                     break

@@ -300,13 +300,10 @@ def _api_on(files: dict[str, Any], tenant: str) -> tuple[Services, TestClient, d
 
 
 def _until_done(llm: Any, client: TestClient, headers: dict[str, str], job_id: int) -> Any:
-    sched = llm.connector.scheduler_guard
     job: dict[str, Any] = {}
     for _ in range(20):
         time.sleep(0.6)  # the engine polls commands at most once a second
-        sched.apply_now()
-        llm.settle()
-        sched.ledger.flush()
+        llm.sync()
         job = client.get(f"/v1/purges/{job_id}", headers=headers).json()
         if job["status"] == "done":
             break

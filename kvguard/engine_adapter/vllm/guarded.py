@@ -140,7 +140,7 @@ class GuardedLLM:
         base = sampling_params or SamplingParams()
         guard = self.connector.scheduler_guard if self.connector is not None else None
         if guard is not None:
-            guard.apply_now()  # pick up purge and policy commands (a disabled tenant) before admitting
+            guard.poll()  # pick up due purge and policy commands (a disabled tenant) before admitting
         prompts: list[TokensPrompt] = []
         params: list[SamplingParams] = []
         for request, prompt in items:
@@ -211,6 +211,17 @@ class GuardedLLM:
                 return
             core.step_fn()
         raise RuntimeError("kvguard: zeroization did not settle; blocks remain quarantined")
+
+    def sync(self) -> None:
+        """Run the commands and expiry that are due, step until what they released is zeroized, and
+        make the ledger durable (in-process engines; e.g. after a purge queued through the admin
+        API, which the engine picks up at most a second later)."""
+        conn = self.connector
+        if conn is None or conn.scheduler_guard is None:
+            raise ConfigError("sync() needs the in-process engine")
+        conn.scheduler_guard.poll()
+        self.settle()
+        conn.scheduler_guard.ledger.flush()
 
     def purge(self, selector: PurgeSelector) -> None:
         """Purge in-process (the admin API's command path serves separate engine processes)."""

@@ -408,6 +408,11 @@ class SchedulerGuard:
         """Queue a purge; it takes effect at the next request arrival or engine step."""
         self._purges.append(selector)
 
+    def poll(self) -> None:
+        """Run the housekeeping that is due (expiry at most every SWEEP_INTERVAL_S, commands at most
+        every poll interval or on NOTIFY). Only from the scheduler's thread between steps."""
+        self._housekeeping(self._clock())
+
     def apply_now(self) -> None:
         """Run expiry and queued purges now. Only from the scheduler's thread between steps."""
         self._last_sweep = float("-inf")
