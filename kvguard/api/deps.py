@@ -11,17 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 from fastapi import Depends, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 
 from kvguard.api.auth import Principal, Role
+from kvguard.api.errors import status_for
 from kvguard.api.services import Services
 from kvguard.audit.events import DetailValue
 from kvguard.errors import (
     AuthenticationError,
-    ConflictError,
     NotFoundError,
     PermissionDeniedError,
 )
@@ -147,24 +146,13 @@ class Action:
         return self.recorded_index
 
 
-_OUTCOMES: list[tuple[type[BaseException], str]] = [
-    (PermissionDeniedError, "denied"),
-    (NotFoundError, "not_found"),
-    (ConflictError, "conflict"),
-]
+_OUTCOMES: Final = {403: "denied", 404: "not_found", 409: "conflict"}
 
 
 def _outcome(exc: BaseException) -> str:
-    for kind, outcome in _OUTCOMES:
-        if isinstance(exc, kind):
-            return outcome
-    if isinstance(exc, HTTPException) and exc.status_code < 500:
-        return "denied" if exc.status_code == 403 else "invalid"
-    if isinstance(exc, RequestValidationError):  # parameters are checked after dependencies run
-        return "invalid"
-    from kvguard.api.errors import status_for  # noqa: PLC0415 (errors imports this module's types)
-
-    return "invalid" if status_for(exc) < 500 else "failed"
+    """The ledger outcome of a call that raised `exc`, from the status it is answered with."""
+    status = status_for(exc)
+    return _OUTCOMES.get(status, "invalid" if status < 500 else "failed")
 
 
 def audited(name: str, *roles: Role) -> Any:

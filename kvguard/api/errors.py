@@ -70,6 +70,11 @@ ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
 
 
 def status_for(exc: BaseException) -> int:
+    """The HTTP status the handlers below answer `exc` with."""
+    if isinstance(exc, HTTPException):
+        return exc.status_code
+    if isinstance(exc, RequestValidationError):
+        return 422
     return _classify(exc)[0]
 
 
