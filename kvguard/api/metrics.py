@@ -45,15 +45,6 @@ def new_registry() -> tuple[CollectorRegistry, Histogram]:
     return registry, append_seconds
 
 
-def metrics_registry(services: Services) -> CollectorRegistry:
-    """The services' registry, with the database collector registered on first use."""
-    registry = services.metrics
-    if not getattr(registry, "_kvguard_fleet", False):
-        registry.register(FleetCollector(services))
-        registry._kvguard_fleet = True  # type: ignore[attr-defined]
-    return registry
-
-
 class FleetCollector(Collector):
     def __init__(self, services: Services) -> None:
         self._services = services

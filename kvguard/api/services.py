@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvguard.api.actions import ActionLog
 from kvguard.api.auth import ApiKeys, FailureLimiter
-from kvguard.api.metrics import new_registry
+from kvguard.api.metrics import FleetCollector, new_registry
 from kvguard.audit.db import create_engine
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
@@ -75,7 +75,7 @@ class Services:
         )
         deriver = SaltDeriver(Keyring.load(config.salt_keyring_file))
         registry, append_seconds = new_registry()
-        return cls(
+        services = cls(
             config=config,
             db=db,
             ledger=ledger,
@@ -92,6 +92,8 @@ class Services:
             metrics=registry,
             clock=clock,
         )
+        registry.register(FleetCollector(services))  # reads the fleet at scrape time
+        return services
 
     def tenant_ledger_tags(self, tenant_id: str) -> list[str]:
         """The scope tags of a tenant's ledger entries: the `st_` tags engines registered for its

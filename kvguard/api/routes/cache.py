@@ -15,7 +15,6 @@ from pydantic import BaseModel, Field
 
 from kvguard.api.deps import GLOBAL_READERS, READERS, Access, require
 from kvguard.api.errors import ERROR_RESPONSES
-from kvguard.api.metrics import metrics_registry
 from kvguard.control.engines import EngineInfo, TenantCacheStats
 from kvguard.control.tenants import TENANT_ID_PATTERN
 
@@ -153,5 +152,5 @@ def _engine_state(info: EngineInfo, live: bool) -> EngineState:
 def metrics(access: Annotated[Access, require(*GLOBAL_READERS)]) -> Response:
     """Prometheus metrics (admin or auditor key as the scrape bearer token), labelled by engine id
     and `tt_` tenant tag, never by tenant id."""
-    body = generate_latest(metrics_registry(access.services))
+    body = generate_latest(access.services.metrics)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -30,7 +30,7 @@ from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.services import Services
 from kvguard.errors import NotFoundError, PermissionDeniedError, PolicyStoreError
 from kvguard.policy import PolicySet, TenantPolicy
-from kvguard.policy.store import PolicyChange, PolicyVersion
+from kvguard.policy.store import PolicyVersion
 
 router = APIRouter(tags=["policies"], responses=ERROR_RESPONSES)
 
@@ -38,21 +38,13 @@ ReasonField = Field(min_length=1, max_length=2000, description="Why: kept with t
 
 
 class PolicyChangePublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # built from `policy.store.PolicyChange`
+
     version: int
     author: str
     reason: str
     digest: str
     at: float
-
-    @classmethod
-    def of(cls, change: PolicyChange) -> PolicyChangePublic:
-        return cls(
-            version=change.version,
-            author=change.author,
-            reason=change.reason,
-            digest=change.digest,
-            at=change.at,
-        )
 
 
 class PolicyVersionPublic(BaseModel):
@@ -96,7 +88,9 @@ class PolicyDiff(BaseModel):
 def _public(version: PolicyVersion | None) -> PolicyVersionPublic:
     if version is None:
         return PolicyVersionPublic(change=None, policy=PolicySet())
-    return PolicyVersionPublic(change=PolicyChangePublic.of(version.change), policy=version.policy)
+    return PolicyVersionPublic(
+        change=PolicyChangePublic.model_validate(version.change), policy=version.policy
+    )
 
 
 def store_policy(services: Services, policy: PolicySet, *, author: str, reason: str) -> int:
@@ -114,14 +108,12 @@ def store_tenant_policy(
     *,
     author: str,
     reason: str,
-    base: TenantPolicy | None = None,
 ) -> int:
     """Store a version whose entry for `tenant_id` is `change(<its current policy>)`."""
     current = services.policies.current()
     policy_set = current.policy if current else PolicySet()
-    old = base or policy_set.policy_for(tenant_id)
     data = policy_set.model_dump(mode="json")
-    data["tenants"][tenant_id] = change(old).model_dump(mode="json")
+    data["tenants"][tenant_id] = change(policy_set.policy_for(tenant_id)).model_dump(mode="json")
     return store_policy(services, PolicySet.model_validate(data), author=author, reason=reason)
 
 
@@ -141,7 +133,7 @@ def put_policy(
         services, body.policy, author=action.access.principal.name, reason=body.reason
     )
     action.done(policy_version=version)
-    return PolicyChangePublic.of(services.policies.get(version).change)
+    return PolicyChangePublic.model_validate(services.policies.get(version).change)
 
 
 @router.get("/v1/policies/history", response_model=list[PolicyChangePublic])
@@ -149,7 +141,7 @@ def policy_history(
     access: Annotated[Access, require(*GLOBAL_READERS)],
 ) -> list[PolicyChangePublic]:
     """Every version's metadata, oldest first."""
-    return [PolicyChangePublic.of(c) for c in access.services.policies.history()]
+    return [PolicyChangePublic.model_validate(c) for c in access.services.policies.history()]
 
 
 @router.get("/v1/policies/versions/{version}", response_model=PolicyVersionPublic)
@@ -240,4 +232,4 @@ def put_tenant_policy(
         services, tenant_id, change, author=access.principal.name, reason=body.reason
     )
     action.done(policy_version=version)
-    return PolicyChangePublic.of(services.policies.get(version).change)
+    return PolicyChangePublic.model_validate(services.policies.get(version).change)

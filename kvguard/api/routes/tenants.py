@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.routes.policies import store_tenant_policy
-from kvguard.control.tenants import TENANT_ID_PATTERN, Tenant
+from kvguard.control.tenants import TENANT_ID_PATTERN
 from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"], responses=ERROR_RESPONSES)
@@ -26,6 +26,8 @@ class TenantCreate(BaseModel):
 
 
 class TenantPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # built from `control.tenants.Tenant`
+
     tenant_id: str
     display_name: str
     enabled: bool
@@ -34,19 +36,6 @@ class TenantPublic(BaseModel):
     disabled_at: float | None = None
     disabled_by: str | None = None
     disable_reason: str | None = None
-
-    @classmethod
-    def of(cls, tenant: Tenant) -> TenantPublic:
-        return cls(
-            tenant_id=tenant.tenant_id,
-            display_name=tenant.display_name,
-            enabled=tenant.enabled,
-            created_at=tenant.created_at,
-            created_by=tenant.created_by,
-            disabled_at=tenant.disabled_at,
-            disabled_by=tenant.disabled_by,
-            disable_reason=tenant.disable_reason,
-        )
 
 
 class TenantPage(BaseModel):
@@ -77,7 +66,7 @@ def create_tenant(
         body.tenant_id, display_name=body.display_name, created_by=action.access.principal.name
     )
     action.done()
-    return TenantPublic.of(tenant)
+    return TenantPublic.model_validate(tenant)
 
 
 @router.get("", response_model=TenantPage)
@@ -90,14 +79,14 @@ def list_tenants(
     found = access.services.tenants.list(only=access.visible, after=after, limit=limit + 1)
     page = found[:limit]
     return TenantPage(
-        tenants=[TenantPublic.of(t) for t in page],
+        tenants=[TenantPublic.model_validate(t) for t in page],
         next_after=page[-1].tenant_id if len(found) > limit else None,
     )
 
 
 @router.get("/{tenant_id}", response_model=TenantPublic)
 def get_tenant(tenant_id: str, access: Annotated[Access, require(*READERS)]) -> TenantPublic:
-    return TenantPublic.of(access.services.tenants.get(access.tenant(tenant_id)))
+    return TenantPublic.model_validate(access.services.tenants.get(access.tenant(tenant_id)))
 
 
 @router.post("/{tenant_id}/disable", response_model=DisableResult)
@@ -111,18 +100,17 @@ def disable_tenant(
     services, who = action.access.services, action.access.principal.name
     action.tenant_id = tenant_id
     tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason)
-    current = services.policies.current()
-    base = current.policy.policy_for(tenant_id) if current else None
     version = store_tenant_policy(
         services,
         tenant_id,
         lambda p: p.model_copy(update={"enabled": False}),
         author=who,
         reason=f"tenant disabled: {body.reason}",
-        base=base,
     )
     job = services.commands.submit_purge(
         PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who
     )
     action.done(policy_version=version, purge_job_id=job)
-    return DisableResult(tenant=TenantPublic.of(tenant), policy_version=version, purge_job_id=job)
+    return DisableResult(
+        tenant=TenantPublic.model_validate(tenant), policy_version=version, purge_job_id=job
+    )
