@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,23 +139,32 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_path) -> None:
-    """Everything the test knows of the engine comes through the database, as for the admin API."""
+def _start_child(
+    tmp_path: Path, db_url: str, tenants: list[str], *, multiprocess: bool, idle: bool = False
+) -> tuple[dict[str, Any], subprocess.Popen]:
+    """A governed engine in a child process (`vllm_child.py governed-commands`) on `db_url`."""
     spec = {
         "control_url": db_url,
         "prompt": PROMPT,
-        "tenants": ["purged", "off", "kept"],
+        "tenants": tenants,
         "ready_file": str(tmp_path / "ready.json"),
         "stop_file": str(tmp_path / "stop"),
         "timeout_s": 120,
+        "idle": idle,
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
     command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+    return spec, proc
+
+
+def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_path) -> None:
+    """Everything the test knows of the engine comes through the database, as for the admin API."""
+    spec, proc = _start_child(tmp_path, db_url, ["purged", "off", "kept"], multiprocess=False)
     try:
         _wait_for(Path(spec["ready_file"]).exists, 300, proc)
         engine_id = json.loads(Path(spec["ready_file"]).read_text())["engine_id"]
@@ -199,22 +209,7 @@ def test_an_idle_multiprocess_engine_wakes_for_a_purge(tmp_path) -> None:
     """No request reaches the engine after the purge is queued: its engine-core process is blocked
     on its input queue, and only kvguard's idle waker can make it run the command and clear."""
     db_url = f"sqlite:///{tmp_path / 'control.db'}"
-    spec = {
-        "control_url": db_url,
-        "prompt": PROMPT,
-        "tenants": ["purged", "kept"],
-        "ready_file": str(tmp_path / "ready.json"),
-        "stop_file": str(tmp_path / "stop"),
-        "timeout_s": 120,
-        "idle": True,
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
-    command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    spec, proc = _start_child(tmp_path, db_url, ["purged", "kept"], multiprocess=True, idle=True)
     queue = CommandQueue.open(db_url)
     ledger_url = f"sqlite:///{tmp_path / 'work' / 'ledger.db'}"
     try:
