@@ -63,15 +63,24 @@ def serve_command(
     KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
     KVGUARD_DATA_DIR."""
     import uvicorn  # noqa: PLC0415
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from kvguard.api.app import create_app  # noqa: PLC0415
     from kvguard.api.services import Services  # noqa: PLC0415
 
     try:
         config = _config(db, origin, checkpoint_interval or None)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
         services = Services.open(config)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except SQLAlchemyError as exc:  # the type only: a driver message may quote connection details
+        url = _safe_url(config.db_url)
+        typer.echo(f"error: cannot open database {url}: {type(exc).__name__}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
     uvicorn.run(

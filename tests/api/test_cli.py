@@ -64,3 +64,15 @@ def test_serve_refuses_to_start_without_secrets(
     result = runner.invoke(app, ["serve", "--port", "1"])
     assert result.exit_code == 1
     assert "KVGUARD_SALT_KEYRING_FILE" in result.output
+
+
+def test_serve_says_which_database_it_cannot_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVGUARD_MODE", "dev")
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
+    url = "postgresql+psycopg://kvguard:s3cret-pw@127.0.0.1:1/nowhere"
+    result = runner.invoke(app, ["serve", "--db", url, "--port", "1"])
+    assert result.exit_code == 1, result.output
+    assert "cannot open database" in result.output and "OperationalError" in result.output
+    assert "s3cret-pw" not in result.output and "Traceback" not in result.output
