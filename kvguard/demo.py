@@ -23,11 +23,22 @@ from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import KvguardError, VerificationError
 from kvguard.isolation.keyring import Keyring
+from kvguard.policy import prefix_digest
 
 ORIGIN = "kvguard.demo/ledger"
 TENANTS = ("acme", "globex", "initech", "umbrella")
 BLOCK = 32
 TTL_S = 2
+
+
+def _doc(seed: int, blocks: int = 2) -> list[int]:
+    # A few tokens past the last full block: vLLM always recomputes the final prompt token, so a
+    # prompt of exactly N blocks could reuse at most N - 1 of them.
+    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(blocks * BLOCK + 4)]
+
+
+# The one prefix the share group lists (two blocks): group requests share it and nothing else.
+SHARED_PREFIX = _doc(1)[: 2 * BLOCK]
 POLICY = f"""\
 # kvguard demo policy: a share group, a confidential tenant with a short TTL, a restricted tenant.
 version: 1
@@ -50,15 +61,10 @@ share_groups:
   research:
     prefixes:
       - id: research-system-prompt
-        digest: "sha256:{"0" * 64}"
+        digest: "{prefix_digest(SHARED_PREFIX)}"
+        tokens: {len(SHARED_PREFIX)}
     min_shared_tokens: 64
 """
-
-
-def _doc(seed: int, blocks: int = 2) -> list[int]:
-    # A few tokens past the last full block: vLLM always recomputes the final prompt token, so a
-    # prompt of exactly N blocks could reuse at most N - 1 of them.
-    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(blocks * BLOCK + 4)]
 
 
 @dataclass
@@ -147,7 +153,8 @@ def run_demo(
 
     def ask(tenant: str, prompt: list[int], *, group: str | None = None) -> int:
         out = g.generate([prompt], params, tenant=tenant, group=group)[0]
-        key = f"group:{group}" if group else f"tenant:{tenant}"
+        listed = group is not None and prompt[: len(SHARED_PREFIX)] == SHARED_PREFIX
+        key = f"group:{group}" if listed else f"tenant:{tenant}"
         if tenant == "umbrella" or (tenant == "initech" and expired_initech):
             key = f"{key}:{tally.requests}"  # no retention: every request is its own scope
         tally.record(key, tenant, prompt, out.num_cached_tokens)
@@ -160,6 +167,13 @@ def run_demo(
             lambda: (
                 ask("acme", _doc(1), group="research"),
                 ask("globex", _doc(1), group="research"),
+            ),
+        ),
+        (
+            "group prompt outside the group's allow-list: acme computes, globex gets no hit",
+            lambda: (
+                ask("acme", _doc(5), group="research"),
+                ask("globex", _doc(5), group="research"),
             ),
         ),
         (

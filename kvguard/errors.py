@@ -58,6 +58,10 @@ class PolicyStoreError(PolicyError):
     """The policy store could not read or write a version."""
 
 
+class PolicyVersionConflictError(PolicyStoreError):
+    """A write expected the store to be at one version and found another (someone wrote first)."""
+
+
 class AuditError(KvguardError):
     """Base of audit ledger errors."""
 

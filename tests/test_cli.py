@@ -38,12 +38,28 @@ def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
     assert result.exit_code == 1 and "already exists" in result.output
 
 
-def test_tenant_key_issue(tmp_path) -> None:
+def test_tenant_key_create_list_revoke(tmp_path) -> None:
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
+
     url = f"sqlite:///{tmp_path / 't.db'}"
-    result = runner.invoke(app, ["keys", "tenant-key", "acme", "--db", url])
+    refused = runner.invoke(app, ["keys", "tenant-key", "create", "acme", "--db", url])
+    assert refused.exit_code == 1 and "not found" in refused.output  # unregistered tenant
+    TenantRegistry(sa.create_engine(url)).create("acme", display_name="Acme", created_by="t")
+    result = runner.invoke(app, ["keys", "tenant-key", "create", "acme", "--db", url])
     assert result.exit_code == 0, result.output
     key = result.output.strip().splitlines()[-1]
-    assert TenantKeys.open(url).tenant_for(key) == "acme"
+    keys = TenantKeys.open(url)
+    assert keys.tenant_for(key) == "acme"
+    key_id = key.split("_")[1]
+    listed = runner.invoke(app, ["keys", "tenant-key", "list", "--db", url, "--json"])
+    assert listed.exit_code == 0 and key_id in listed.output and key not in listed.output
+    revoked = runner.invoke(app, ["keys", "tenant-key", "revoke", key_id, "--db", url])
+    assert revoked.exit_code == 0, revoked.output
+    assert keys.tenant_for(key) is None
+    missing = runner.invoke(app, ["keys", "tenant-key", "revoke", "000000000000", "--db", url])
+    assert missing.exit_code == 1 and "not found" in missing.output
 
 
 def test_purge_command_is_queued_and_usage_errors_exit_2(tmp_path) -> None:

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request, Response
 
 from kvguard import __version__
 from kvguard.api import errors
-from kvguard.api.routes import audit, cache, health, policies, purges, tenants
+from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
 from kvguard.api.services import Services
 from kvguard.logging import get_logger
 
@@ -42,7 +42,7 @@ def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAP
     )
     app.state.services = services
     errors.install(app)
-    for module in (health, tenants, policies, purges, cache, audit):
+    for module in (health, tenants, inference_keys, policies, purges, cache, audit):
         app.include_router(module.router)
 
     @app.middleware("http")

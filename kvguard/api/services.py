@@ -25,6 +25,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.control.engines import EngineRegistry
 from kvguard.control.tenants import TenantRegistry
 from kvguard.engine_adapter.commands import CommandQueue
+from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.policy.store import PolicyStore
@@ -55,6 +56,7 @@ class Services:
     policies: PolicyStore
     tenants: TenantRegistry
     keys: ApiKeys
+    inference_keys: TenantKeys
     commands: CommandQueue
     engines: EngineRegistry
     deriver: SaltDeriver
@@ -82,6 +84,7 @@ class Services:
             policies=PolicyStore.open(config.db_url, clock=clock),
             tenants=TenantRegistry(db, clock=clock),
             keys=ApiKeys(db, clock=clock),
+            inference_keys=TenantKeys(db),
             commands=CommandQueue(db),
             engines=EngineRegistry(db),
             deriver=deriver,

@@ -53,6 +53,8 @@ class EventKind(StrEnum):
     ADMIN_ACTION = "admin.action"
     KEY_ROTATE = "key.rotate"
     PAYLOAD_ERASE = "payload.erase"
+    CUSTODY_REPAIR = "custody.repair"
+    QUOTA_DEFER = "quota.defer"
 
 
 def _words(name: str) -> list[str]:

@@ -32,6 +32,7 @@ from kvguard.engine_adapter.records import (
 from kvguard.errors import CustodyError
 from kvguard.isolation.scope import Scope
 from kvguard.policy import BlockState, TenantPolicy, ZeroizeOn, expired, must_zeroize
+from kvguard.zeroize.plan import digest_block_ids
 
 PolicyView = Callable[[str], TenantPolicy]  # tenant id -> its current policy
 Tagger = Callable[[Scope], str]  # scope -> public scope tag
@@ -39,11 +40,12 @@ Details = dict[str, str | int | float | bool | None]
 
 
 class _Request:
-    __slots__ = ("blocks", "scope", "use_cache")
+    __slots__ = ("blocks", "retain_blocks", "scope", "use_cache")
 
-    def __init__(self, scope: Scope, use_cache: bool) -> None:
+    def __init__(self, scope: Scope, use_cache: bool, retain_blocks: int | None) -> None:
         self.scope = scope
         self.use_cache = use_cache
+        self.retain_blocks = retain_blocks  # only the first N blocks may be kept (share groups)
         self.blocks: list[BlockId] = []
 
 
@@ -62,6 +64,11 @@ class Custody:
         self._pending_handover: set[BlockId] = set()
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks, for the expiry sweep
+        # Handover blocks -> the scope tag whose bytes they held: the clear is that owner's evidence.
+        self._handover_from: dict[BlockId, str | None] = {}
+        self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
+        self._cached_owner: dict[BlockId, str] = {}  # cached block -> tenant it counts against
+        self._cached_by_tenant: Counter[str] = Counter()  # quotas cap a tenant's cached blocks
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -79,6 +86,10 @@ class Custody:
     def tenant_blocks(self, tenant_id: str) -> int:
         """Blocks a tenant holds (active, cached or awaiting zeroization): what quotas count."""
         return self._tenant_blocks.get(tenant_id, 0)
+
+    def tenant_cached(self, tenant_id: str) -> int:
+        """Blocks the tenant has cached now (O(1))."""
+        return self._cached_by_tenant.get(tenant_id, 0)
 
     def tenant_counts(self, tenant_id: str) -> dict[BlockStatus, int]:
         tally = Counter(
@@ -116,6 +127,16 @@ class Custody:
 
     def take_events(self) -> list[CustodyEvent]:
         """Drain the events produced since the last call (vLLM `take_events` pattern)."""
+        if self._evicted:
+            by_tag: dict[str | None, list[BlockId]] = {}
+            for r in self._evicted:
+                by_tag.setdefault(r.owner_tag, []).append(r.block_id)
+            now = self._evicted[-1].created_at
+            self._evicted = []
+            self._events.extend(
+                CustodyEvent(EventKind.EVICT, now, tag, None, tuple(g), {"reason": "engine_lru"})
+                for tag, g in by_tag.items()
+            )
         events, self._events = self._events, []
         return events
 
@@ -131,15 +152,21 @@ class Custody:
 
     # --- request lifecycle -----------------------------------------------------------------------
 
-    def begin(self, request_id: str, scope: Scope, *, use_cache: bool) -> None:
-        """Register a request admitted by policy under `scope` (use_cache False: nothing retained)."""
+    def begin(
+        self, request_id: str, scope: Scope, *, use_cache: bool, retain_blocks: int | None = None
+    ) -> None:
+        """Register a request admitted by policy under `scope` (use_cache False: nothing retained;
+        `retain_blocks`: only its first N blocks may stay cached, the rest are released)."""
         rid = RequestId(request_id)
         if rid in self._requests:
             raise CustodyError(f"request {request_id!r} is already registered")
-        self._requests[rid] = _Request(scope, use_cache)
+        self._requests[rid] = _Request(scope, use_cache, retain_blocks)
 
-    def allocate(self, request_id: str, block_ids: Iterable[int], now: float) -> tuple[int, ...]:
-        """The engine gave `request_id` these blocks for new tokens.
+    def allocate(
+        self, request_id: str, block_ids: Iterable[int], now: float, *, start: int | None = None
+    ) -> tuple[int, ...]:
+        """The engine gave `request_id` these blocks for new tokens; `start` is the first one's index
+        in the request's block table (default: after the blocks custody has seen it get).
 
         Returns the blocks that hold another scope's bytes and must be zeroized before this request's
         forward pass writes into them (G3); they are also queued in the step plan.
@@ -147,7 +174,8 @@ class Custody:
         req = self._request(request_id)
         fresh: list[int] = []
         handover: list[int] = []
-        for bid in block_ids:
+        first = len(dict.fromkeys(req.blocks)) if start is None else start
+        for offset, bid in enumerate(block_ids):
             rec = self._blocks[self._check_id(bid)]
             if rec.status is BlockStatus.ACTIVE:
                 raise CustodyError(f"block {bid} allocated while active")
@@ -157,7 +185,8 @@ class Custody:
                 self._engine_evicted(rec, now)
             if rec.owner is not None and self._needs_clear(rec, req.scope):
                 handover.append(rec.block_id)
-            self._take(rec, req, RequestId(request_id), now)
+                self._handover_from[rec.block_id] = rec.owner_tag
+            self._take(rec, req, RequestId(request_id), now, first + offset)
             rec.created_at = now
             rec.hashed = False
             fresh.append(rec.block_id)
@@ -197,6 +226,60 @@ class Custody:
             self._emit(
                 EventKind.REUSE, now, req.scope, request_id, ids, {"tokens_matched": tokens_matched}
             )
+
+    def seize(self, request_id: str, block_ids: Iterable[int], now: float, *, reason: str) -> None:
+        """Repair: give `request_id` these blocks although custody could not account for the engine
+        handing them over (a prefix hit custody refused, say). Every block whose bytes belong to
+        another reuse domain, or whose state is unknown, is cleared before the forward pass (a handover
+        clear), so the request computes on zeros rather than on foreign KV, and the engine keeps
+        running. Recorded as a `custody.repair` event; the request's output for those tokens is
+        garbage, which is the price of not serving another scope's state (G1, G3)."""
+        req = self._request(request_id)
+        ids = list(dict.fromkeys(self._check_id(b) for b in block_ids))
+        cleared: list[BlockId] = []
+        for bid in ids:
+            rec = self._blocks[bid]
+            if rec.owner is None or not rec.owner.same_domain(req.scope):
+                self._handover_from[bid] = rec.owner_tag
+            if rec.status is BlockStatus.QUARANTINED:
+                self._pending_release.discard(bid)
+                self._tenant_dec(rec)
+                self._set(rec, BlockStatus.FREE)
+            elif rec.status is BlockStatus.CACHED:
+                self._tenant_dec(rec)
+                self._set(rec, BlockStatus.FREE)
+            if rec.owner is None or not rec.owner.same_domain(req.scope):
+                cleared.append(bid)
+            if rec.status is BlockStatus.ACTIVE and (
+                rec.owner is None or not rec.owner.same_domain(req.scope)
+            ):
+                # Shared with requests of another domain: they lose their cached prefix too.
+                self._tenant_dec(rec)
+                rec.owner = None
+            self._take(rec, req, RequestId(request_id), now)
+            rec.hashed = False
+        self._pending_handover.update(cleared)
+        self._emit(
+            EventKind.CUSTODY_REPAIR,
+            now,
+            req.scope,
+            request_id,
+            ids,
+            {"reason": reason, "blocks_cleared": len(cleared)},
+        )
+
+    def quota_deferred(
+        self, request_id: str, scope: Scope, now: float, *, blocks_requested: int, cap: int
+    ) -> None:
+        """Record that a request waits because it would take its tenant past its block quota."""
+        self._emit(
+            EventKind.QUOTA_DEFER,
+            now,
+            scope,
+            request_id,
+            (),
+            {"blocks_requested": blocks_requested, "blocks_quota": cap},
+        )
 
     def mark_hashed(self, block_ids: Iterable[int]) -> None:
         """The engine registered prefix hashes for these (full) blocks: they are reusable."""
@@ -292,20 +375,43 @@ class Custody:
         they change no state (the block may even be cached or quarantined again by now): the event is
         the evidence that the old owner's bytes were gone before the new owner got the block."""
         ids = [self._check_id(b) for b in block_ids]
-        for bid in ids if not handover else ():
+        owners: dict[BlockId, str | None] = {}
+        for bid in ids:
+            if handover:
+                owners[bid] = self._handover_from.pop(bid, None)
+                continue
             rec = self._blocks[bid]
             if rec.status is not BlockStatus.QUARANTINED:
                 raise CustodyError(f"block {bid} reported zeroized while {rec.status.value}")
+            owners[bid] = rec.owner_tag
             self._tenant_dec(rec)
             self._set(rec, BlockStatus.FREE)
             rec.owner = rec.owner_tag = None
             rec.hashed = rec.doomed = False
             rec.retain = True
-        if ids:
-            details = {**details, "handover": handover}
-            self._events.append(
-                CustodyEvent(EventKind.ZEROIZE, now, None, None, tuple(ids), details)
-            )
+        self._emit_zeroize(now, ids, owners, {**details, "handover": handover})
+
+    def _emit_zeroize(
+        self, now: float, ids: list[BlockId], owners: dict[BlockId, str | None], details: Details
+    ) -> None:
+        """One `block.zeroize` event per owner whose bytes were cleared (G5, G6): a tenant's export
+        holds the evidence for its own blocks and never another tenant's block ids. Parts of one
+        clear share `batch_block_count` and `batch_block_ids_sha256`; counts and bytes are the part's
+        own (bytes in proportion); verification figures describe the whole clear."""
+        groups: dict[str | None, list[BlockId]] = {}
+        for bid in ids:
+            groups.setdefault(owners.get(bid), []).append(bid)
+        total = details.get("bytes_cleared")
+        for tag, group in groups.items():
+            part: Details = dict(details)
+            if len(groups) > 1:
+                part["batch_block_count"] = len(ids)
+                part["batch_block_ids_sha256"] = details.get("block_ids_sha256")
+                part["block_count"] = len(group)
+                part["block_ids_sha256"] = digest_block_ids(group)
+                if isinstance(total, int) and not isinstance(total, bool):
+                    part["bytes_cleared"] = total // len(ids) * len(group)
+            self._events.append(CustodyEvent(EventKind.ZEROIZE, now, tag, None, tuple(group), part))
 
     # --- invariants (G4) --------------------------------------------------------------------------
 
@@ -331,15 +437,28 @@ class Custody:
             raise CustodyError("per-tenant block counts do not add up")
         if self._cached != {r.block_id for r in self._blocks if r.status is BlockStatus.CACHED}:
             raise CustodyError("the cached-block index disagrees with block states")
+        cached_by: Counter[str] = Counter(
+            r.owner.tenant_id
+            for r in self._blocks
+            if r.status is BlockStatus.CACHED and r.owner is not None
+        )
+        if +cached_by != +self._cached_by_tenant:
+            raise CustodyError("per-tenant cached counts do not add up")
         if sum(self.counts().values()) != len(self._blocks):
             raise CustodyError("block states do not add up to the pool size")
 
     # --- internals --------------------------------------------------------------------------------
 
     def _set(self, rec: BlockRecord, status: BlockStatus) -> None:
-        """The only place a block's status changes (keeps the cached index exact)."""
+        """The only place a block's status changes (keeps the cached indexes exact)."""
+        counted = self._cached_owner.pop(rec.block_id, None)
+        if counted is not None:
+            self._cached_by_tenant[counted] -= 1
         if status is BlockStatus.CACHED:
             self._cached.add(rec.block_id)
+            if rec.owner is not None:
+                self._cached_owner[rec.block_id] = rec.owner.tenant_id
+                self._cached_by_tenant[rec.owner.tenant_id] += 1
         else:
             self._cached.discard(rec.block_id)
         if status is not BlockStatus.QUARANTINED:
@@ -373,9 +492,21 @@ class Custody:
     def _keep_cached(self, rec: BlockRecord, now: float) -> bool:
         if rec.doomed or not rec.retain or not rec.hashed or rec.owner is None:
             return False
-        return not expired(self._policy(rec.owner.tenant_id), self._state(rec), now)
+        policy = self._policy(rec.owner.tenant_id)
+        cap = policy.quota.max_blocks
+        if cap is not None and self._cached_by_tenant[rec.owner.tenant_id] >= cap:
+            return False  # a tenant's cache never grows past its quota (docs/policy.md)
+        return not expired(policy, self._state(rec), now)
 
-    def _take(self, rec: BlockRecord, req: _Request, rid: RequestId, now: float) -> None:
+    def _take(
+        self,
+        rec: BlockRecord,
+        req: _Request,
+        rid: RequestId,
+        now: float,
+        position: int | None = None,
+    ) -> None:
+        """`position`: the block's index in the request's block table (default: the next one)."""
         if (
             rec.status is BlockStatus.FREE
             or rec.owner is None
@@ -384,7 +515,8 @@ class Custody:
             if rec.status is not BlockStatus.FREE:
                 self._tenant_dec(rec)
             rec.owner, rec.owner_tag = req.scope, self._tag(req.scope)
-            rec.retain = req.use_cache
+            limit, at = req.retain_blocks, len(req.blocks) if position is None else position
+            rec.retain = req.use_cache and (limit is None or at < limit)
             self._tenant_blocks[req.scope.tenant_id] += 1
         self._set(rec, BlockStatus.ACTIVE)
         rec.holders.add(rid)
@@ -392,12 +524,9 @@ class Custody:
         req.blocks.append(rec.block_id)
 
     def _engine_evicted(self, rec: BlockRecord, now: float) -> None:
-        """The engine's LRU took a cached block for a new allocation: its cached life is over."""
-        self._events.append(
-            CustodyEvent(
-                EventKind.EVICT, now, rec.owner_tag, None, (rec.block_id,), {"reason": "engine_lru"}
-            )
-        )
+        """The engine's LRU took a cached block for a new allocation: its cached life is over. The
+        `block.evict` entries are batched per owner when events are next taken (once per step)."""
+        self._evicted.append(BlockRecord(rec.block_id, owner_tag=rec.owner_tag, created_at=now))
         self._tenant_dec(rec)
         self._set(rec, BlockStatus.FREE)
 

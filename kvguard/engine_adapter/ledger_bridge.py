@@ -18,30 +18,25 @@ from kvguard.audit.events import MAX_BLOCK_IDS, AuditEvent
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
 from kvguard.policy import AuditLevel
 
-# Which custody events each audit level records. Cleanup and purges are always evidence; per-request
-# allocation and reuse records are the volume knob.
+# Which custody events each audit level records (docs/policy.md, "Audit levels"). Cleanup, purges,
+# evictions and repairs are always evidence; per-request allocation, reuse and release records are the
+# volume knob, and `full` records them one entry per block.
+_MINIMAL: Final = frozenset(
+    {
+        EventKind.CUSTODY_REPAIR,
+        EventKind.QUOTA_DEFER,
+        EventKind.ZEROIZE,
+        EventKind.EVICT,
+        EventKind.SESSION_PURGE,
+        EventKind.TENANT_PURGE,
+        EventKind.MODEL_PURGE,
+        EventKind.ADAPTER_PURGE,
+    }
+)
+PER_REQUEST: Final = frozenset({EventKind.ALLOC, EventKind.REUSE, EventKind.RELEASE})
 AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
-    AuditLevel.MINIMAL: frozenset(
-        {
-            EventKind.ZEROIZE,
-            EventKind.SESSION_PURGE,
-            EventKind.TENANT_PURGE,
-            EventKind.MODEL_PURGE,
-            EventKind.ADAPTER_PURGE,
-        }
-    ),
-    AuditLevel.STANDARD: frozenset(
-        {
-            EventKind.ZEROIZE,
-            EventKind.SESSION_PURGE,
-            EventKind.TENANT_PURGE,
-            EventKind.MODEL_PURGE,
-            EventKind.ADAPTER_PURGE,
-            EventKind.RELEASE,
-            EventKind.EVICT,
-            EventKind.REUSE,
-        }
-    ),
+    AuditLevel.MINIMAL: _MINIMAL,
+    AuditLevel.STANDARD: _MINIMAL | PER_REQUEST,
     AuditLevel.FULL: frozenset(EventKind),
 }
 
@@ -71,16 +66,16 @@ _PER_BLOCK_COUNTS: Final = ("blocks_quarantined", "block_count")
 _ONCE: Final = ("blocks_active_doomed", "blocks_verified")
 
 
-def to_audit_events(event: CustodyEvent) -> list[AuditEvent]:
+def to_audit_events(event: CustodyEvent, per_entry: int = MAX_BLOCK_IDS) -> list[AuditEvent]:
     """The ledger form of one custody event: one entry, or several of at most `MAX_BLOCK_IDS` block
     ids each when the event names more blocks than one entry may carry (a large purge or release).
 
     Parts carry `part` / `parts`; per-block counts and `bytes_cleared` are split in proportion, so a
     verifier summing the parts gets the event's figures back."""
     ids = event.block_ids
-    if len(ids) <= MAX_BLOCK_IDS:
+    if len(ids) <= per_entry:
         return [to_audit_event(event)]
-    chunks = [ids[i : i + MAX_BLOCK_IDS] for i in range(0, len(ids), MAX_BLOCK_IDS)]
+    chunks = [ids[i : i + per_entry] for i in range(0, len(ids), per_entry)]
     parts = []
     for n, chunk in enumerate(chunks):
         details = {**event.details, "part": n + 1, "parts": len(chunks)}
@@ -112,12 +107,14 @@ class LedgerBridge:
         zeroizations of several owners) are always recorded."""
         count = 0
         for event in events:
-            if (
-                event.scope_tag is None
-                or event.kind in AUDITED[self._level_for_tag(event.scope_tag)]
-            ):
-                for entry in to_audit_events(event):
-                    self._ledger.submit(entry)
-                    count += 1
+            level = self._level_for_tag(event.scope_tag) if event.scope_tag else AuditLevel.FULL
+            if event.scope_tag is not None and event.kind not in AUDITED[level]:
+                continue
+            per_entry = (
+                1 if level is AuditLevel.FULL and event.kind in PER_REQUEST else MAX_BLOCK_IDS
+            )
+            for entry in to_audit_events(event, per_entry):
+                self._ledger.submit(entry)
+                count += 1
         self.submitted += count
         return count

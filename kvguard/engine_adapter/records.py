@@ -39,6 +39,8 @@ class EventKind(StrEnum):
     TENANT_PURGE = "tenant.purge"
     MODEL_PURGE = "model.purge"
     ADAPTER_PURGE = "adapter.purge"
+    CUSTODY_REPAIR = "custody.repair"
+    QUOTA_DEFER = "quota.defer"
 
 
 @dataclass(slots=True)

@@ -4,6 +4,9 @@ A key reads `kvg_<key id>_<secret>`; only SHA-256 of the secret is stored. The s
 bytes, so a fast hash is enough (slow hashes defend guessable passwords, not 256-bit random keys) and
 keeps the per-request check cheap; the comparison is constant-time. Keys are shown once, at creation.
 The API key never appears in logs or errors (the log redactor masks the `kvg_` shape as well).
+
+Keys are issued only for tenants in the tenant registry (`kvguard.control.tenants`) that are not
+disabled. The check on every request reads the key row, so a revocation holds from the next request.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import hmac
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from kvguard.errors import ConfigError
+from kvguard.control.tenants import TenantRegistry
+from kvguard.errors import ConfigError, ConflictError, NotFoundError
 
 _KEY_RE = re.compile(r"^kvg_([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})$")
 
@@ -44,6 +49,23 @@ class IssuedKey:
     api_key: str  # shown once; never stored
 
 
+@dataclass(frozen=True, slots=True)
+class TenantKeyInfo:
+    """What may be listed about a key: never the key or its hash."""
+
+    key_id: str
+    tenant_id: str
+    created_at: float
+    revoked: bool
+
+    @property
+    def created_iso(self) -> str:
+        return datetime.fromtimestamp(self.created_at, UTC).isoformat(timespec="seconds")
+
+    def as_dict(self) -> dict[str, str | float | bool]:
+        return {**asdict(self), "created": self.created_iso}
+
+
 class TenantKeys:
     """Issue, revoke and check tenant inference keys."""
 
@@ -56,8 +78,12 @@ class TenantKeys:
         return cls(sa.create_engine(url))
 
     def issue(self, tenant_id: str) -> IssuedKey:
+        """A new key for a registered, enabled tenant (NotFoundError / ConflictError otherwise)."""
         if not tenant_id or len(tenant_id) > 256:
             raise ConfigError("tenant id must be 1-256 characters")
+        tenant = TenantRegistry(self._engine).get(tenant_id)
+        if not tenant.enabled:
+            raise ConflictError(f"tenant {tenant_id!r} is disabled; no new keys")
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         with self._engine.begin() as conn:
@@ -72,11 +98,37 @@ class TenantKeys:
             )
         return IssuedKey(key_id=key_id, tenant_id=tenant_id, api_key=f"kvg_{key_id}_{secret}")
 
-    def revoke(self, key_id: str) -> None:
+    def revoke(self, key_id: str, *, tenant_id: str | None = None) -> TenantKeyInfo:
+        """Revoke a key (idempotent); with `tenant_id`, only that tenant's key. NotFoundError if
+        there is no such key (for that tenant)."""
+        where = [TenantApiKey.key_id == key_id]
+        if tenant_id is not None:
+            where.append(TenantApiKey.tenant_id == tenant_id)
         with self._engine.begin() as conn:
-            conn.execute(
-                sa.update(TenantApiKey).where(TenantApiKey.key_id == key_id).values(revoked=True)
-            )
+            done = conn.execute(sa.update(TenantApiKey).where(*where).values(revoked=True)).rowcount
+        if done != 1:
+            raise NotFoundError(f"tenant key {key_id!r} not found")
+        return self.list(tenant_id, key_id=key_id)[0]
+
+    def list(
+        self, tenant_id: str | None = None, *, key_id: str | None = None
+    ) -> list[TenantKeyInfo]:
+        """Keys (newest first), optionally of one tenant."""
+        stmt = sa.select(
+            TenantApiKey.key_id,
+            TenantApiKey.tenant_id,
+            TenantApiKey.created_at,
+            TenantApiKey.revoked,
+        ).order_by(TenantApiKey.created_at.desc(), TenantApiKey.key_id)
+        if tenant_id is not None:
+            stmt = stmt.where(TenantApiKey.tenant_id == tenant_id)
+        if key_id is not None:
+            stmt = stmt.where(TenantApiKey.key_id == key_id)
+        with self._engine.connect() as conn:
+            return [
+                TenantKeyInfo(r.key_id, r.tenant_id, float(r.created_at), bool(r.revoked))
+                for r in conn.execute(stmt)
+            ]
 
     def tenant_for(self, api_key: str | None) -> str | None:
         """The tenant of a valid, unrevoked key; None for anything else (never raises on bad input)."""

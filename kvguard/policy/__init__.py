@@ -21,6 +21,7 @@ from kvguard.policy.decisions import (
     may_share_prefix,
     must_zeroize,
     over_quota,
+    shared_prefix_tokens,
 )
 from kvguard.policy.enums import (
     MAX_REUSE,
@@ -76,4 +77,5 @@ __all__ = [
     "over_quota",
     "parse_policy",
     "prefix_digest",
+    "shared_prefix_tokens",
 ]

@@ -13,12 +13,13 @@ layer alone cannot produce a cross-tenant hit (G1, defence in depth).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from kvguard.isolation.scope import Scope, Share
 from kvguard.policy.enums import LedgerUnavailable, Reuse, ZeroizeOn
-from kvguard.policy.models import PolicySet, TenantPolicy
+from kvguard.policy.models import PolicySet, TenantPolicy, prefix_digest
 
 
 class Verdict(StrEnum):
@@ -203,6 +204,29 @@ def may_share_prefix(
     if group is None:
         return False
     return group.allows_prefix(prefix_digest) and shared_tokens >= group.min_shared_tokens
+
+
+def shared_prefix_tokens(
+    policy_set: PolicySet, group_id: str, token_ids: Sequence[int], block_size: int
+) -> int:
+    """How many leading tokens of a prompt a share group may share: the longest listed prefix the
+    prompt starts with, if it spans at least `min_shared_tokens`; 0 when none qualifies (the request
+    then runs under its tenant's own scope). Prefixes without a `tokens` length are looked for at
+    block-aligned lengths (only whole blocks are reused)."""
+    group = policy_set.share_groups.get(group_id)
+    if group is None or block_size <= 0:
+        return 0
+    lengths = {p.tokens for p in group.prefixes if p.tokens is not None}
+    if any(p.tokens is None for p in group.prefixes):
+        lengths.update(range(block_size, len(token_ids) + 1, block_size))
+    best = 0
+    for n in sorted(lengths, reverse=True):
+        if n <= len(token_ids) and may_share_prefix(
+            policy_set, group_id, prefix_digest(token_ids[:n]), n
+        ):
+            best = n
+            break
+    return best
 
 
 def expired(policy: TenantPolicy, block: BlockState, now: float) -> bool:

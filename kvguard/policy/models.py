@@ -112,6 +112,9 @@ class PrefixRef(_Frozen):
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    # The prefix's length in tokens (optional): lets the front end check one length instead of
+    # every block-aligned one. The digest covers the length too, so a wrong value just never matches.
+    tokens: int | None = Field(default=None, ge=1, le=1 << 24)
 
 
 class ShareGroup(_Frozen):

@@ -25,7 +25,7 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer
 
-from kvguard.errors import PolicyStoreError
+from kvguard.errors import PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
@@ -116,8 +116,19 @@ class PolicyStore:
 
         return unsubscribe
 
-    def put(self, policy_set: PolicySet, *, author: str, reason: str) -> int:
-        """Store `policy_set` as the next version and return its number."""
+    def put(
+        self,
+        policy_set: PolicySet,
+        *,
+        author: str,
+        reason: str,
+        expected_version: int | None = None,
+    ) -> int:
+        """Store `policy_set` as the next version and return its number.
+
+        With `expected_version` (0: the store is empty) the write happens only if the latest version is
+        still that one, checked under the write lock; otherwise PolicyVersionConflictError, and nothing
+        is stored (a compare-and-set: no concurrent writer's version is silently overwritten)."""
         _check_text("author", author, AUTHOR_MAX)
         _check_text("reason", reason, REASON_MAX)
         document = policy_set.canonical_json()
@@ -130,19 +141,30 @@ class PolicyStore:
             with self._engine.connect() as conn:
                 conn.execution_options(**{_LOCK_OPTION: True})
                 with Session(bind=conn) as session, session.begin():
-                    change = self._append(session, document, author, reason)
+                    change = self._append(session, document, author, reason, expected_version)
                     _notify(subscribers, change)
         except SQLAlchemyError as exc:
             raise PolicyStoreError(f"cannot store the policy: {type(exc).__name__}") from exc
         _log.info("policy.stored", version=change.version, digest=change.digest)
         return change.version
 
-    def _append(self, session: Session, document: str, author: str, reason: str) -> PolicyChange:
+    def _append(
+        self,
+        session: Session,
+        document: str,
+        author: str,
+        reason: str,
+        expected_version: int | None = None,
+    ) -> PolicyChange:
         head = session.scalars(
             select(PolicyHead).where(PolicyHead.id == HEAD_ID).with_for_update()
         ).one_or_none()
         if head is None:
             raise PolicyStoreError("policy store has no head row: call create_schema() first")
+        if expected_version is not None and head.version != expected_version:
+            raise PolicyVersionConflictError(
+                f"the policy store is at version {head.version}, not {expected_version}"
+            )
         head.version += 1
         change = PolicyChange(
             version=head.version,

@@ -75,6 +75,24 @@ def _acme_ledger_entry(env: ApiEnv) -> None:
     env.services.ledger.checkpoint()
 
 
+def _acme_inference_key(env: ApiEnv) -> None:
+    """Inference key `0123456789ab` of tenant acme (a fixed id, so that a URL can name it)."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from kvguard.engine_adapter.tenant_keys import TenantApiKey  # noqa: PLC0415
+
+    with env.services.db.begin() as conn:
+        conn.execute(
+            sa.insert(TenantApiKey).values(
+                key_id="0123456789ab",
+                secret_sha256=bytes(32),
+                tenant_id="acme",
+                created_at=0.0,
+                revoked=False,
+            )
+        )
+
+
 MATRIX: list[Row] = [
     Row("GET", "/healthz", OPEN),
     Row("GET", "/readyz", OPEN),
@@ -88,6 +106,27 @@ MATRIX: list[Row] = [
         url="/v1/tenants/{own}/disable",
         body={"reason": "matrix"},
         tenant_scoped=True,
+    ),
+    Row(
+        "POST",
+        "/v1/tenants/{tenant_id}/inference-keys",
+        TENANT_WRITE,
+        url="/v1/tenants/{own}/inference-keys",
+        tenant_scoped=True,
+    ),
+    Row(
+        "GET",
+        "/v1/tenants/{tenant_id}/inference-keys",
+        ALL,
+        url="/v1/tenants/{own}/inference-keys",
+        tenant_scoped=True,
+    ),
+    Row(
+        "POST",
+        "/v1/tenants/{tenant_id}/inference-keys/{key_id}/revoke",
+        TENANT_WRITE,
+        url="/v1/tenants/acme/inference-keys/0123456789ab/revoke",
+        setup=_acme_inference_key,
     ),
     Row("GET", "/v1/policies/current", GLOBAL),
     Row("PUT", "/v1/policies", ADMIN, body={"policy": {}, "reason": "matrix"}),

@@ -131,3 +131,34 @@ def test_admin_action_entries_name_the_tenant_only_by_tag(env: ApiEnv) -> None:
     assert b"initech" not in record.leaf
     assert record.event.scope_tag == env.services.deriver.tenant_tag("initech")
     assert record.event.payload == {"tenant_id": "initech"}
+
+
+def test_inference_keys_create_list_revoke_and_scoping(env) -> None:
+    from kvguard.audit.events import EventKind  # noqa: PLC0415
+
+    created = env.call("acme", "POST", "/v1/tenants/acme/inference-keys")
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert body["api_key"].startswith("kvg_") and body["tenant_id"] == "acme"
+    assert env.services.inference_keys.tenant_for(body["api_key"]) == "acme"
+    listed = env.call("auditor", "GET", "/v1/tenants/acme/inference-keys").json()["keys"]
+    assert [k["key_id"] for k in listed] == [body["key_id"]]
+    assert body["api_key"] not in str(listed)
+    # globex's tenant_admin cannot see or revoke acme's key (404, as for a missing tenant).
+    url = f"/v1/tenants/acme/inference-keys/{body['key_id']}/revoke"
+    assert env.call("globex", "POST", url).status_code == 404
+    # ... nor reach it through its own tenant's path.
+    own = f"/v1/tenants/globex/inference-keys/{body['key_id']}/revoke"
+    assert env.call("globex", "POST", own).status_code == 404
+    revoked = env.call("acme", "POST", url)
+    assert revoked.status_code == 200 and revoked.json()["revoked"] is True
+    assert env.services.inference_keys.tenant_for(body["api_key"]) is None  # next request: 401
+    assert env.call("admin", "POST", "/v1/tenants/nobody/inference-keys").status_code == 404
+    env.call("admin", "POST", "/v1/tenants/globex/disable", json={"reason": "test"})
+    assert env.call("admin", "POST", "/v1/tenants/globex/inference-keys").status_code == 409
+    env.services.ledger.flush()
+    page = env.services.ledger.query(kinds=[EventKind.ADMIN_ACTION.value], limit=100)
+    actions = [(r.event.details["action"], r.event.details["outcome"]) for r in page.records]
+    assert ("inference_key.create", "ok") in actions
+    assert ("inference_key.revoke", "ok") in actions
+    assert body["api_key"] not in str([r.leaf for r in page.records])

@@ -183,3 +183,92 @@ def test_quarantine_time_is_kept_until_zeroized(make_custody) -> None:
     assert c.record(0).quarantined_at == 7.0
     c.zeroized([0, 1], 8.0, {})
     assert c.record(0).quarantined_at is None and c.record(1).quarantined_at is None
+
+
+def test_repair_seizes_a_refused_hit_and_clears_foreign_bytes_before_the_forward(
+    make_custody,
+) -> None:
+    """A cross-domain hit the engine made anyway is repaired, not fatal: the request takes the
+    blocks, the foreign ones are handover-cleared, the books balance, and the ledger says so."""
+    c = make_custody()
+    run_request(c, "r1", scope_for("a"), [0, 1], 0.0)  # cached for tenant a
+    c.begin("r2", scope_for("b"), use_cache=True)
+    with pytest.raises(CustodyError):
+        c.reuse("r2", [0, 1], 5.0, tokens_matched=32)
+    c.take_events()
+    c.seize("r2", [0, 1], 5.0, reason="cross_domain_hit")
+    assert c.take_plan().handover == (0, 1)
+    assert all(c.record(b).status is BlockStatus.ACTIVE for b in (0, 1))
+    assert c.record(0).owner == scope_for("b") and not c.record(0).hashed
+    c.check_invariants()
+    assert c.tenant_blocks("a") == 0 and c.tenant_blocks("b") == 2
+    (event,) = c.take_events()
+    assert event.kind is EventKind.CUSTODY_REPAIR and event.scope_tag == DERIVER.scope_tag(
+        scope_for("b")
+    )
+    assert event.details == {"reason": "cross_domain_hit", "blocks_cleared": 2}
+    c.finish("r2", 9.0)  # not hashed: nothing of the repaired blocks is kept for reuse
+    assert all(c.record(b).status is not BlockStatus.CACHED for b in (0, 1))
+    c.check_invariants()
+
+
+def test_repair_of_a_same_domain_block_clears_nothing(make_custody) -> None:
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.allocate("r1", [4], 0.0)
+    c.begin("r2", scope_for("a"), use_cache=True)
+    c.seize("r2", [4], 1.0, reason="inconsistent_state")  # shared with r1, same domain
+    assert c.take_plan().handover == ()
+    assert c.record(4).holders == {"r1", "r2"}
+    c.check_invariants()
+
+
+def test_G5_G6_zeroize_evidence_is_split_per_owner(make_custody) -> None:
+    """A clear spanning tenants yields one entry per owner: each tenant's export holds its own wipe
+    evidence (handover clears included) and no other tenant's block ids."""
+    from kvguard.zeroize import digest_block_ids  # noqa: PLC0415
+
+    c = make_custody(default=TenantPolicy(zeroize=Zeroize(on_release=ZeroizeOn.ALWAYS)))
+    run_request(c, "ra", scope_for("a"), [0, 1, 2], 0.0, use_cache=False)
+    run_request(c, "rb", scope_for("b"), [3], 0.0, use_cache=False)
+    c.take_events()
+    plan = c.take_plan()
+    assert plan.release == (0, 1, 2, 3)
+    batch = {"block_count": 4, "bytes_cleared": 4000, "block_ids_sha256": "x", "verified": True}
+    c.zeroized(plan.release, 5.0, batch)
+    by_tag = {e.scope_tag: e for e in c.take_events()}
+    tag_a, tag_b = DERIVER.scope_tag(scope_for("a")), DERIVER.scope_tag(scope_for("b"))
+    assert set(by_tag) == {tag_a, tag_b}
+    assert by_tag[tag_a].block_ids == (0, 1, 2) and by_tag[tag_b].block_ids == (3,)
+    assert by_tag[tag_a].details["block_count"] == 3
+    assert by_tag[tag_a].details["bytes_cleared"] == 3000
+    assert by_tag[tag_a].details["block_ids_sha256"] == digest_block_ids([0, 1, 2])
+    assert by_tag[tag_b].details["batch_block_count"] == 4
+    # A handover clear is the evidence of the block's *previous* owner.
+    c2 = make_custody(policies={"a": CROSS})
+    run_request(c2, "r1", scope_for("a"), [5], 0.0)
+    c2.purge(PurgeSelector(PurgeKind.TENANT, "nobody"), 1.0)  # no-op: a stays cached
+    c2.begin("r2", scope_for("b"), use_cache=True)
+    c2.take_events()
+    handover = c2.allocate("r2", [5], 2.0)
+    assert handover == (5,)
+    c2.take_events()
+    c2.zeroized([5], 3.0, {"block_count": 1}, handover=True)
+    (event,) = c2.take_events()
+    assert event.scope_tag == tag_a and event.block_ids == (5,)
+
+
+def test_engine_evictions_are_one_entry_per_owner_per_step(make_custody) -> None:
+    c = make_custody(num_blocks=8)
+    run_request(c, "r1", scope_for("a"), [0, 1, 2], 0.0)
+    run_request(c, "r2", scope_for("b"), [3], 0.0)
+    c.take_events()
+    c.begin("r3", scope_for("c"), use_cache=True)
+    c.allocate("r3", [0, 1, 2, 3], 5.0)  # the engine's LRU re-assigned every cached block
+    evicts = [e for e in c.take_events() if e.kind is EventKind.EVICT]
+    assert sorted(len(e.block_ids) for e in evicts) == [1, 3]
+    assert {e.scope_tag for e in evicts} == {
+        DERIVER.scope_tag(scope_for("a")),
+        DERIVER.scope_tag(scope_for("b")),
+    }
+    c.check_invariants()

@@ -82,3 +82,34 @@ def test_events_over_the_block_limit_are_split_and_their_figures_add_up(count: i
     assert sum(p.details["bytes_cleared"] for p in clear_parts) == count * 512
     assert sum(p.details["blocks_verified"] for p in clear_parts) == 5
     assert all(p.details["command_id"] == 7 for p in purge_parts)
+
+
+def test_audit_levels_do_what_docs_policy_md_says() -> None:
+    """minimal: zeroizations, purges, evictions (and repairs); standard: plus allocations, reuse and
+    releases, one entry per request; full: the same, one entry per block."""
+    ledger = Recorder()
+    levels = {
+        "st_min": AuditLevel.MINIMAL,
+        "st_std": AuditLevel.STANDARD,
+        "st_full": AuditLevel.FULL,
+    }
+    bridge = LedgerBridge(ledger, lambda tag: levels[tag or ""])
+    kinds = (
+        EventKind.ALLOC,
+        EventKind.REUSE,
+        EventKind.RELEASE,
+        EventKind.EVICT,
+        EventKind.ZEROIZE,
+    )
+    for tag in levels:
+        ledger.events.clear()
+        bridge.forward([CustodyEvent(k, 1.0, tag, "r", (1, 2, 3), {}) for k in kinds])
+        got = [(e.kind, len(e.block_ids)) for e in ledger.events]
+        if tag == "st_min":
+            assert got == [("block.evict", 3), ("block.zeroize", 3)]
+        elif tag == "st_std":
+            assert [k for k, _ in got] == [k.value for k in kinds] and {n for _, n in got} == {3}
+        else:
+            per_block = [k for k, n in got if n == 1]
+            assert per_block.count("block.alloc") == 3 and per_block.count("block.release") == 3
+            assert ("block.zeroize", 3) in got

@@ -1,4 +1,6 @@
-"""The `vllm serve` middleware: API key -> tenant, client salts stripped, server salt and scope injected."""
+"""The serve middleware in isolation: API key -> tenant, deny by default, client salts stripped,
+server salt and scope injected, the connection passed through. (The same middleware in front of the
+real vLLM server, with the openai client: test_openai_server.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from kvguard.control.tenants import TenantRegistry
 from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
@@ -34,10 +37,17 @@ class Downstream:
 PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+def _registered(keys: TenantKeys, *tenants: str) -> TenantKeys:
+    registry = TenantRegistry(keys._engine)
+    for tenant in tenants:
+        registry.create(tenant, display_name=tenant, created_by="test")
+    return keys
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def tenant_keys(request, tmp_path):
     if request.param == "sqlite":
-        yield TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+        yield _registered(TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}"), "acme", "off")
         return
     schema = f"tk_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
@@ -48,7 +58,7 @@ def tenant_keys(request, tmp_path):
         pytest.skip(f"PostgreSQL unreachable at {PG_URL} ({type(exc).__name__})")
     engine = sa.create_engine(PG_URL, connect_args={"options": f"-csearch_path={schema}"})
     try:
-        yield TenantKeys(engine)
+        yield _registered(TenantKeys(engine), "acme", "off")
     finally:
         engine.dispose()
         with admin.connect() as conn:
@@ -125,9 +135,121 @@ async def test_disabled_tenant_403_and_bad_body_400(setup) -> None:
 
 
 @pytest.mark.anyio
-async def test_non_api_paths_pass_through(setup) -> None:
-    _, _, _, client = setup
+async def test_deny_by_default_only_health_is_public(setup) -> None:
+    keys, _, downstream, client = setup
     assert (await client.get("/health")).status_code == 200
+    key = {"authorization": f"Bearer {keys.issue('acme').api_key}"}
+    for method, path in [
+        ("GET", "/metrics"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/inference/v1/generate"),
+        ("GET", "/openapi.json"),
+        ("POST", "/some/future/route"),
+    ]:
+        assert (await client.request(method, path)).status_code == 401, path
+        refused = await client.request(method, path, headers=key)
+        assert refused.status_code == 403 and "not served" in refused.text, path
+    assert (await client.get("/v1/models", headers=key)).status_code == 200  # read-only, keyed
+    assert (await client.get("/v1/models")).status_code == 401
+    assert downstream.bodies == [{}]  # only /v1/models reached the app
+
+
+def test_keys_only_for_registered_enabled_tenants_and_listing_hides_secrets(tenant_keys) -> None:
+    from kvguard.errors import ConflictError, NotFoundError  # noqa: PLC0415
+
+    with pytest.raises(NotFoundError):
+        tenant_keys.issue("nobody")
+    issued = tenant_keys.issue("acme")
+    listed = tenant_keys.list("acme")
+    assert [k.key_id for k in listed] == [issued.key_id] and not listed[0].revoked
+    assert issued.api_key not in repr(listed)
+    assert tenant_keys.revoke(issued.key_id, tenant_id="acme").revoked
+    with pytest.raises(NotFoundError):  # another tenant's key cannot be revoked through "off"
+        tenant_keys.revoke(issued.key_id, tenant_id="off")
+    TenantRegistry(tenant_keys._engine).disable("off", by="admin", reason="test")
+    with pytest.raises(ConflictError):
+        tenant_keys.issue("off")
+
+
+@pytest.mark.anyio
+async def test_client_disconnect_reaches_the_app_after_the_body(setup) -> None:
+    keys, _, _, _ = setup
+    seen: list[str] = []
+
+    async def app(scope, receive, send):
+        seen.append((await receive())["type"])
+        seen.append((await receive())["type"])  # vLLM's with_cancellation waits on this
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = KVGuardMiddleware(
+        app,
+        keys=keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=PolicySet(),
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    body = json.dumps({"prompt": [1, 2]}).encode()
+    incoming = [
+        {"type": "http.request", "body": body[:5], "more_body": True},
+        {"type": "http.request", "body": body[5:], "more_body": False},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        return None
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"authorization", f"Bearer {keys.issue('acme').api_key}".encode())],
+    }
+    await middleware(scope, receive, send)
+    assert seen == ["http.request", "http.disconnect"]
+
+
+@pytest.mark.anyio
+async def test_scope_comes_from_the_engines_own_config(tenant_keys) -> None:
+    """Block size, dtype, model and revision are read from `app.state.vllm_config`."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    downstream = Downstream()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            model="org/model", revision="abc", tokenizer="org/model", tokenizer_revision=None
+        ),
+        cache_config=SimpleNamespace(cache_dtype="fp8", block_size=128),
+    )
+    app = KVGuardMiddleware(
+        downstream, keys=tenant_keys, deriver=SaltDeriver(Keyring.generate()), policies=PolicySet()
+    )
+    state_app = SimpleNamespace(state=SimpleNamespace(vllm_config=config))
+    key = tenant_keys.issue("acme").api_key
+
+    async def wrapped(scope, receive, send):
+        await app({**scope, "app": state_app}, receive, send)
+
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=wrapped), base_url="http://k")
+    assert (await _post(client, key, {"prompt": [1]})).status_code == 200
+    scope = read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope
+    assert (scope.cache_config.block_size, scope.cache_config.kv_dtype) == (128, "fp8")
+    assert (scope.model.id, scope.model.revision) == ("org/model", "abc")
+    bare = KVGuardMiddleware(
+        Downstream(),
+        keys=tenant_keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=PolicySet(),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=bare), base_url="http://k")
+    response = await _post(client, key, {"prompt": [1]})
+    assert response.status_code == 503 and "engine configuration" in response.text
 
 
 def test_envelope_survives_vllms_openai_protocol(setup) -> None:
@@ -143,11 +265,7 @@ def test_envelope_survives_vllms_openai_protocol(setup) -> None:
         cache=CacheConfig(kv_dtype="auto", block_size=32),
     )
     scope = app._scope("acme", None)
-    body = json.loads(
-        app._rewrite(
-            json.dumps({"model": "tiny", "prompt": [1, 2]}).encode(), Envelope(scope, True)
-        )
-    )
+    body = json.loads(app._rewrite({"model": "tiny", "prompt": [1, 2]}, Envelope(scope, True)))
     request = protocol.CompletionRequest.model_validate(body)
     params = request.to_sampling_params(max_tokens=4)
     assert read_envelope(params.extra_args).scope == scope
@@ -166,7 +284,7 @@ class _Clock:
 async def test_disabled_in_the_policy_store_is_403_within_a_refresh(tmp_path, monkeypatch) -> None:
     from kvguard.policy.store import PolicyStore  # noqa: PLC0415
 
-    keys = TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}")
+    keys = _registered(TenantKeys.open(f"sqlite:///{tmp_path / 'tenants.db'}"), "acme")
     store = PolicyStore.open(f"sqlite:///{tmp_path / 'policy.db'}")
     clock = _Clock()
     downstream = Downstream()

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
 from kvguard.errors import AdmissionError, UntrustedSaltError
 from tests.engine_adapter.vllm_support import BLOCK, engine_kwargs, write_secrets
 
@@ -350,3 +350,57 @@ def test_G6_connector_refuses_raw_kv_events(tmp_path) -> None:
     ).create_engine_config()
     with pytest.raises(ConfigError, match="KV cache events"):
         KVGuardConnector(config, KVConnectorRole.WORKER, None)
+
+
+def test_share_group_shares_only_listed_prefixes_on_real_engine(guarded) -> None:
+    """Issue 10, item 7: inside a share group, only a listed prefix is shared, and only the blocks of
+    that prefix; a group request starting with anything else runs under its tenant's own scope."""
+    from tests.engine_adapter.vllm_support import GROUP_PREFIX  # noqa: PLC0415
+
+    listed = [*GROUP_PREFIX, 7, 8, 9, 10, 11]
+    first = guarded.generate([listed], _params(), tenant="grp-a", group="g1")[0]
+    assert first.num_cached_tokens == 0
+    # grp-b reuses exactly the listed prefix (3 blocks), not grp-a's suffix.
+    second = guarded.generate([listed], _params(), tenant="grp-b", group="g1")[0]
+    assert second.num_cached_tokens == len(GROUP_PREFIX)
+    # A group prompt outside the allow-list is not shared with the group...
+    unlisted = [(13 * i + 3) % 500 + 5 for i in range(3 * BLOCK + 5)]
+    guarded.generate([unlisted], _params(), tenant="grp-a", group="g1")
+    assert (
+        guarded.generate([unlisted], _params(), tenant="grp-b", group="g1")[0].num_cached_tokens
+        == 0
+    )
+    # ... but stays the tenant's own: grp-a's repeat hits its blocks.
+    assert (
+        guarded.generate([unlisted], _params(), tenant="grp-a", group="g1")[0].num_cached_tokens > 0
+    )
+    # A listed prefix followed by a suffix shared by both tenants: only the prefix is reused.
+    tail = [(29 * i + 1) % 500 + 5 for i in range(2 * BLOCK)]
+    guarded.generate([GROUP_PREFIX + tail + [3]], _params(), tenant="grp-a", group="g1")
+    again = guarded.generate([GROUP_PREFIX + tail + [4]], _params(), tenant="grp-b", group="g1")[0]
+    assert again.num_cached_tokens == len(GROUP_PREFIX)
+    assert _sched(guarded).stats["share_narrowed"] >= 3
+
+
+def test_quota_holds_a_flood_to_the_tenants_budget_on_real_engine(guarded) -> None:
+    """Issue 10, item 6: requests that would take a tenant past `quota.max_blocks` wait in vLLM's
+    queue (recorded as `quota.defer`), a request larger than the quota runs alone, the tenant's
+    cache never grows past its quota, and another tenant's cached prefix survives the flood."""
+    sched = _sched(guarded)
+    victim = [(71 * i + 5) % 500 + 5 for i in range(2 * BLOCK + 4)]
+    guarded.generate([victim], _params(), tenant="quota-victim")
+    deferred = sched.stats["quota_deferred"]
+    flood = [[(k * 37 + 11 * i) % 500 + 5 for i in range(3 * BLOCK + 4)] for k in range(8)]
+    outs = guarded.generate(flood, _params(), tenant="quota-t")
+    assert len(outs) == 8 and all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    assert sched.stats["quota_deferred"] > deferred  # 8 x 4 blocks at once would be 32 > 4
+    big = [(19 * i + 2) % 500 + 5 for i in range(10 * BLOCK)]
+    assert len(guarded.generate([big], _params(), tenant="quota-t")[0].outputs[0].token_ids) == 1
+    assert sched.custody.tenant_cached("quota-t") <= 4
+    assert sched.custody.tenant_counts("quota-t")[BlockStatus.ACTIVE] == 0
+    assert guarded.generate([victim], _params(), tenant="quota-victim")[0].num_cached_tokens > 0
+    sched.custody.check_invariants()
+    sched.ledger.flush()
+    tag = sched.deriver.scope_tag(guarded.scope("quota-t"))
+    page = sched.ledger.query(kinds=["quota.defer"], scope_tag=tag, limit=100)
+    assert page.records and page.records[0].event.details["blocks_quota"] == 4

@@ -7,8 +7,11 @@ from typing import Any
 
 from kvguard.audit.signing import SigningKey
 from kvguard.isolation import Keyring
+from kvguard.policy import prefix_digest
 
 BLOCK = 32
+# The one prefix share group `g1` lists: 3 blocks; `min_shared_tokens` 64.
+GROUP_PREFIX = [(41 * i + 7) % 500 + 5 for i in range(3 * BLOCK)]
 POLICY_YAML = """\
 version: 1
 default:
@@ -23,7 +26,20 @@ tenants:
     zeroize: {on_release: cross_scope, verify: full}
   disabled-tenant:
     enabled: false
-"""
+  quota-t:
+    quota: {max_blocks: 4}
+  grp-a:
+    reuse: group
+    groups: [g1]
+  grp-b:
+    reuse: group
+    groups: [g1]
+share_groups:
+  g1:
+    prefixes:
+      - {id: g1-system, digest: "DIGEST", tokens: 96}
+    min_shared_tokens: 64
+""".replace("DIGEST", prefix_digest(GROUP_PREFIX))
 
 
 def engine_kwargs(kv_bytes: int = 1 << 20) -> dict[str, Any]:

@@ -267,3 +267,30 @@ def test_ttl_clock_step_back_is_clamped_even_without_the_idle_rule() -> None:
     )
     block = BlockState(scope=scope(), created_at=50.0, last_used_at=50.0)
     assert expired(policy, block, 10.0)
+
+
+def test_shared_prefix_tokens_follows_the_allow_list_and_min_shared_tokens() -> None:
+    from kvguard.policy import PolicySet, prefix_digest, shared_prefix_tokens  # noqa: PLC0415
+
+    prefix = list(range(5, 69))  # 64 tokens
+    groups = {
+        "g": {
+            "prefixes": [{"id": "p", "digest": prefix_digest(prefix), "tokens": 64}],
+            "min_shared_tokens": 64,
+        },
+        "g-nolen": {
+            "prefixes": [{"id": "p", "digest": prefix_digest(prefix)}],
+            "min_shared_tokens": 64,
+        },
+        "g-long": {
+            "prefixes": [{"id": "p", "digest": prefix_digest(prefix)}],
+            "min_shared_tokens": 65,
+        },
+    }
+    ps = PolicySet.model_validate({"share_groups": groups})
+    assert shared_prefix_tokens(ps, "g", [*prefix, 1, 2, 3], 32) == 64
+    assert shared_prefix_tokens(ps, "g-nolen", [*prefix, 1, 2, 3], 32) == 64  # block-aligned search
+    assert shared_prefix_tokens(ps, "g", prefix[:-1], 32) == 0  # shorter than the listed prefix
+    assert shared_prefix_tokens(ps, "g", [9, *prefix], 32) == 0  # does not start with it
+    assert shared_prefix_tokens(ps, "g-long", [*prefix, 1], 32) == 0  # below min_shared_tokens
+    assert shared_prefix_tokens(ps, "nope", prefix, 32) == 0

@@ -78,7 +78,8 @@ class KVGuardConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return 0, False
+        # None: "not yet" - vLLM leaves the request waiting this step (a tenant over its quota).
+        return (0, False) if self._sched.may_schedule(request) else (None, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         return None  # allocations are read from the scheduler output in build_connector_meta

@@ -48,6 +48,10 @@ def tiny_llama_dir() -> Path:
 class GuardedLLM:
     """A governed `vllm.LLM` (offline inference). See docs/vllm.md."""
 
+    # The connector vLLM loads (a test subclass adds an independent checker to it).
+    connector_class: str = KVGuardConnector.__name__
+    connector_module: str = CONNECTOR_MODULE
+
     def __init__(
         self,
         model: str,
@@ -62,15 +66,16 @@ class GuardedLLM:
                 raise ConfigError(f"GuardedLLM sets {refused} itself; do not pass it")
         self.options = options
         self._deriver = options.deriver()
-        self._policies = options.initial_policy()[0]
         transfer = KVTransferConfig(
-            kv_connector=KVGuardConnector.__name__,
-            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_connector=self.connector_class,
+            kv_connector_module_path=self.connector_module,
             kv_role="kv_both",
             kv_connector_extra_config=options.to_extra_config(),
         )
         llm_kwargs.setdefault("enable_prefix_caching", True)
         self.llm = LLM(model=model, kv_transfer_config=transfer, **llm_kwargs)
+        # After the engine started: its connector seeds an empty policy store from the file.
+        self._policies = options.initial_policy()[0]
         config = self.llm.llm_engine.vllm_config
         self._model = ModelRef(id=model, revision=model_revision, weights_digest=weights_digest)
         self._tokenizer = TokenizerRef(

@@ -16,12 +16,15 @@ from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, Tokeniz
 UNGOVERNED_TENANT: Final = "kvguard:ungoverned"
 
 
-def make_private(request: Any) -> None:
+def make_private(request: Any, *, skip_reading: bool = True) -> None:
     """No reads from the prefix cache, and no writes anyone could hit: the request's block hashes
     are recomputed under a one-off salt. Without this, a request carrying a copied salt would
     register blocks under the victim's hashes while it runs (the custody reuse check would then
     stop the engine on the victim's next hit: safe, but a denial of service)."""
-    request.skip_reading_prefix_cache = True
+    # `skip_reading` False only for a request kvguard may still hold in the waiting queue (quota):
+    # vLLM schedules a skip-reading request whatever the connector says; its one-off salt alone
+    # already guarantees that it can hit nothing.
+    request.skip_reading_prefix_cache = skip_reading
     request.cache_salt = "kvguard-private:" + secrets.token_urlsafe(16)
     request.block_hashes = []
     request.update_block_hashes()

@@ -40,6 +40,9 @@ ENGINE_COUNTERS: Final = (
     "preemptions",
     "commands",
     "zeroize_failures",
+    "custody_repairs",
+    "share_narrowed",
+    "quota_deferred",
 )
 _STOP_WAIT_S: Final = 1.0
 _log = get_logger("vllm.reporting")

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.control.policy_seed import seed_from_file
 from kvguard.errors import ConfigError, FailClosedError
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
@@ -111,11 +112,16 @@ class GuardOptions:
     def policy_set(self) -> PolicySet:
         return self.initial_policy()[0]
 
-    def initial_policy(self) -> tuple[PolicySet, int | None]:
-        """The policy to start with, and its store version (None: from `policy_file` or defaults)."""
+    def initial_policy(self, ledger: Ledger | None = None) -> tuple[PolicySet, int | None]:
+        """The policy to start with, and its store version (None: from `policy_file` or defaults).
+
+        With `policy_url` and a `ledger`, an empty store is first seeded from `policy_file`
+        (`kvguard.control.policy_seed`), so the engine and the admin API read one policy."""
         if self.policy_url:
             store = PolicyStore.open(self.policy_url)
             try:
+                if ledger is not None:
+                    seed_from_file(store, ledger, self.policy_file)
                 current = store.current()
             finally:
                 store.engine.dispose()

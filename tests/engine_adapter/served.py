@@ -1,0 +1,113 @@
+"""A real `kvguard engine serve` process for the end-to-end tests (vLLM's OpenAI server on the CPU).
+
+Production mode with explicit secret files (the path operators run), an SQLite database under the
+test's directory, the packaged tiny Llama (dummy weights, word-level tokenizer with a chat template).
+No `--block-size`: the server must take it from the engine's own configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
+
+from kvguard.audit.signing import SigningKey
+from kvguard.control.tenants import TenantRegistry
+from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir
+from kvguard.isolation import Keyring
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = """\
+version: 1
+default:
+  reuse: tenant
+tenants:
+  disabled-co:
+    enabled: false
+"""
+TENANTS = ("acme", "globex", "disabled-co", "rev", "initech")
+
+
+@dataclass
+class Served:
+    base_url: str
+    model: str
+    db_url: str
+    workdir: Path
+    proc: subprocess.Popen[bytes]
+
+    def keys(self) -> TenantKeys:
+        return TenantKeys.open(self.db_url)
+
+    def log_tail(self, n: int = 6000) -> str:
+        return (self.workdir / "serve.log").read_text(errors="replace")[-n:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
+    workdir.mkdir(parents=True, exist_ok=True)
+    Keyring.generate().save(workdir / "salt.keys")
+    SigningKey.generate("kvguard.test/ledger").save(workdir / "sign.key")
+    (workdir / "policy.yaml").write_text(POLICY)
+    db_url = f"sqlite:///{workdir / 'kvguard.db'}"
+    registry = TenantRegistry(sa.create_engine(db_url))
+    for tenant in TENANTS:
+        registry.create(tenant, display_name=tenant, created_by="test")
+    port = _free_port()
+    model = str(tiny_llama_dir())
+    env = {
+        **os.environ,
+        "KVGUARD_MODE": "prod",
+        "KVGUARD_DATA_DIR": str(workdir / "data"),
+        "KVGUARD_DB_URL": db_url,
+        "KVGUARD_SALT_KEYRING_FILE": str(workdir / "salt.keys"),
+        "KVGUARD_SIGNING_KEY_FILE": str(workdir / "sign.key"),
+        "KVGUARD_POLICY_FILE": str(workdir / "policy.yaml"),
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs the engine core as vLLM does
+    argv = [
+        sys.executable, "-m", "kvguard.cli", "engine", "serve", model,
+        "--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048",
+        "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8",
+        "--enable-prompt-tokens-details", "--port", str(port), "--host", "127.0.0.1",
+        "--seed", "0", *extra,
+    ]  # fmt: skip
+    log = (workdir / "serve.log").open("wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    served = Served(f"http://127.0.0.1:{port}", model, db_url, workdir, proc)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"kvguard engine serve exited ({proc.returncode}):\n{served.log_tail()}"
+            )
+        try:
+            if httpx.get(served.base_url + "/health", timeout=1).status_code == 200:
+                return served
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(served)
+    raise RuntimeError(f"kvguard engine serve did not come up:\n{served.log_tail()}")
+
+
+def stop(served: Served) -> None:
+    served.proc.terminate()
+    try:
+        served.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        served.proc.kill()
+        served.proc.wait(timeout=10)
