@@ -51,6 +51,38 @@ class Served:
         return (self.workdir / "serve.log").read_text(errors="replace")[-n:]
 
 
+LORA_NAME = "tiny-lora"
+
+
+def write_lora(directory: Path, seed: int) -> None:
+    """A PEFT LoRA adapter (rank 4 on q_proj and v_proj) for the tiny Llama, weights from `seed`."""
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj, out_dim in (("q_proj", 128), ("v_proj", 64)):
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(4, 128, generator=g) * 0.1
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out_dim, 4, generator=g) * 0.1
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny-llama",
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,6 +100,7 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
         registry.create(tenant, display_name=tenant, created_by="test")
     port = _free_port()
     model = str(tiny_llama_dir())
+    write_lora(workdir / "lora", seed=1)
     env = {
         **os.environ,
         "KVGUARD_MODE": "prod",
@@ -83,7 +116,8 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
         "--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048",
         "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8",
         "--enable-prompt-tokens-details", "--port", str(port), "--host", "127.0.0.1",
-        "--seed", "0", *extra,
+        "--seed", "0", "--enable-lora", "--max-lora-rank", "8",
+        "--lora-modules", f"{LORA_NAME}={workdir / 'lora'}", *extra,
     ]  # fmt: skip
     log = (workdir / "serve.log").open("wb")
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -231,3 +231,20 @@ def test_client_disconnect_mid_stream_aborts_and_releases_blocks(server, keys) -
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+def test_lora_adapter_reloaded_with_new_weights_never_reuses(server, keys) -> None:
+    """Issue 10, item 8: the adapter's name and a digest of its files are in the scope. vLLM keys LoRA
+    blocks by name and path only, so without the digest the reload below would hit stale KV."""
+    c = _client(server, keys["acme"])
+    prompt = " ".join(["ga ge gi go gu"] * 60)  # not sent by any other test
+
+    def cached(model: str) -> int:
+        return _cached(c.completions.create(model=model, prompt=prompt, max_tokens=1).usage)
+
+    assert cached(served_mod.LORA_NAME) == 0
+    assert cached(served_mod.LORA_NAME) > 0  # the same adapter reuses its own blocks
+    assert cached(server.model) == 0  # the base model is another scope
+    served_mod.write_lora(server.workdir / "lora", seed=2)  # same name and path, new weights
+    assert cached(served_mod.LORA_NAME) == 0
+    assert cached(served_mod.LORA_NAME) > 0
