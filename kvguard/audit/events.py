@@ -12,6 +12,7 @@ only a salted commitment does (see `kvguard.audit.leaf`), so it can be erased la
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from datetime import UTC, datetime
@@ -61,12 +62,19 @@ def _words(name: str) -> list[str]:
     return [w.lower() for w in _WORD_SPLIT.split(name) if w]
 
 
+@functools.lru_cache(maxsize=4096)
+def _name_verdict(name: str) -> tuple[bool, bool]:
+    """(reads like sensitive material, reads like a count) for a field name. Cached: detail names
+    come from a small fixed vocabulary, and this check ran for every field of every engine event."""
+    words = _words(name)
+    countish = bool(words) and (words[-1] in _COUNT_WORDS or words[0] in _COUNT_WORDS)
+    return is_sensitive_name(name) or bool(set(words) & _EXTRA_SENSITIVE), countish
+
+
 def _check_field(where: str, name: str, value: DetailValue) -> None:
     """Raise SensitiveFieldError if `name` or `value` reads like G6 material. Names only, no values."""
-    words = _words(name)
-    is_count = isinstance(value, int) and not isinstance(value, bool) and bool(words)
-    is_count = is_count and (words[-1] in _COUNT_WORDS or words[0] in _COUNT_WORDS)
-    sensitive = is_sensitive_name(name) or bool(set(words) & _EXTRA_SENSITIVE)
+    sensitive, countish = _name_verdict(name)
+    is_count = isinstance(value, int) and not isinstance(value, bool) and countish
     if sensitive and not is_count:
         raise SensitiveFieldError(f"{where}.{name}: field name reads like sensitive material (G6)")
     if isinstance(value, str):
