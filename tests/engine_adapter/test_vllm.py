@@ -404,3 +404,38 @@ def test_quota_holds_a_flood_to_the_tenants_budget_on_real_engine(guarded) -> No
     tag = sched.deriver.scope_tag(guarded.scope("quota-t"))
     page = sched.ledger.query(kinds=["quota.defer"], scope_tag=tag, limit=100)
     assert page.records and page.records[0].event.details["blocks_quota"] == 4
+
+
+def test_G5_each_tenant_gets_its_own_zeroize_evidence_on_real_engine(guarded) -> None:
+    """Issue 10, item 10: blocks of two tenants cleared in one kernel launch yield one `block.zeroize`
+    entry per tenant, each naming only blocks that tenant was allocated, so a tenant's export holds its
+    own wipe evidence and no other tenant's block ids."""
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+
+    sched = _sched(guarded)
+    sched.ledger.flush()
+    start = sched.ledger.size
+    batch = [
+        (TenantRequest(t), [(k * 43 + 7 * i + len(t)) % 500 + 5 for i in range(2 * BLOCK + 3)])
+        for k in range(3)
+        for t in ("restricted-tenant", "restricted-2")
+    ]
+    guarded.generate_batch(batch, _params())
+    sched.ledger.flush()
+    allocated: dict[str, set[int]] = {}
+    cleared: dict[str | None, list[set[int]]] = {}
+    after = sched.ledger.query(limit=1000, after=start - 1).records
+    for record in after:
+        event = record.event
+        if event.kind == "block.alloc":
+            allocated.setdefault(event.scope_tag, set()).update(event.block_ids)
+        elif event.kind == "block.zeroize" and not event.details.get("handover"):
+            cleared.setdefault(event.scope_tag, []).append(set(event.block_ids))
+    tags = {
+        sched.deriver.scope_tag(guarded.scope(t)) for t in ("restricted-tenant", "restricted-2")
+    }
+    assert tags <= set(cleared), "each tenant has zeroize entries of its own"
+    for tag in tags:
+        for ids in cleared[tag]:
+            assert ids <= allocated[tag]  # only blocks this tenant was given
+    assert None not in cleared  # no unattributed clear of owned blocks

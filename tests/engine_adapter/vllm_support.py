@@ -28,6 +28,8 @@ tenants:
     enabled: false
   quota-t:
     quota: {max_blocks: 4}
+  restricted-2:
+    classification: restricted
   grp-a:
     reuse: group
     groups: [g1]
