@@ -14,6 +14,7 @@ dropping the tenant from the key. Whether a tenant may use a wider share is poli
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import cached_property
 from typing import NewType, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -109,8 +110,14 @@ class Scope(_Frozen):
         data.update(share=share, session_id=session_id, group_id=group_id)
         return Scope.model_validate(data)
 
-    def same_domain(self, other: Scope) -> bool:
-        """True when blocks of one scope may serve the other (identical reuse domain)."""
+    @cached_property
+    def domain_key(self) -> bytes:
+        """The canonical encoding of the scope: equal exactly when the reuse domains are equal.
+        Computed once per (immutable) scope: custody compares domains on every block it moves."""
         from kvguard.isolation.encoding import encode_scope  # noqa: PLC0415 (circular import)
 
-        return encode_scope(self) == encode_scope(other)
+        return encode_scope(self)
+
+    def same_domain(self, other: Scope) -> bool:
+        """True when blocks of one scope may serve the other (identical reuse domain)."""
+        return self is other or self.domain_key == other.domain_key

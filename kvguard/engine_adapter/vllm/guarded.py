@@ -7,6 +7,7 @@ the request's `extra_args` (see `transport`). A caller-supplied `cache_salt` is 
 
 from __future__ import annotations
 
+import copy
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,7 +171,10 @@ class GuardedLLM:
             if decision.use_cache
             else "nocache:" + secrets.token_urlsafe(16)
         )
-        params = base.clone()
+        # A shallow copy: only extra_args (a new dict) and one flag differ per request, and vLLM
+        # makes its own per-request copy when it processes the input. `clone()` deep-copied every
+        # field, a third of the front end's per-request cost in a profile.
+        params = copy.copy(base)
         params.extra_args = {**(params.extra_args or {}), **envelope.to_extra_args()}
         if not decision.use_cache:
             params.skip_reading_prefix_cache = True
