@@ -34,6 +34,7 @@ from kvguard.isolation.scope import Scope
 from kvguard.policy import BlockState, TenantPolicy, ZeroizeOn, expired, must_zeroize
 from kvguard.zeroize.plan import digest_block_ids
 
+_COUNTED = (BlockStatus.ACTIVE, BlockStatus.CACHED)
 PolicyView = Callable[[str], TenantPolicy]  # tenant id -> its current policy
 Tagger = Callable[[Scope], str]  # scope -> public scope tag
 Details = dict[str, str | int | float | bool | None]
@@ -67,8 +68,9 @@ class Custody:
         # Handover blocks -> the scope tag whose bytes they held: the clear is that owner's evidence.
         self._handover_from: dict[BlockId, str | None] = {}
         self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
-        self._cached_owner: dict[BlockId, str] = {}  # cached block -> tenant it counts against
-        self._cached_by_tenant: Counter[str] = Counter()  # quotas cap a tenant's cached blocks
+        # Active and cached blocks per (tenant, state), kept by `_set`: quotas read them in O(1).
+        self._counted: dict[BlockId, tuple[str, BlockStatus]] = {}
+        self._held: Counter[tuple[str, BlockStatus]] = Counter()
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -89,7 +91,11 @@ class Custody:
 
     def tenant_cached(self, tenant_id: str) -> int:
         """Blocks the tenant has cached now (O(1))."""
-        return self._cached_by_tenant.get(tenant_id, 0)
+        return self._held.get((tenant_id, BlockStatus.CACHED), 0)
+
+    def tenant_active(self, tenant_id: str) -> int:
+        """Blocks held by the tenant's running requests now (O(1))."""
+        return self._held.get((tenant_id, BlockStatus.ACTIVE), 0)
 
     def tenant_counts(self, tenant_id: str) -> dict[BlockStatus, int]:
         tally = Counter(
@@ -437,13 +443,13 @@ class Custody:
             raise CustodyError("per-tenant block counts do not add up")
         if self._cached != {r.block_id for r in self._blocks if r.status is BlockStatus.CACHED}:
             raise CustodyError("the cached-block index disagrees with block states")
-        cached_by: Counter[str] = Counter(
-            r.owner.tenant_id
+        by_state: Counter[tuple[str, BlockStatus]] = Counter(
+            (r.owner.tenant_id, r.status)
             for r in self._blocks
-            if r.status is BlockStatus.CACHED and r.owner is not None
+            if r.status in _COUNTED and r.owner is not None
         )
-        if +cached_by != +self._cached_by_tenant:
-            raise CustodyError("per-tenant cached counts do not add up")
+        if +by_state != +self._held:
+            raise CustodyError("per-tenant active / cached counts do not add up")
         if sum(self.counts().values()) != len(self._blocks):
             raise CustodyError("block states do not add up to the pool size")
 
@@ -451,14 +457,15 @@ class Custody:
 
     def _set(self, rec: BlockRecord, status: BlockStatus) -> None:
         """The only place a block's status changes (keeps the cached indexes exact)."""
-        counted = self._cached_owner.pop(rec.block_id, None)
+        counted = self._counted.pop(rec.block_id, None)
         if counted is not None:
-            self._cached_by_tenant[counted] -= 1
+            self._held[counted] -= 1
+        if status in _COUNTED and rec.owner is not None:
+            key = (rec.owner.tenant_id, status)
+            self._counted[rec.block_id] = key
+            self._held[key] += 1
         if status is BlockStatus.CACHED:
             self._cached.add(rec.block_id)
-            if rec.owner is not None:
-                self._cached_owner[rec.block_id] = rec.owner.tenant_id
-                self._cached_by_tenant[rec.owner.tenant_id] += 1
         else:
             self._cached.discard(rec.block_id)
         if status is not BlockStatus.QUARANTINED:
@@ -494,7 +501,7 @@ class Custody:
             return False
         policy = self._policy(rec.owner.tenant_id)
         cap = policy.quota.max_blocks
-        if cap is not None and self._cached_by_tenant[rec.owner.tenant_id] >= cap:
+        if cap is not None and self.tenant_cached(rec.owner.tenant_id) >= cap:
             return False  # a tenant's cache never grows past its quota (docs/policy.md)
         return not expired(policy, self._state(rec), now)
 

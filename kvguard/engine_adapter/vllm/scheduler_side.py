@@ -242,7 +242,7 @@ class SchedulerGuard:
             return True
         scope, needed, cap = waiting
         tenant = scope.tenant_id
-        busy = self._c.tenant_counts(tenant)[BlockStatus.ACTIVE] + self._granted[tenant]
+        busy = self._c.tenant_active(tenant) + self._granted[tenant]
         if busy and busy + needed > cap:
             if request.request_id not in self._deferred:
                 self._deferred.add(request.request_id)
