@@ -325,3 +325,22 @@ async def test_disabled_in_the_policy_store_is_403_within_a_refresh(tmp_path, mo
     assert (await _post(client, key, {"prompt": [1]})).status_code == 503
     assert len(downstream.bodies) == 2
     store.engine.dispose()
+
+
+@pytest.mark.anyio
+async def test_a_request_that_can_never_fit_the_quota_is_a_clear_400(tenant_keys) -> None:
+    downstream = Downstream()
+    app = KVGuardMiddleware(
+        downstream,
+        keys=tenant_keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=PolicySet.model_validate({"tenants": {"acme": {"quota": {"max_blocks": 4}}}}),
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k")
+    key = tenant_keys.issue("acme").api_key
+    refused = await _post(client, key, {"prompt": [1], "max_tokens": 129})  # 5 blocks > 4
+    assert refused.status_code == 400 and "quota is 4 blocks" in refused.text
+    assert (await _post(client, key, {"prompt": [1], "max_tokens": 128})).status_code == 200
+    assert len(downstream.bodies) == 1

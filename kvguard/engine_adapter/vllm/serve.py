@@ -188,7 +188,24 @@ class KVGuardMiddleware:
         decision = admit(self.policies, request_scope, Usage())
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
+        self._check_quota(tenant, doc, engine.cache.block_size)
         return self._rewrite(doc, Envelope(decision.scope, decision.use_cache))
+
+    def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int) -> None:
+        """A request whose output alone needs more blocks than the tenant's quota can never fit:
+        refuse it with a clear error here (the engine can only make requests wait). Prompt length is
+        unknown before vLLM tokenizes, so this is the one quota check a front end can make."""
+        cap = self.policies.policy_for(tenant).quota.max_blocks
+        tokens = doc.get("max_completion_tokens", doc.get("max_tokens"))
+        if cap is None or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            return
+        needed = -(-tokens // block_size)
+        if needed > cap:
+            raise _RefusedError(
+                400,
+                f"max_tokens {tokens} needs at least {needed} KV blocks of {block_size} tokens; "
+                f"this tenant's quota is {cap} blocks",
+            )
 
     def _engine_view(self, scope: MutableMapping[str, Any]) -> EngineView | None:
         if self._engine is None:
