@@ -51,6 +51,27 @@ class Settings(BaseSettings):
             return self.db_url
         return f"sqlite:///{(self.data_dir / 'kvguard.db').resolve()}"
 
+    def secret_files(self, origin: str, *, command: str) -> tuple[Path, Path]:
+        """(salt keyring file, checkpoint signing key file) for a server process. In dev mode the
+        missing ones are generated under the data directory (0600); otherwise both must be set, and
+        FailClosedError names what `command` needs."""
+        keyring_file, signing_file = self.salt_keyring_file, self.signing_key_file
+        if self.mode is Mode.DEV:
+            from kvguard.audit.signing import SigningKey  # noqa: PLC0415 (audit imports settings)
+
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.load_keyring()  # creates the dev keyring file if missing
+            keyring_file = keyring_file or self.data_dir / "salt.keys"
+            signing_file = signing_file or self.data_dir / "ledger-signing.key"
+            if not signing_file.exists():
+                SigningKey.generate(origin).save(signing_file)
+        if keyring_file is None or signing_file is None:
+            raise FailClosedError(
+                f"{command} needs KVGUARD_SALT_KEYRING_FILE and KVGUARD_SIGNING_KEY_FILE "
+                "(or KVGUARD_MODE=dev to generate development keys under KVGUARD_DATA_DIR)"
+            )
+        return Path(keyring_file), Path(signing_file)
+
     def load_keyring(self) -> Keyring:
         """The salt keyring, from file, then env, then (dev mode only) a generated dev keyring."""
         if self.salt_keyring_file is not None:

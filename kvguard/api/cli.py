@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -90,29 +89,14 @@ def serve_command(
 
 def _config(db: str | None, origin: str, checkpoint_interval: float | None) -> ApiConfig:
     from kvguard.api.services import ApiConfig  # noqa: PLC0415
-    from kvguard.audit.signing import SigningKey  # noqa: PLC0415
-    from kvguard.errors import FailClosedError  # noqa: PLC0415
-    from kvguard.settings import Mode, Settings  # noqa: PLC0415
+    from kvguard.settings import Settings  # noqa: PLC0415
 
     settings = Settings()
-    keyring_file = settings.salt_keyring_file
-    signing_file = settings.signing_key_file
-    if settings.mode is Mode.DEV:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        settings.load_keyring()  # creates the dev keyring file if missing
-        keyring_file = keyring_file or settings.data_dir / "salt.keys"
-        signing_file = signing_file or settings.data_dir / "ledger-signing.key"
-        if not signing_file.exists():
-            SigningKey.generate(origin).save(signing_file)
-    if keyring_file is None or signing_file is None:
-        raise FailClosedError(
-            "kvguard serve needs KVGUARD_SALT_KEYRING_FILE and KVGUARD_SIGNING_KEY_FILE "
-            "(or KVGUARD_MODE=dev to generate development keys)"
-        )
+    keyring_file, signing_file = settings.secret_files(origin, command="kvguard serve")
     return ApiConfig(
         db_url=db or settings.database_url(),
-        signing_key_file=Path(signing_file),
-        salt_keyring_file=Path(keyring_file),
+        signing_key_file=signing_file,
+        salt_keyring_file=keyring_file,
         origin=origin,
         checkpoint_interval_s=checkpoint_interval,
     )

@@ -24,11 +24,10 @@ from __future__ import annotations
 import os
 from argparse import Namespace
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
-from kvguard.errors import ConfigError, FailClosedError
-from kvguard.settings import Mode, Settings
+from kvguard.errors import ConfigError
+from kvguard.settings import Settings
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
@@ -50,29 +49,14 @@ class ServeConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, origin: str = DEFAULT_ORIGIN) -> ServeConfig:
-        from kvguard.audit.signing import SigningKey  # noqa: PLC0415
-
-        keyring_file = settings.salt_keyring_file
-        signing_file = settings.signing_key_file
-        if settings.mode is Mode.DEV:
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
-            settings.load_keyring()  # creates the dev keyring file if missing
-            keyring_file = keyring_file or settings.data_dir / "salt.keys"
-            signing_file = signing_file or settings.data_dir / "ledger-signing.key"
-            if not signing_file.exists():
-                SigningKey.generate(origin).save(signing_file)
-        if keyring_file is None or signing_file is None:
-            raise FailClosedError(
-                "kvguard engine serve needs KVGUARD_SALT_KEYRING_FILE and KVGUARD_SIGNING_KEY_FILE "
-                "(or KVGUARD_MODE=dev to generate development keys under KVGUARD_DATA_DIR)"
-            )
+        keyring_file, signing_file = settings.secret_files(origin, command="kvguard engine serve")
         if settings.db_url is None:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
         db_url = settings.database_url()
         options = GuardOptions(
-            salt_keyring_file=Path(keyring_file).resolve(),
+            salt_keyring_file=keyring_file.resolve(),
             ledger_url=db_url,
-            signing_key_file=Path(signing_file).resolve(),
+            signing_key_file=signing_file.resolve(),
             policy_file=settings.policy_file.resolve() if settings.policy_file else None,
             ledger_origin=origin,
             commands_url=db_url,
