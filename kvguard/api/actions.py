@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 from kvguard.api.auth import Principal
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
 from kvguard.audit.ledger import Ledger
+from kvguard.control.policy_seed import policy_change_event
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.logging import get_logger
 from kvguard.policy.store import PolicyChange
@@ -53,12 +54,7 @@ class ActionLog:
     def policy_change(self, change: PolicyChange) -> int:
         """The `policy.change` entry for a stored version (written right after the store commits:
         on SQLite the ledger cannot be written from inside the policy store's write transaction)."""
-        event = AuditEvent(
-            kind=EventKind.POLICY_CHANGE,
-            ts=datetime.fromtimestamp(change.at, UTC),
-            details={"policy_version": change.version, "digest": change.digest},
-            payload={"author": change.author[:200]},
-        )
+        event = policy_change_event(change)
         return self._append(event)
 
     def record(

@@ -19,10 +19,21 @@ from kvguard.audit.ledger import Ledger
 from kvguard.errors import PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, load_policy_file
-from kvguard.policy.store import PolicyStore
+from kvguard.policy.store import PolicyChange, PolicyStore
 
 _log = get_logger("control.policy_seed")
 SEED_AUTHOR = "seed"
+
+
+def policy_change_event(change: PolicyChange) -> AuditEvent:
+    """The `policy.change` ledger entry of a stored version (the author only in the erasable
+    payload). Every writer of policy versions records them with this."""
+    return AuditEvent(
+        kind=EventKind.POLICY_CHANGE,
+        ts=datetime.fromtimestamp(change.at, UTC),
+        details={"policy_version": change.version, "digest": change.digest},
+        payload={"author": change.author[:200]},
+    )
 
 
 def seed_from_file(store: PolicyStore, ledger: Ledger, policy_file: Path | None) -> int | None:
@@ -51,14 +62,6 @@ def seed_from_file(store: PolicyStore, ledger: Ledger, policy_file: Path | None)
     except PolicyVersionConflictError:
         latest = store.current()
         return latest.change.version if latest is not None else None
-    change = store.get(version).change
-    ledger.append(
-        AuditEvent(
-            kind=EventKind.POLICY_CHANGE,
-            ts=datetime.fromtimestamp(change.at, UTC),
-            details={"policy_version": change.version, "digest": change.digest},
-            payload={"author": change.author},
-        )
-    )
+    ledger.append(policy_change_event(store.get(version).change))
     _log.info("policy store seeded from the policy file", version=version)
     return version
