@@ -65,8 +65,8 @@ class Custody:
         self._pending_handover: set[BlockId] = set()
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks, for the expiry sweep
-        # Handover blocks -> the scope tag whose bytes they held: the clear is that owner's evidence.
-        self._handover_from: dict[BlockId, str | None] = {}
+        # Handover blocks -> the owner whose bytes they held (scope, tag): the clear is its evidence.
+        self._handover_from: dict[BlockId, tuple[Scope | None, str | None]] = {}
         self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
         # Active and cached blocks per (tenant, state), kept by `_set`: quotas read them in O(1).
         self._counted: dict[BlockId, tuple[str, BlockStatus]] = {}
@@ -111,6 +111,10 @@ class Custody:
         """The blocks a registered request holds (empty if it is not registered)."""
         req = self._requests.get(RequestId(request_id))
         return tuple(dict.fromkeys(req.blocks)) if req else ()
+
+    def handover_owner(self, block_id: int) -> Scope | None:
+        """The scope whose bytes a pending handover clear of `block_id` removes (None: unknown)."""
+        return self._handover_from.get(BlockId(block_id), (None, None))[0]
 
     def pending_release(self) -> tuple[int, ...]:
         """Quarantined blocks not yet handed to the worker (the adapter holds them out of the pool)."""
@@ -191,7 +195,7 @@ class Custody:
                 self._engine_evicted(rec, now)
             if rec.owner is not None and self._needs_clear(rec, req.scope):
                 handover.append(rec.block_id)
-                self._handover_from[rec.block_id] = rec.owner_tag
+                self._handover_from[rec.block_id] = (rec.owner, rec.owner_tag)
             self._take(rec, req, RequestId(request_id), now, first + offset)
             rec.created_at = now
             rec.hashed = False
@@ -246,7 +250,7 @@ class Custody:
         for bid in ids:
             rec = self._blocks[bid]
             if rec.owner is None or not rec.owner.same_domain(req.scope):
-                self._handover_from[bid] = rec.owner_tag
+                self._handover_from[bid] = (rec.owner, rec.owner_tag)
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.discard(bid)
                 self._tenant_dec(rec)
@@ -384,7 +388,7 @@ class Custody:
         owners: dict[BlockId, str | None] = {}
         for bid in ids:
             if handover:
-                owners[bid] = self._handover_from.pop(bid, None)
+                owners[bid] = self._handover_from.pop(bid, (None, None))[1]
                 continue
             rec = self._blocks[bid]
             if rec.status is not BlockStatus.QUARANTINED:

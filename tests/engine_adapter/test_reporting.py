@@ -56,7 +56,12 @@ def test_zeroized_blocks_bytes_and_cleanup_latency_per_owner(sqlite_url, make_cu
     }
     reporter.zeroized(c, (0, 1), details, handover=False, now=2.5)
     c.zeroized([0, 1], 2.5, details)
-    reporter.handover_owners({5: "b"})
+    c.begin("rb", scope_for("b"), use_cache=True)  # b caches block 5 ...
+    c.allocate("rb", [5], 2.6)
+    c.mark_hashed([5])
+    c.finish("rb", 2.7)
+    c.begin("rc", scope_for("c"), use_cache=True)  # ... and the engine hands it to c
+    assert c.allocate("rc", [5], 2.8) == (5,)
     reporter.zeroized(c, (5,), {"bytes_cleared": 4096, "block_count": 1}, handover=True, now=3.0)
     assert reporter.blocks_zeroized == {"a": 2, "b": 1}
     assert reporter.bytes_zeroized == {"a": 8192, "b": 4096}
@@ -65,7 +70,8 @@ def test_zeroized_blocks_bytes_and_cleanup_latency_per_owner(sqlite_url, make_cu
     assert reporter.heartbeat(4.0, c.summary(), {"ledger_submitted": 3})
     (engine,) = reporter.registry.engines()
     assert engine.totals["bytes_zeroized"] == 12288 and engine.totals["ledger_submitted"] == 3
-    assert engine.totals["blocks_free"] == 16 and engine.totals["zeroize_wall_time_us_count"] == 1
+    assert engine.totals["blocks_free"] == 15  # block 5 is still active for tenant c
+    assert engine.totals["zeroize_wall_time_us_count"] == 1
     reporter.close(5.0, c.summary(), {})
     (engine,) = reporter.registry.engines()
     assert engine.stopped_at == 5.0

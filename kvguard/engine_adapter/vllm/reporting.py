@@ -67,7 +67,6 @@ class EngineReporter:
         self._registered = False
         self._last_beat = float("-inf")
         self._tags: dict[str, str] = {}  # scope tag -> tenant, first seen since the last heartbeat
-        self._handover_owner: dict[int, str] = {}  # block -> tenant whose bytes a handover clears
         self.prompt_tokens: Counter[str] = Counter()
         self.prefix_hit_tokens: Counter[str] = Counter()
         self.blocks_zeroized: Counter[str] = Counter()
@@ -96,10 +95,6 @@ class EngineReporter:
     def prefix_hit(self, tenant: str, tokens: int) -> None:
         self.prefix_hit_tokens[tenant] += tokens
 
-    def handover_owners(self, owners: Mapping[int, str]) -> None:
-        """Blocks about to be cleared on handover, and the tenants whose bytes they still hold."""
-        self._handover_owner.update(owners)
-
     def observe(self, events: Iterable[CustodyEvent]) -> None:
         for event in events:
             if event.kind is EventKind.EVICT:
@@ -114,12 +109,13 @@ class EngineReporter:
         handover: bool,
         now: float,
     ) -> None:
-        """Call before `custody.zeroized`: release clears still know their owner there."""
+        """Call before `custody.zeroized`: the cleared blocks still know their owner there."""
         ids = list(blocks)
         per_block = _bytes_per_block(details)
         for b in ids:
             if handover:
-                tenant = self._handover_owner.pop(b, None)
+                previous = custody.handover_owner(b)
+                tenant = previous.tenant_id if previous is not None else None
             else:
                 rec = custody.record(b)
                 tenant = rec.owner.tenant_id if rec.owner is not None else None

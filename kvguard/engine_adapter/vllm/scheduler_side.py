@@ -103,7 +103,6 @@ class SchedulerGuard:
         self._quota_wait: dict[str, tuple[Scope, int, int]] = {}  # rid -> (scope, needed, cap)
         self._deferred: set[str] = set()
         self._granted: Counter[str] = Counter()  # blocks let through this schedule, per tenant
-        self._split_now: set[str] = set()
         self._step = 0
         self._closed = False
         self.timer = PhaseTimer()
@@ -320,8 +319,9 @@ class SchedulerGuard:
         in this very schedule (vLLM hashes full blocks when it schedules them), so its hits are only
         known to custody once every allocation of the step is. Running, resumed and new requests
         come in any order in vLLM's scheduler output; this order does not depend on it."""
-        work: list[tuple[str, list[int], list[int], int]] = []  # rid, hits, fresh, tokens matched
-        self._split_now.clear()  # new and resumed requests: their block tables start this step
+        # (rid, hits, fresh, tokens matched, index of the first fresh block in the request's table:
+        # known for new and resumed requests, None for running ones, whose table custody holds)
+        work: list[tuple[str, list[int], list[int], int, int | None]] = []
         for new in so.scheduled_new_reqs:
             work.append(self._split(new.req_id, list(new.block_ids[0]), new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
@@ -331,14 +331,13 @@ class SchedulerGuard:
             if rid in cached.resumed_req_ids:
                 work.append(self._split(rid, blocks, cached.num_computed_tokens[i]))
             elif blocks:
-                work.append((rid, [], blocks, 0))
+                work.append((rid, [], blocks, 0, None))
         canary: list[int] = []
-        for rid, hits, fresh, _n in work:
-            start = len(hits) if rid in self._split_now else None
+        for rid, _hits, fresh, _n, start in work:
             canary += self._guarded(
                 rid, fresh, now, partial(self._allocate, rid, fresh, now, start)
             )
-        for rid, hits, _fresh, matched in work:
+        for rid, hits, _fresh, matched, _start in work:
             if hits:
                 canary += self._guarded(
                     rid, hits, now, partial(self._reuse, rid, hits, matched, now)
@@ -347,7 +346,7 @@ class SchedulerGuard:
 
     def _split(
         self, rid: str, block_ids: list[int], num_computed: int
-    ) -> tuple[str, list[int], list[int], int]:
+    ) -> tuple[str, list[int], list[int], int, int | None]:
         """Register a (new or resumed) request and split its blocks into prefix hits and fresh ones."""
         env = self._envelopes.get(rid)
         if env is None:
@@ -361,8 +360,8 @@ class SchedulerGuard:
             self._c.begin(rid, env.scope, use_cache=env.use_cache, retain_blocks=limit)
             self._begun.add(rid)
         n_hit = num_computed // self._block_size if env.use_cache else 0
-        self._split_now.add(rid)
-        return rid, block_ids[:n_hit], block_ids[n_hit:], num_computed
+        hits = block_ids[:n_hit]
+        return rid, hits, block_ids[n_hit:], num_computed, len(hits)
 
     def _reuse(self, rid: str, hits: list[int], num_computed: int, now: float) -> list[int]:
         c, env = self._c, self._envelopes[rid]
@@ -398,14 +397,14 @@ class SchedulerGuard:
     def _allocate(
         self, rid: str, block_ids: list[int], now: float, start: int | None = None
     ) -> list[int]:
-        c = self._c
         scope = self._envelopes[rid].scope
-        entering = [b for b in block_ids if not self._same_owner(b, scope)]
-        owners = {b: o.tenant_id for b in entering if (o := c.record(b).owner) is not None}
+        # Test-only canary: every block entering another domain must read all-zero before the forward.
+        entering = (
+            [b for b in block_ids if not self._same_owner(b, scope)] if self.options.canary else []
+        )
         for b in block_ids:
             self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
-        handover = c.allocate(rid, block_ids, now, start=start)
-        self.reporter.handover_owners({b: owners[b] for b in handover if b in owners})
+        self._c.allocate(rid, block_ids, now, start=start)
         self._mark_hashed(block_ids)
         return entering
 
