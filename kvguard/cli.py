@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvguard import __version__
 from kvguard.api.cli import create_key_command, revoke_key_command, serve_command
 from kvguard.audit.cli import audit_app, signing_key_command, verify_command
-from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.control.keys import TenantKeys
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
@@ -112,6 +112,36 @@ def demo(
         raise typer.Exit(1)
 
 
+def _submit_recorded_purge(queue: Any, selector: Any, by: str) -> int:
+    """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
+    the admin API, or the next `kvguard` process that opens the ledger, delivers it)."""
+    from datetime import UTC, datetime  # noqa: PLC0415
+
+    from kvguard.audit.events import AuditEvent, EventKind  # noqa: PLC0415
+    from kvguard.control.db import write_transaction  # noqa: PLC0415
+    from kvguard.control.outbox import Outbox  # noqa: PLC0415
+
+    outbox = Outbox(queue.engine)
+    with write_transaction(queue.engine) as conn:
+        job_id = int(queue.submit_purge(selector, requested_by=by, conn=conn))
+        tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
+        event = AuditEvent(
+            kind=EventKind.ADMIN_ACTION,
+            ts=datetime.now(UTC),
+            details={
+                "principal": f"cli:{by}"[:200],
+                "role": "operator",
+                "action": "purge.create",
+                "outcome": "ok",
+                "job_id": job_id,
+                "purge_kind": selector.kind.value,
+            },
+            payload={"tenant_id": tenant} if tenant else None,
+        )
+        outbox.add(conn, [event])
+    return job_id
+
+
 @app.command()
 def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Database the engines poll.")],
@@ -129,8 +159,11 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     wait: Annotated[float, typer.Option(help="Seconds to wait for engine acknowledgements.")] = 0.0,
 ) -> None:
     """Queue a purge for every engine on the database; cached blocks are quarantined and zeroized."""
-    from kvguard.engine_adapter.commands import CommandQueue  # noqa: PLC0415
-    from kvguard.engine_adapter.records import PurgeKind, PurgeSelector  # noqa: PLC0415
+    from kvguard.control.commands import (  # noqa: PLC0415
+        CommandQueue,
+        PurgeKind,
+        PurgeSelector,
+    )
 
     chosen = [
         (k, v) for k, v in (("session", session), ("model", model), ("adapter", adapter)) if v
@@ -148,7 +181,7 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
         selector = PurgeSelector(PurgeKind.TENANT, str(tenant))
     try:
         queue = CommandQueue.open(db)
-        command_id = queue.submit_purge(selector, requested_by=by)
+        command_id = _submit_recorded_purge(queue, selector, by)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -280,3 +313,49 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+db_app = typer.Typer(help="The database: migrations and PostgreSQL grants.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("migrate")
+def db_migrate(
+    db: Annotated[str | None, typer.Option(help="Database URL (run as the owner role).")] = None,
+) -> None:
+    """Create or upgrade every kvguard table (control plane and ledger) to this release's schema."""
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from kvguard.api.cli import _db_url  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+    from kvguard.audit.migrate import upgrade as upgrade_ledger  # noqa: PLC0415
+    from kvguard.control.db import current_revision, upgrade  # noqa: PLC0415
+
+    url = _db_url(db)
+    engine = create_engine(url)
+    try:
+        upgrade_ledger(engine)
+        upgrade(engine)
+        typer.echo(f"control schema at {current_revision(engine)}; ledger schema up to date")
+    except SQLAlchemyError as exc:
+        typer.echo(f"error: cannot migrate the database: {type(exc).__name__}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+
+
+@db_app.command("grants")
+def db_grants(
+    app_role: Annotated[str, typer.Argument(help="The PostgreSQL role serving processes use.")],
+) -> None:
+    """Print the SQL (run it as the owner role) that gives APP_ROLE exactly what the API, engines
+    and front ends need: ledger append-only, control tables per docs/operations.md."""
+    from kvguard.control.roles import all_grants  # noqa: PLC0415
+
+    try:
+        statements = all_grants(app_role)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for statement in statements:
+        typer.echo(f"{statement};")

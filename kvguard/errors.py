@@ -129,5 +129,9 @@ class AuthenticationError(KvguardError):
     """No valid API key. The message never contains the key."""
 
 
+class PreconditionFailedError(ConflictError):
+    """A write's precondition (`If-Match`, `expected_version`) does not hold: someone wrote first."""
+
+
 class PermissionDeniedError(KvguardError):
     """The caller's role does not allow the action."""

@@ -31,3 +31,38 @@ def fresh_pg_database(prefix: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+@contextmanager
+def pg_roles(url: str) -> Iterator[tuple[str, str, str]]:
+    """(owner URL, app URL, app role) on the fresh database `url`: new login roles, the database and
+    its public schema owned by the owner (docs/operations.md, "Database"); the roles and what they
+    own are dropped afterwards (roles are cluster-wide: none is left behind)."""
+    suffix = uuid.uuid4().hex[:8]
+    owner, app = f"kvg_owner_{suffix}", f"kvg_app_{suffix}"
+    database = sa.engine.make_url(url).database
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE ROLE {owner} LOGIN")
+            conn.exec_driver_sql(f"CREATE ROLE {app} LOGIN")
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" OWNER TO {owner}')
+            conn.exec_driver_sql(f"ALTER SCHEMA public OWNER TO {owner}")
+        as_user = sa.engine.make_url(url)
+        yield (
+            as_user.set(username=owner).render_as_string(hide_password=False),
+            as_user.set(username=app).render_as_string(hide_password=False),
+            app,
+        )
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                f" WHERE usename IN ('{owner}', '{app}') AND pid <> pg_backend_pid()"
+            )
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" OWNER TO postgres')
+            for role in (owner, app):
+                conn.exec_driver_sql(f"REASSIGN OWNED BY {role} TO postgres")
+                conn.exec_driver_sql(f"DROP OWNED BY {role}")
+                conn.exec_driver_sql(f"DROP ROLE {role}")
+        admin.dispose()

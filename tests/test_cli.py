@@ -5,8 +5,8 @@ import os
 from typer.testing import CliRunner
 
 from kvguard.cli import app
-from kvguard.engine_adapter.commands import CommandQueue
-from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.control.commands import CommandQueue
+from kvguard.control.keys import TenantKeys
 from kvguard.isolation import Keyring
 
 runner = CliRunner()

@@ -1,21 +1,27 @@
-"""The FastAPI application: routers, error handlers, request logging.
+"""The FastAPI application: routers, error handlers, the request gate, request logging.
 
 `create_app(services)` serves already-opened `Services` (tests, embedding); `kvguard serve` opens them
-from `ApiConfig` and closes them at shutdown. One canonical log line per request (method, route,
-status, principal key id, duration), never headers or bodies.
+from `ApiConfig` and closes them at shutdown. Middleware, outermost first: `AccessLog` (one canonical
+line per request: method, route, status, principal key id, duration; never headers or bodies),
+`errors.ErrorGuard` (answers what no handler took, never re-raises), `limits.RequestGate` (body
+limit, NUL check and authentication before the body is read), then FastAPI's exception handlers
+(`errors.install`) and routes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard import __version__
 from kvguard.api import errors
+from kvguard.api.auth import Principal
+from kvguard.api.limits import PRINCIPAL_STATE, RequestGate
 from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
 from kvguard.api.services import Services
 from kvguard.logging import get_logger
@@ -25,6 +31,42 @@ _log = get_logger("kvguard.api.access")
 DESCRIPTION = """Compliance admin API of kvguard: tenants, policies, purges with erasure certificates,
 cache state and the audit ledger. Authenticate with `Authorization: Bearer <API key>`
 (`kvguard keys create --role admin|auditor|tenant_admin`)."""
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})  # plus the schema and its docs (create_app)
+
+
+class AccessLog:
+    """One log line per request, written when the answer has been sent (or the server gave up)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        structlog.contextvars.clear_contextvars()
+        start = time.perf_counter()
+        status = 0  # no answer started
+
+        async def send_seen(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_seen)
+        finally:
+            principal = scope.get("state", {}).get(PRINCIPAL_STATE)
+            _log.info(
+                "request",
+                method=scope["method"],
+                route=getattr(scope.get("route"), "path", "unmatched"),
+                status=status,
+                key_id=principal.key_id if isinstance(principal, Principal) else None,
+                duration_ms=round((time.perf_counter() - start) * 1000, 2),
+            )
 
 
 def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAPI:
@@ -44,22 +86,14 @@ def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAP
     errors.install(app)
     for module in (health, tenants, inference_keys, policies, purges, cache, audit):
         app.include_router(module.router)
-
-    @app.middleware("http")
-    async def access_log(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        structlog.contextvars.clear_contextvars()
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        _log.info(
-            "request",
-            method=request.method,
-            route=getattr(route, "path", "unmatched"),
-            status=response.status_code,
-            duration_ms=round((time.perf_counter() - start) * 1000, 2),
-        )
-        return response
-
+    docs = (app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url)
+    # add_middleware puts each new one outside the earlier ones.
+    app.add_middleware(
+        RequestGate,
+        services=services,
+        max_body_bytes=services.config.max_body_bytes,
+        public_paths=PUBLIC_PATHS | {path for path in docs if path},
+    )
+    app.add_middleware(errors.ErrorGuard)
+    app.add_middleware(AccessLog)
     return app

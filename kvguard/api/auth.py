@@ -1,198 +1,155 @@
-"""Admin API keys, roles and the failed-authentication limiter.
+"""Roles and keys of the admin API (`kvguard.control.keys` stores them), bearer authentication and
+the failed-authentication limiter.
 
-A key reads `kvg_adm_<key id>_<secret>` (the log redactor masks the `kvg_` shape). It is shown once, at
-creation; the database keeps the key id, the role, the bound tenant and an scrypt hash of the secret
-(N=2^14, r=8, p=1: about 16 MiB and tens of milliseconds per check, so a stolen database does not give
-fast offline guessing even if a key were ever drawn from a weak source). The comparison is
-constant-time.
+`authenticate_bearer` is the one place a request's key is checked; the request gate
+(`kvguard.api.limits`) calls it before any byte of the body is read.
 
-scrypt on every request would cost more than the queries it guards, so a process remembers keys it has
-verified for `CACHE_S` seconds, as an HMAC of the secret under a random per-process pepper (the cache
-holds nothing a memory dump could replay elsewhere). Revocation is read from the database on every
-request, so it takes effect at once in every process.
-
-Failed authentications are counted per client address; past `max_failures` in `window_s` the client
-gets 429 until the window moves on, before its key is even looked at.
+A key that authenticates is always let through, whatever the limiter says. The check is a
+constant-work HMAC (`ApiKeys.authenticate`), so refusing a good key saves nothing, and refusing it
+would let one guesser behind a shared address (a NAT, a proxy) lock every valid key behind that
+address out. A key that does not authenticate is a failure, counted against the client address and,
+for a well-formed admin key, against its key id (a guess at one key's secret spread over many
+addresses). Past `max_failures` in `window_s` on either count, a failing request is answered 429 with
+`Retry-After` instead of 401: guessing a 256-bit secret is hopeless anyway, so the limiter's job is to
+make a spray visible and cheap to answer, never to stand between a valid key and the API.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import re
-import secrets
 import threading
 import time
-from collections import deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Final
 
-import sqlalchemy as sa
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from kvguard.control.keys import ApiKeys, IssuedApiKey, Principal, Role, admin_key_id
+from kvguard.errors import AuthenticationError
+from kvguard.logging import get_logger
 
-from kvguard.control.tenants import check_tenant_id
-from kvguard.errors import ConfigError, NotFoundError
-from kvguard.logging import register_secret
+__all__ = [
+    "ApiKeys",
+    "FailureLimiter",
+    "IssuedApiKey",
+    "Principal",
+    "Role",
+    "TooManyFailuresError",
+    "authenticate_bearer",
+]
 
-_KEY_RE: Final = re.compile(r"^kvg_adm_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
-_SCRYPT: Final = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}
-CACHE_S: Final = 300.0
+_log = get_logger("kvguard.api.auth")
 
-
-class Role(StrEnum):
-    ADMIN = "admin"  # everything
-    AUDITOR = "auditor"  # read-only: audit, exports, tenants, policies, jobs, cache state
-    TENANT_ADMIN = "tenant_admin"  # one tenant: its policy, sessions, purges, audit, cache state
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling: the key id (recorded as `who` in the ledger), its role and bound tenant."""
-
-    key_id: str
-    role: Role
-    tenant_id: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f"key:{self.key_id}"
+# Subjects remembered per kind (client addresses, key ids); past it the least recently failed are
+# forgotten. Each costs about 290 bytes with 10 failure times (an `array` of doubles; a deque costs
+# 1.1 KB, measured with tracemalloc), so a spray of addresses or made-up key ids holds under 10 MiB.
+MAX_TRACKED: Final = 16_384
 
 
-@dataclass(frozen=True, slots=True)
-class IssuedApiKey:
-    principal: Principal
-    api_key: str  # shown once; never stored
+class TooManyFailuresError(AuthenticationError):
+    """The client address or the key id has failed too often; `retry_after_s` says how long to
+    wait. Only ever raised for a key that did not authenticate."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("too many failed authentications; retry later")
+        self.retry_after_s = int(retry_after_s) + 1
 
 
-class _Base(DeclarativeBase):
-    metadata = sa.MetaData()
+class _Windows:
+    """Failure times per subject, the last `limit` of each, for at most `max_tracked` subjects."""
 
+    def __init__(self, limit: int, max_tracked: int) -> None:
+        self._limit = limit
+        self._max_tracked = max_tracked
+        self._times: OrderedDict[str, array[float]] = OrderedDict()
 
-class ApiKeyRow(_Base):
-    __tablename__ = "admin_api_keys"
+    def add(self, subject: str, now: float) -> None:
+        times = self._times.get(subject)
+        if times is None:
+            if len(self._times) >= self._max_tracked:
+                self._times.popitem(last=False)
+            times = self._times[subject] = array("d")
+        else:
+            self._times.move_to_end(subject)
+        times.append(now)
+        if len(times) > self._limit:
+            del times[0]
 
-    key_id: Mapped[str] = mapped_column(sa.String(12), primary_key=True)
-    salt: Mapped[bytes] = mapped_column(sa.LargeBinary(16))
-    secret_scrypt: Mapped[bytes] = mapped_column(sa.LargeBinary(32))
-    role: Mapped[str] = mapped_column(sa.String(16))
-    tenant_id: Mapped[str | None] = mapped_column(sa.String(128), nullable=True)
-    label: Mapped[str] = mapped_column(sa.String(200), default="")
-    created_at: Mapped[float] = mapped_column(sa.Float)
-    revoked_at: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
+    def __len__(self) -> int:
+        return len(self._times)
 
-
-def _scrypt(secret: str, salt: bytes) -> bytes:
-    return hashlib.scrypt(secret.encode(), salt=salt, **_SCRYPT)
-
-
-class ApiKeys:
-    """Issue, revoke and check admin API keys (table `admin_api_keys`)."""
-
-    def __init__(self, engine: sa.Engine, *, clock: Callable[[], float] = time.time) -> None:
-        self._engine = engine
-        self._clock = clock
-        self._pepper = secrets.token_bytes(32)
-        self._verified: dict[str, tuple[bytes, float]] = {}
-        self._lock = threading.Lock()
-        _Base.metadata.create_all(engine)
-
-    def create(self, role: Role, *, tenant_id: str | None = None, label: str = "") -> IssuedApiKey:
-        if (role is Role.TENANT_ADMIN) != (tenant_id is not None):
-            raise ConfigError("a tenant_admin key needs --tenant; other roles must not have one")
-        if tenant_id is not None:
-            check_tenant_id(tenant_id)
-        key_id, secret, salt = (
-            secrets.token_hex(6),
-            secrets.token_urlsafe(32),
-            secrets.token_bytes(16),
-        )
-        with self._engine.begin() as conn:
-            conn.execute(
-                sa.insert(ApiKeyRow).values(
-                    key_id=key_id,
-                    salt=salt,
-                    secret_scrypt=_scrypt(secret, salt),
-                    role=role.value,
-                    tenant_id=tenant_id,
-                    label=label[:200],
-                    created_at=self._clock(),
-                )
-            )
-        api_key = f"kvg_adm_{key_id}_{secret}"
-        register_secret(api_key)
-        return IssuedApiKey(Principal(key_id, role, tenant_id), api_key)
-
-    def revoke(self, key_id: str) -> None:
-        with self._engine.begin() as conn:
-            done = conn.execute(
-                sa.update(ApiKeyRow)
-                .where(ApiKeyRow.key_id == key_id, ApiKeyRow.revoked_at.is_(None))
-                .values(revoked_at=self._clock())
-            ).rowcount
-        if done != 1:
-            raise NotFoundError(f"no active admin key with id {key_id!r}")
-
-    def authenticate(self, api_key: str | None) -> Principal | None:
-        """The principal of a valid, unrevoked key; None for anything else (never raises)."""
-        match = _KEY_RE.fullmatch(api_key or "")
-        if match is None:
-            return None
-        key_id, secret = match.groups()
-        with self._engine.connect() as conn:
-            row = conn.execute(sa.select(ApiKeyRow).where(ApiKeyRow.key_id == key_id)).first()
-        if row is None or row.revoked_at is not None:
-            return None
-        if not self._check(key_id, secret, row.salt, row.secret_scrypt):
-            return None
-        return Principal(key_id, Role(row.role), row.tenant_id)
-
-    def _check(self, key_id: str, secret: str, salt: bytes, stored: bytes) -> bool:
-        tag = hmac.new(self._pepper, secret.encode(), hashlib.sha256).digest()
-        now = time.monotonic()
-        with self._lock:
-            cached = self._verified.get(key_id)
-        if cached is not None and cached[1] > now:
-            return hmac.compare_digest(cached[0], tag)
-        if not hmac.compare_digest(_scrypt(secret, salt), stored):
-            return False
-        with self._lock:
-            self._verified[key_id] = (tag, now + CACHE_S)
-        return True
+    def wait(self, subject: str, now: float, window_s: float) -> float:
+        """Seconds until `subject` has fewer than `limit` failures in the window (0.0: now)."""
+        times = self._times.get(subject)
+        if times is None or len(times) < self._limit:
+            return 0.0
+        return max(0.0, times[0] + window_s - now)  # times[0]: the oldest of the last `limit`
 
 
 class FailureLimiter:
-    """Failed authentications per client in a sliding window (see the module docstring)."""
+    """Failed authentications per client address and per key id in a sliding window (see the
+    module docstring). Thread-safe; memory is bounded by `max_tracked` subjects of each kind."""
 
     def __init__(
         self,
         *,
         max_failures: int = 10,
         window_s: float = 60.0,
+        max_tracked: int = MAX_TRACKED,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_failures = max_failures
         self.window_s = window_s
         self._clock = clock
-        self._failures: dict[str, deque[float]] = {}
+        self._clients = _Windows(max_failures, max_tracked)
+        self._key_ids = _Windows(max_failures, max_tracked)
         self._lock = threading.Lock()
 
-    def retry_after(self, client: str) -> float:
-        """Seconds the client must wait before trying again (0.0: it may try now)."""
+    def retry_after(self, client: str, key_id: str | None = None) -> float:
+        """Seconds before a failing request from `client` (for `key_id`) is answered 401 again
+        rather than 429; 0.0 when neither is over the limit."""
         now = self._clock()
         with self._lock:
-            times = self._failures.get(client)
-            if not times:
-                return 0.0
-            while times and times[0] <= now - self.window_s:
-                times.popleft()
-            if len(times) < self.max_failures:
-                return 0.0
-            return max(0.0, times[0] + self.window_s - now)
+            wait = self._clients.wait(client, now, self.window_s)
+            if key_id is not None:
+                wait = max(wait, self._key_ids.wait(key_id, now, self.window_s))
+        return wait
 
-    def failed(self, client: str) -> None:
+    def tracked(self) -> int:
+        """How many client addresses and key ids the limiter remembers (at most 2 * max_tracked)."""
         with self._lock:
-            if len(self._failures) > 100_000:  # bounded memory under a spray of addresses
-                self._failures.clear()
-            self._failures.setdefault(client, deque()).append(self._clock())
+            return len(self._clients) + len(self._key_ids)
+
+    def failed(self, client: str, key_id: str | None = None) -> None:
+        now = self._clock()
+        with self._lock:
+            self._clients.add(client, now)
+            if key_id is not None:
+                self._key_ids.add(key_id, now)
+
+
+def authenticate_bearer(
+    keys: ApiKeys,
+    limiter: FailureLimiter,
+    authorization: str | None,
+    *,
+    client: str,
+    path: str = "",
+) -> Principal:
+    """The principal behind an `Authorization: Bearer <key>` header value. Raises
+    AuthenticationError (401), or TooManyFailuresError (429) when the client address or the key id
+    is over the failure limit; a key that authenticates is never refused (module docstring)."""
+    scheme, _, value = (authorization or "").partition(" ")
+    api_key = value.strip() if scheme.lower() == "bearer" else None
+    principal = keys.authenticate(api_key) if api_key else None
+    if principal is not None:
+        return principal
+    key_id = admin_key_id(api_key)
+    wait = limiter.retry_after(client, key_id)
+    # Counted while limited too: a guesser that keeps on trying stays limited.
+    limiter.failed(client, key_id)
+    # Never the key, not even its key id (a prefix of it): which part was wrong is nobody's business.
+    if wait > 0:
+        _log.warning("authentication rate limit hit", client=client, path=path)
+        raise TooManyFailuresError(wait)
+    _log.warning("authentication failed", client=client, path=path)
+    raise AuthenticationError("missing, malformed, unknown or revoked API key")

@@ -24,7 +24,7 @@ from kvguard.api.services import Services
 from kvguard.audit import erasure
 from kvguard.audit.certificate import CLAIMS, ENGINE_CLAIMS, FORMAT, VERSION, set_path
 from kvguard.audit.erasure_query import prove
-from kvguard.engine_adapter.records import PurgeKind
+from kvguard.control.commands import PurgeKind
 
 STANDARDS: Final = (
     "NIST SP 800-88 Rev. 1, Appendix G: Certificate of Sanitization",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -47,7 +48,7 @@ def _open_keys(db: str | None) -> ApiKeys:
         raise typer.Exit(1) from None
 
 
-def serve_command(
+def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
     db: DbOption = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8600,
@@ -57,6 +58,18 @@ def serve_command(
     checkpoint_interval: Annotated[
         float, typer.Option(help="Seconds between periodic checkpoints (0: on demand only).")
     ] = 60.0,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(min=1, help="Largest request body accepted; larger ones get 413 unread."),
+    ] = 1 << 20,
+    trusted_proxy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Address of a reverse proxy whose X-Forwarded-For / X-Forwarded-Proto headers "
+            "are believed (repeat for several; default: none, headers are ignored).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the compliance admin API (uvicorn). Secrets: KVGUARD_SIGNING_KEY_FILE and
     KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
@@ -68,7 +81,7 @@ def serve_command(
     from kvguard.api.services import Services  # noqa: PLC0415
 
     try:
-        config = _config(db, origin, checkpoint_interval or None)
+        config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -83,11 +96,28 @@ def serve_command(
         raise typer.Exit(1) from None
     typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
     uvicorn.run(
-        create_app(services, close_on_shutdown=True), host=host, port=port, access_log=False
+        create_app(services, close_on_shutdown=True),
+        host=host,
+        port=port,
+        **uvicorn_options(trusted_proxy or []),
     )
 
 
-def _config(db: str | None, origin: str, checkpoint_interval: float | None) -> ApiConfig:
+def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
+    """uvicorn settings of `kvguard serve`. Forwarded headers are believed only from the configured
+    proxies: uvicorn's own default believes `X-Forwarded-For` from 127.0.0.1, so a caller on the
+    host (or behind a proxy there) could name a new client address on every request and never reach
+    the failed-authentication limit."""
+    return {
+        "proxy_headers": bool(trusted_proxies),
+        "forwarded_allow_ips": ",".join(trusted_proxies),
+        "access_log": False,  # kvguard.api.app.AccessLog writes one line per request
+    }
+
+
+def _config(
+    db: str | None, origin: str, checkpoint_interval: float | None, max_body_bytes: int
+) -> ApiConfig:
     from kvguard.api.services import ApiConfig  # noqa: PLC0415
     from kvguard.settings import Settings  # noqa: PLC0415
 
@@ -99,6 +129,7 @@ def _config(db: str | None, origin: str, checkpoint_interval: float | None) -> A
         salt_keyring_file=keyring_file,
         origin=origin,
         checkpoint_interval_s=checkpoint_interval,
+        max_body_bytes=max_body_bytes,
     )
 
 
@@ -116,7 +147,7 @@ def create_key_command(
     ] = None,
     label: Annotated[str, typer.Option(help="A note kept with the key (not secret).")] = "",
 ) -> None:
-    """Create an admin API key; it is printed once and only its scrypt hash is kept."""
+    """Create an admin API key; it is printed once and only a keyed hash of it is kept."""
     from kvguard.api.auth import Role  # noqa: PLC0415
 
     try:

@@ -13,20 +13,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
-from fastapi import Depends, HTTPException, Request
+import sqlalchemy as sa
+from fastapi import Depends, Request
 
-from kvguard.api.auth import Principal, Role
+from kvguard.api.auth import Principal, Role, authenticate_bearer
 from kvguard.api.errors import status_for
+from kvguard.api.limits import PRINCIPAL_STATE
 from kvguard.api.services import Services
 from kvguard.audit.events import DetailValue
 from kvguard.errors import (
-    AuthenticationError,
     NotFoundError,
     PermissionDeniedError,
 )
-from kvguard.logging import get_logger
-
-_log = get_logger("kvguard.api.auth")
 
 READERS = (Role.ADMIN, Role.AUDITOR, Role.TENANT_ADMIN)
 GLOBAL_READERS = (Role.ADMIN, Role.AUDITOR)
@@ -47,25 +45,19 @@ def _client(request: Request) -> str:
 
 
 def get_principal(request: Request, services: ServicesDep) -> Principal:
-    """The caller behind `Authorization: Bearer <key>`; 401 otherwise, 429 after too many failures."""
-    client = _client(request)
-    wait = services.limiter.retry_after(client)
-    if wait > 0:
-        _log.warning("authentication rate limit hit", client=client)
-        raise HTTPException(
-            429,
-            detail="too many failed authentications from this client; retry later",
-            headers={"Retry-After": str(int(wait) + 1)},
-        )
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    principal = services.keys.authenticate(key.strip()) if scheme.lower() == "bearer" else None
-    if principal is None:
-        services.limiter.failed(client)
-        # Never the key, not even a prefix of it: which part was wrong is no business of the caller.
-        _log.warning("authentication failed", client=client, path=request.url.path)
-        raise AuthenticationError("missing, malformed, unknown or revoked API key")
-    return principal
+    """The caller behind `Authorization: Bearer <key>`: the one the request gate
+    (`kvguard.api.limits`) authenticated before the body was read, else checked here (401, or 429
+    past the failure limit)."""
+    admitted = request.scope.get("state", {}).get(PRINCIPAL_STATE)
+    if isinstance(admitted, Principal):
+        return admitted
+    return authenticate_bearer(
+        services.keys,
+        services.limiter,
+        request.headers.get("authorization"),
+        client=_client(request),
+        path=request.url.path,
+    )
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
@@ -126,27 +118,42 @@ def require(*roles: Role) -> Any:
 
 
 class Action:
-    """One audited call. The route calls `done(...)` when the change is made; an exception instead
-    records the matching failure outcome (see `kvguard.api.actions`)."""
+    """One audited call. A route that changes state calls `done(conn, ...)` inside its write
+    transaction (`services.write()`), so its `admin.action` entry commits with the change; a route
+    that only reads (an export) calls `done(None, ...)`. An exception instead records the matching
+    failure outcome (see `kvguard.api.actions`). The outbox is drained before the answer is sent."""
 
     def __init__(self, access: Access, name: str) -> None:
         self.access = access
         self.name = name
         self.tenant_id: str | None = None
-        self.recorded_index: int | None = None
+        self.delivered = False  # an entry of its own transaction was recorded for this call
 
-    def done(self, *, tenant_id: str | None = None, **target: DetailValue) -> int:
+    def done(
+        self,
+        conn: sa.Connection | None,
+        *,
+        tenant_id: str | None = None,
+        **target: DetailValue,
+    ) -> None:
         self.tenant_id = tenant_id or self.tenant_id
-        return self._record("ok", target)
+        self._record("ok", target, conn)
 
-    def _record(self, outcome: str, target: dict[str, DetailValue]) -> int:
-        self.recorded_index = self.access.services.actions.record(
-            self.access.principal, self.name, outcome, tenant_id=self.tenant_id, target=target
+    def _record(
+        self, outcome: str, target: dict[str, DetailValue], conn: sa.Connection | None = None
+    ) -> None:
+        self.access.services.actions.record(
+            self.access.principal,
+            self.name,
+            outcome,
+            tenant_id=self.tenant_id,
+            target=target,
+            conn=conn,
         )
-        return self.recorded_index
+        self.delivered = conn is None
 
 
-_OUTCOMES: Final = {403: "denied", 404: "not_found", 409: "conflict"}
+_OUTCOMES: Final = {403: "denied", 404: "not_found", 409: "conflict", 412: "conflict"}
 
 
 def _outcome(exc: BaseException) -> str:
@@ -167,9 +174,12 @@ def audited(name: str, *roles: Role) -> Any:
         try:
             yield action
         except Exception as exc:
-            if action.recorded_index is None:
+            # An exception inside `services.write()` rolled the change back with its `ok` entry:
+            # record the failure instead (not for a call whose entry was delivered on its own).
+            if not action.delivered:
                 action._record(_outcome(exc), {})
             raise
+        services.deliver()
 
     # scope="function": the failure is recorded before the response is sent.
     return Depends(dependency, scope="function")

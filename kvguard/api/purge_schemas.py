@@ -8,8 +8,8 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvguard.api.purge_jobs import JobReport, PurgeEngineState, PurgeStatus
+from kvguard.control.commands import PurgeKind
 from kvguard.control.tenants import TENANT_ID_PATTERN
-from kvguard.engine_adapter.records import PurgeKind
 
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
 _TENANT_KINDS = (PurgeKind.TENANT, PurgeKind.SESSION)

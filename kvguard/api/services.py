@@ -1,14 +1,20 @@
 """What the admin API process holds: its configuration and the stores it opens on the database.
 
 Ownership: `Services` owns the ledger (and its background checkpoints), the policy store, the tenant and
-key registries, the command queue and the engine registry for the life of the app; routes borrow them
-through `kvguard.api.deps`. Everything is opened from one database URL, the one engines use too.
+key registries, the command queue, the outbox and the engine registry for the life of the app; routes
+borrow them through `kvguard.api.deps`. Everything is opened from one database URL, the one engines
+use too, on one control engine (`kvguard.control.db.open_engine`).
+
+Writes: a route makes its change, its engine commands and its ledger events in one transaction
+(`write()`), then `deliver()` drains the outbox into the ledger. A background drain every
+`OUTBOX_DRAIN_S` seconds (and one at start-up) delivers what a crash or a ledger outage left pending.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,18 +25,23 @@ from prometheus_client import CollectorRegistry
 from kvguard.api.actions import ActionLog
 from kvguard.api.auth import ApiKeys, FailureLimiter
 from kvguard.api.metrics import FleetCollector, new_registry
-from kvguard.audit.db import create_engine
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.audit.writer import PeriodicTask
+from kvguard.control.commands import CommandQueue
+from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.engines import EngineRegistry
+from kvguard.control.keys import TenantKeys
+from kvguard.control.outbox import Outbox
 from kvguard.control.tenants import TenantRegistry
-from kvguard.engine_adapter.commands import CommandQueue
-from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
+from kvguard.logging import get_logger
 from kvguard.policy.store import PolicyStore
 
 DEFAULT_ORIGIN = "kvguard.local/ledger"
+OUTBOX_DRAIN_S = 5.0
+_log = get_logger("kvguard.api.services")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +56,12 @@ class ApiConfig:
     engine_max_age_s: float = 10.0
     auth_max_failures: int = 10
     auth_window_s: float = 60.0
+    # Request bodies over this are refused (413) before they are read; policy PUTs, the largest
+    # legitimate bodies, stay far below.
+    max_body_bytes: int = 1 << 20
     checkpoint_interval_s: float | None = 60.0
+    # Seconds between background drains of the ledger outbox (None: only after writes and at start).
+    outbox_drain_s: float | None = OUTBOX_DRAIN_S
 
 
 @dataclass
@@ -63,11 +79,13 @@ class Services:
     limiter: FailureLimiter
     actions: ActionLog
     metrics: CollectorRegistry
+    outbox: Outbox
     clock: Callable[[], float] = field(default=time.time)
+    _drainer: PeriodicTask | None = None
 
     @classmethod
     def open(cls, config: ApiConfig, *, clock: Callable[[], float] = time.time) -> Services:
-        db = create_engine(config.db_url)
+        db = open_engine(config.db_url)
         ledger = Ledger.open(
             config.db_url,
             origin=config.origin,
@@ -77,11 +95,13 @@ class Services:
         )
         deriver = SaltDeriver(Keyring.load(config.salt_keyring_file))
         registry, append_seconds = new_registry()
+        outbox = Outbox(db)
+        policies = PolicyStore(db, clock=clock)
         services = cls(
             config=config,
             db=db,
             ledger=ledger,
-            policies=PolicyStore.open(config.db_url, clock=clock),
+            policies=policies,
             tenants=TenantRegistry(db, clock=clock),
             keys=ApiKeys(db, clock=clock),
             inference_keys=TenantKeys(db),
@@ -91,12 +111,30 @@ class Services:
             limiter=FailureLimiter(
                 max_failures=config.auth_max_failures, window_s=config.auth_window_s
             ),
-            actions=ActionLog(ledger, deriver, clock, append_seconds=append_seconds),
+            actions=ActionLog(ledger, deriver, clock, outbox=outbox, append_seconds=append_seconds),
             metrics=registry,
+            outbox=outbox,
             clock=clock,
         )
         registry.register(FleetCollector(services))  # reads the fleet at scrape time
+        services.deliver()  # what a crash left pending
+        if config.outbox_drain_s is not None:
+            services._drainer = PeriodicTask(
+                config.outbox_drain_s, services.deliver, "kvguard-outbox-drain"
+            )
         return services
+
+    @contextmanager
+    def write(self) -> Iterator[sa.Connection]:
+        """One write transaction on the control database: state, commands and outbox events
+        commit together or not at all."""
+        with write_transaction(self.db) as conn:
+            yield conn
+
+    def deliver(self) -> bool:
+        """Drain the outbox into the ledger; False (logged) when the ledger cannot be written now:
+        the events stay committed in the outbox for the next drain."""
+        return self.actions.try_deliver()
 
     def tenant_ledger_tags(self, tenant_id: str) -> list[str]:
         """The scope tags of a tenant's ledger entries: the `st_` tags engines registered for its
@@ -106,6 +144,8 @@ class Services:
         )
 
     def close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.stop()
+        self.deliver()
         self.ledger.close()
-        self.policies.engine.dispose()
         self.db.dispose()

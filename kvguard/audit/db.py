@@ -7,6 +7,8 @@ pysqlite's own implicit transaction handling is switched off so that these BEGIN
 
 PostgreSQL: READ COMMITTED, with the head row locked by `SELECT ... FOR UPDATE` in the store; commits
 are durable under the server's default `synchronous_commit=on`.
+
+Both hide SQL parameters from exception texts: a failed statement's ids never reach a log.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ def create_engine(url: str) -> sa.Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):
             raise LedgerUnavailableError("the ledger needs a durable SQLite file, not :memory:")
-        engine = sa.create_engine(url, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000})
+        engine = sa.create_engine(
+            url, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000}, hide_parameters=True
+        )
         sa.event.listen(engine, "connect", _sqlite_connect)
         sa.event.listen(engine, "begin", _sqlite_begin)
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return sa.create_engine(url, isolation_level="READ COMMITTED", pool_pre_ping=True)
+        return sa.create_engine(
+            url, isolation_level="READ COMMITTED", pool_pre_ping=True, hide_parameters=True
+        )
     raise LedgerUnavailableError(f"unsupported ledger database {parsed.get_backend_name()!r}")
 
 

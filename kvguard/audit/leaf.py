@@ -20,12 +20,15 @@ import hmac
 import json
 import secrets
 from _json import make_encoder
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final
 
 from kvguard.audit import merkle
-from kvguard.audit.events import AuditEvent, DetailValue
+from kvguard.audit.certificate import REQUEST_ACTIONS
+from kvguard.audit.erasure import PURGE_KINDS
+from kvguard.audit.events import AuditEvent, DetailValue, EventKind
 from kvguard.audit.store import PreparedEntry
 from kvguard.errors import SensitiveFieldError, VerificationError
 
@@ -203,4 +206,35 @@ def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry
         micros,
         event.block_ids,
         payload,
+        command_links(event.kind, event.details),
     )
+
+
+_REQUEST_KIND: Final = EventKind.ADMIN_ACTION.value
+_LINKED_KINDS: Final = frozenset((*PURGE_KINDS, _REQUEST_KIND))
+_MAX_ID: Final = (1 << 63) - 1  # a BIGINT column: a larger number in details is no job id
+
+
+def command_links(kind: str, details: Mapping[str, Any]) -> tuple[int, ...]:
+    """The purge jobs (command ids) an entry belongs to, for `ledger_entry_commands`.
+
+    A `<kind>.purge` entry belongs to its `details.command_id`; an `admin.action` entry to the job
+    it created when it is a successful request (`certificate.REQUEST_ACTIONS`: `purge.create`'s
+    `job_id`, `tenant.disable`'s `purge_job_id`). These are exactly the entries
+    `kvguard.audit.erasure_query` looks up by job id; the migration `0003_entry_commands` runs this
+    on the stored leaves, so old and new entries are linked by the same rule. One frozenset test
+    for every other kind (the append path's hot loop).
+    """
+    if kind not in _LINKED_KINDS:
+        return ()
+    if kind == _REQUEST_KIND:
+        action = details.get("action")
+        name = REQUEST_ACTIONS.get(action) if isinstance(action, str) else None
+        if name is None or details.get("outcome") != "ok":
+            return ()
+        value = details.get(name)
+    else:
+        value = details.get("command_id")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_ID:
+        return (value,)
+    return ()

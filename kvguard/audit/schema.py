@@ -12,6 +12,11 @@ The live schema is created and upgraded by the Alembic migrations in `kvguard/au
   stored hash) and copies of the queryable fields (`verify()` checks every copy against the leaf),
   indexed by (scope tag, idx), (kind, idx), ts and request id.
 - `ledger_entry_blocks`: (block id, index) pairs for block-id queries.
+- `ledger_entry_commands`: (command id, index) pairs linking a purge job (an `engine_commands` id)
+  to its entries: every engine's `<kind>.purge` entry (`details.command_id`) and the successful
+  `admin.action` that requested it (`leaf.command_links` says which). Listing jobs finds a job's
+  entries through it in O(its entries) instead of scanning every purge entry (migration
+  `0003_entry_commands`, issue 11).
 - `ledger_hashes`: the hash of every *complete* subtree of 2 or more leaves, keyed by
   `hash_key(level, index)`; any root or proof needs O(log n) of them (the sumdb `StoredHashIndex`
   idea with a simpler key). Level 0 lives in `ledger_entries.leaf_hash`, one row fewer per entry.
@@ -79,6 +84,14 @@ class LedgerEntryBlock(LedgerBase):
     idx: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
 
 
+class LedgerEntryCommand(LedgerBase):
+    __tablename__ = "ledger_entry_commands"
+    __table_args__ = {"sqlite_with_rowid": False}  # noqa: RUF012 - SQLAlchemy's own convention
+
+    command_id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
+
+
 class LedgerHash(LedgerBase):
     __tablename__ = "ledger_hashes"
 
@@ -108,6 +121,7 @@ metadata = LedgerBase.metadata
 head = cast(sa.Table, LedgerHead.__table__)
 entries = cast(sa.Table, LedgerEntry.__table__)
 entry_blocks = cast(sa.Table, LedgerEntryBlock.__table__)
+entry_commands = cast(sa.Table, LedgerEntryCommand.__table__)
 hashes = cast(sa.Table, LedgerHash.__table__)
 checkpoints = cast(sa.Table, LedgerCheckpoint.__table__)
 payloads = cast(sa.Table, LedgerPayload.__table__)
@@ -115,6 +129,7 @@ payloads = cast(sa.Table, LedgerPayload.__table__)
 APPEND_ONLY_TABLES = (
     "ledger_entries",
     "ledger_entry_blocks",
+    "ledger_entry_commands",
     "ledger_hashes",
     "ledger_checkpoints",
 )

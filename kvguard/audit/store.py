@@ -3,7 +3,7 @@
 Append protocol (ARCHITECTURE.md, "Gapless indices"), in one transaction:
 1. lock the head row (`BEGIN IMMEDIATE` on SQLite, `SELECT ... FOR UPDATE` on PostgreSQL);
 2. if another process appended meanwhile, reload the in-memory frontier from O(log n) stored hashes;
-3. insert entries, block links, payloads and every newly completed subtree hash;
+3. insert entries, block links, command links, payloads and every newly completed subtree hash;
 4. move the head to the new size and commit (durably: see `kvguard.audit.db`).
 The frontier is swapped in only after the commit, so a failed transaction leaves nothing behind.
 """
@@ -37,6 +37,7 @@ class PreparedEntry(NamedTuple):
     ts_us: int
     block_ids: Sequence[int]
     payload: tuple[bytes, bytes] | None  # (salt, canonical body)
+    command_ids: Sequence[int] = ()  # purge jobs the entry belongs to (`leaf.command_links`)
 
 
 class CheckpointRow(NamedTuple):
@@ -198,6 +199,7 @@ class LedgerStore:
         tuples: `_insert_flat` cuts them into multi-row statements)."""
         entry_params: list[object] = []
         block_params: list[object] = []
+        command_params: list[object] = []
         payload_params: list[object] = []
         hash_params: list[object] = []
         add_entry, add_blocks, add_node = entry_params.extend, block_params.extend, frontier.append
@@ -205,6 +207,8 @@ class LedgerStore:
             add_entry((i, p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us))
             for b in dict.fromkeys(p.block_ids):
                 add_blocks((b, i))
+            for c in p.command_ids:  # empty for all but purge and purge-request entries
+                command_params.extend((c, i))
             if p.payload is not None:
                 payload_params.extend((i, p.payload[0], p.payload[1]))
             for key, h in add_node(p.leaf_hash):  # level 0 is the entry row's leaf_hash
@@ -212,6 +216,7 @@ class LedgerStore:
         for table, params in (
             (t.entries, entry_params),
             (t.entry_blocks, block_params),
+            (t.entry_commands, command_params),
             (t.payloads, payload_params),
             (t.hashes, hash_params),
         ):

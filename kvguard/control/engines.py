@@ -27,55 +27,14 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from kvguard.control.db import ensure_schema
+from kvguard.control.schema import EngineRow, EngineTenantStatsRow, ScopeTagRow
 
 Totals = Mapping[str, int | float]
 # A heartbeat that waits longer for SQLite's write lock is skipped and retried: the scheduler must
 # not stall behind another writer.
 _SQLITE_BUSY_S = 2.0
-
-
-class _Base(DeclarativeBase):
-    metadata = sa.MetaData()
-
-
-class EngineRow(_Base):
-    __tablename__ = "engines"
-
-    engine_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    model: Mapped[str] = mapped_column(sa.String(512))
-    block_size: Mapped[int] = mapped_column(sa.Integer)
-    num_blocks: Mapped[int] = mapped_column(sa.BigInteger)
-    started_at: Mapped[float] = mapped_column(sa.Double)
-    last_seen: Mapped[float] = mapped_column(sa.Double)
-    stats_at: Mapped[float | None] = mapped_column(sa.Double, nullable=True)
-    stopped_at: Mapped[float | None] = mapped_column(sa.Double, nullable=True)
-    totals: Mapped[str] = mapped_column(sa.Text, default="{}")  # JSON: counts and sums only
-
-
-class EngineTenantStatsRow(_Base):
-    __tablename__ = "engine_tenant_stats"
-
-    engine_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(sa.String(256), primary_key=True, index=True)
-    tenant_tag: Mapped[str] = mapped_column(sa.String(64))
-    blocks_active: Mapped[int] = mapped_column(sa.BigInteger)
-    blocks_cached: Mapped[int] = mapped_column(sa.BigInteger)
-    blocks_quarantined: Mapped[int] = mapped_column(sa.BigInteger)
-    prefix_hit_tokens: Mapped[int] = mapped_column(sa.BigInteger)
-    prompt_tokens: Mapped[int] = mapped_column(sa.BigInteger)
-    blocks_zeroized: Mapped[int] = mapped_column(sa.BigInteger)
-    bytes_zeroized: Mapped[int] = mapped_column(sa.BigInteger)
-    oldest_cached_at: Mapped[float | None] = mapped_column(sa.Double, nullable=True)
-    updated_at: Mapped[float] = mapped_column(sa.Double)
-
-
-class ScopeTagRow(_Base):
-    __tablename__ = "scope_tags"
-
-    scope_tag: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(sa.String(256), index=True)
-    first_seen: Mapped[float] = mapped_column(sa.Double)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +89,18 @@ class EngineRegistry:
 
     def __init__(self, engine: sa.Engine) -> None:
         self._engine = engine
-        _Base.metadata.create_all(engine)
+        ensure_schema(engine)
 
     @classmethod
     def open(cls, url: str) -> EngineRegistry:
         parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite":
-            engine = sa.create_engine(url, connect_args={"timeout": _SQLITE_BUSY_S})
+            engine = sa.create_engine(
+                url, connect_args={"timeout": _SQLITE_BUSY_S}, hide_parameters=True
+            )
             sa.event.listen(engine, "connect", _sqlite_wal)
             return cls(engine)
-        return cls(sa.create_engine(url, pool_pre_ping=True))
+        return cls(sa.create_engine(url, pool_pre_ping=True, hide_parameters=True))
 
     @property
     def engine(self) -> sa.Engine:

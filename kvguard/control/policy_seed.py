@@ -14,9 +14,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.ledger import Ledger
-from kvguard.errors import PolicyVersionConflictError
+from kvguard.control.commands import CommandQueue
+from kvguard.control.db import write_transaction
+from kvguard.control.outbox import Outbox
+from kvguard.errors import ConfigError, LedgerUnavailableError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, load_policy_file
 from kvguard.policy.store import PolicyChange, PolicyStore
@@ -52,16 +57,27 @@ def seed_from_file(store: PolicyStore, ledger: Ledger, policy_file: Path | None)
     if policy_file is None:
         return None
     policy: PolicySet = load_policy_file(policy_file)
+    outbox, queue = Outbox(store.engine), CommandQueue(store.engine)
     try:
-        version = store.put(
-            policy,
-            author=SEED_AUTHOR,
-            reason=f"seeded from policy file {policy_file.name}"[:200],
-            expected_version=0,
-        )
+        # The version, its policy.change entry (through the outbox) and the engine command commit
+        # together: a crash cannot leave a seeded version the ledger never hears of.
+        with write_transaction(store.engine) as conn:
+            version = store.put(
+                policy,
+                author=SEED_AUTHOR,
+                reason=f"seeded from policy file {policy_file.name}"[:200],
+                expected_version=0,
+                conn=conn,
+            )
+            outbox.add(conn, [policy_change_event(store.current(conn=conn).change)])  # type: ignore[union-attr]
+            queue.submit_policy(version, requested_by=SEED_AUTHOR, conn=conn)
     except PolicyVersionConflictError:
         latest = store.current()
         return latest.change.version if latest is not None else None
-    ledger.append(policy_change_event(store.get(version).change))
+    try:
+        outbox.drain(ledger)
+    except (ConfigError, LedgerUnavailableError, SQLAlchemyError) as exc:
+        # Committed in the outbox: the admin API's drain (or the next engine start) delivers it.
+        _log.warning("seeded version's ledger entry left in the outbox", error=type(exc).__name__)
     _log.info("policy store seeded from the policy file", version=version)
     return version

@@ -17,29 +17,14 @@ from typing import Final
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from kvguard.control.db import ensure_schema, write_transaction
+from kvguard.control.schema import TenantRow
 from kvguard.errors import ConfigError, ConflictError, NotFoundError
 
 # Tenant ids travel in URL paths and file names: no slashes, no spaces, no control characters.
 TENANT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
-
-
-class _Base(DeclarativeBase):
-    metadata = sa.MetaData()
-
-
-class TenantRow(_Base):
-    __tablename__ = "tenants"
-
-    tenant_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
-    display_name: Mapped[str] = mapped_column(sa.String(256))
-    created_at: Mapped[float] = mapped_column(sa.Float)
-    created_by: Mapped[str] = mapped_column(sa.String(128))
-    disabled_at: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
-    disabled_by: Mapped[str | None] = mapped_column(sa.String(128), nullable=True)
-    disable_reason: Mapped[str | None] = mapped_column(sa.String(500), nullable=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +57,17 @@ class TenantRegistry:
     def __init__(self, engine: sa.Engine, *, clock: Callable[[], float] = time.time) -> None:
         self._engine = engine
         self._clock = clock
-        _Base.metadata.create_all(engine)
+        ensure_schema(engine)
 
-    def create(self, tenant_id: str, *, display_name: str, created_by: str) -> Tenant:
+    def create(
+        self,
+        tenant_id: str,
+        *,
+        display_name: str,
+        created_by: str,
+        conn: sa.Connection | None = None,
+    ) -> Tenant:
+        """Register a tenant; with `conn`, inside the caller's write transaction."""
         check_tenant_id(tenant_id)
         row = {
             "tenant_id": tenant_id,
@@ -82,16 +75,28 @@ class TenantRegistry:
             "created_at": self._clock(),
             "created_by": created_by,
         }
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self.create(
+                    tenant_id, display_name=display_name, created_by=created_by, conn=own
+                )
+        exists = conn.execute(
+            sa.select(TenantRow.tenant_id).where(TenantRow.tenant_id == tenant_id)
+        ).first()
+        if exists is not None:
+            raise ConflictError(f"tenant {tenant_id!r} already exists")
         try:
-            with self._engine.begin() as conn:
+            with conn.begin_nested():
                 conn.execute(sa.insert(TenantRow).values(**row))
         except IntegrityError:
             raise ConflictError(f"tenant {tenant_id!r} already exists") from None
         return Tenant(**row)  # type: ignore[arg-type]
 
-    def get(self, tenant_id: str) -> Tenant:
-        with self._engine.connect() as conn:
-            row = conn.execute(sa.select(TenantRow).where(TenantRow.tenant_id == tenant_id)).first()
+    def get(self, tenant_id: str, *, conn: sa.Connection | None = None) -> Tenant:
+        if conn is None:
+            with self._engine.connect() as own:
+                return self.get(tenant_id, conn=own)
+        row = conn.execute(sa.select(TenantRow).where(TenantRow.tenant_id == tenant_id)).first()
         if row is None:
             raise NotFoundError(f"tenant {tenant_id!r} not found")
         return _tenant(row)
@@ -108,14 +113,19 @@ class TenantRegistry:
         with self._engine.connect() as conn:
             return [_tenant(r) for r in conn.execute(stmt)]
 
-    def disable(self, tenant_id: str, *, by: str, reason: str) -> Tenant:
-        with self._engine.begin() as conn:
-            done = conn.execute(
-                sa.update(TenantRow)
-                .where(TenantRow.tenant_id == tenant_id, TenantRow.disabled_at.is_(None))
-                .values(disabled_at=self._clock(), disabled_by=by, disable_reason=reason)
-            ).rowcount
-        tenant = self.get(tenant_id)  # NotFoundError for an unknown tenant
+    def disable(
+        self, tenant_id: str, *, by: str, reason: str, conn: sa.Connection | None = None
+    ) -> Tenant:
+        """Disable a tenant; with `conn`, inside the caller's write transaction."""
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self.disable(tenant_id, by=by, reason=reason, conn=own)
+        done = conn.execute(
+            sa.update(TenantRow)
+            .where(TenantRow.tenant_id == tenant_id, TenantRow.disabled_at.is_(None))
+            .values(disabled_at=self._clock(), disabled_by=by, disable_reason=reason)
+        ).rowcount
+        tenant = self.get(tenant_id, conn=conn)  # NotFoundError for an unknown tenant
         if done != 1:
             raise ConflictError(f"tenant {tenant_id!r} is already disabled")
         return tenant

@@ -27,6 +27,7 @@ from kvguard.engine_adapter.records import (
     PurgeSelector,
     RequestId,
     StepPlan,
+    purge_event_kind,
     summarize,
 )
 from kvguard.errors import CustodyError
@@ -365,7 +366,7 @@ class Custody:
                 out.append(rec.block_id)
         self._events.append(
             CustodyEvent(
-                selector.event_kind,
+                purge_event_kind(selector),
                 now,
                 None,
                 None,

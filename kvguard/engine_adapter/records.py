@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType
 
+from kvguard.control.commands import PurgeKind, PurgeSelector
 from kvguard.isolation.scope import Scope
 
 BlockId = NewType("BlockId", int)
@@ -41,6 +42,20 @@ class EventKind(StrEnum):
     ADAPTER_PURGE = "adapter.purge"
     CUSTODY_REPAIR = "custody.repair"
     QUOTA_DEFER = "quota.defer"
+
+
+__all__ = ["PurgeKind", "PurgeSelector"]  # the command vocabulary, re-exported for custody code
+
+PURGE_EVENT_KINDS: dict[PurgeKind, EventKind] = {
+    PurgeKind.SESSION: EventKind.SESSION_PURGE,
+    PurgeKind.TENANT: EventKind.TENANT_PURGE,
+    PurgeKind.MODEL: EventKind.MODEL_PURGE,
+    PurgeKind.ADAPTER: EventKind.ADAPTER_PURGE,
+}
+
+
+def purge_event_kind(selector: PurgeSelector) -> EventKind:
+    return PURGE_EVENT_KINDS[selector.kind]
 
 
 @dataclass(slots=True)
@@ -75,42 +90,6 @@ class CustodyEvent:
     request_id: str | None
     block_ids: tuple[int, ...]
     details: dict[str, str | int | float | bool | None]
-
-
-class PurgeKind(StrEnum):
-    SESSION = "session"
-    TENANT = "tenant"
-    MODEL = "model"
-    ADAPTER = "adapter"
-
-
-@dataclass(frozen=True, slots=True)
-class PurgeSelector:
-    """Which owners a purge removes. `value` is the session, tenant, model or adapter id."""
-
-    kind: PurgeKind
-    value: str
-    tenant_id: str | None = None  # a session purge is always within one tenant
-
-    def matches(self, scope: Scope) -> bool:
-        if self.kind is PurgeKind.TENANT:
-            return scope.tenant_id == self.value
-        if self.kind is PurgeKind.SESSION:
-            return scope.session_id == self.value and (
-                self.tenant_id is None or scope.tenant_id == self.tenant_id
-            )
-        if self.kind is PurgeKind.MODEL:
-            return scope.model.id == self.value
-        return scope.adapter is not None and scope.adapter.id == self.value
-
-    @property
-    def event_kind(self) -> EventKind:
-        return {
-            PurgeKind.SESSION: EventKind.SESSION_PURGE,
-            PurgeKind.TENANT: EventKind.TENANT_PURGE,
-            PurgeKind.MODEL: EventKind.MODEL_PURGE,
-            PurgeKind.ADAPTER: EventKind.ADAPTER_PURGE,
-        }[self.kind]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ Each row holds the canonical JSON of the policy and its digest; reads recompute 
 row that does not match. Subscribers (the audit ledger records `policy.change` entries) are called inside
 the writing transaction, after the row is written and before commit: if one raises, the version is
 rolled back, because a policy change the ledger could not record must not take effect (G5, G7).
-The tables and the database-level append-only guards are in `kvguard.policy.schema`.
+The tables and the database-level append-only guards are in `kvguard.control.schema` (created by the
+control migrations, `kvguard.control.db`).
 """
 
 from __future__ import annotations
@@ -17,30 +18,29 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, select
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import Session, defer
+import sqlalchemy as sa
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
+from kvguard.control.db import create_engine, ensure_schema, write_transaction
+from kvguard.control.schema import (
+    AUTHOR_MAX,
+    HEAD_ID,
+    REASON_MAX,
+    PolicyHead,
+    PolicyVersionRow,
+)
 from kvguard.errors import PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
-from kvguard.policy.schema import (
-    AUTHOR_MAX,
-    HEAD_ID,
-    REASON_MAX,
-    PolicyBase,
-    PolicyHead,
-    PolicyVersionRow,
-)
 
 Clock = Callable[[], float]
-
-_LOCK_OPTION: Final = "kvguard_policy_write_lock"
 
 _log = get_logger("policy.store")
 
@@ -79,10 +79,9 @@ class PolicyStore:
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
         """Connect to `url`, create the tables if missing, and return the store."""
-        engine = create_engine(url, **engine_kwargs)
-        if engine.dialect.name == "sqlite":
-            _enable_sqlite_write_lock(engine)
-        store = cls(engine, clock=clock)
+        if engine_kwargs:
+            raise TypeError(f"unexpected arguments: {sorted(engine_kwargs)}")
+        store = cls(create_engine(url), clock=clock)
         store.create_schema()
         return store
 
@@ -93,12 +92,7 @@ class PolicyStore:
     def create_schema(self) -> None:
         """Create the tables and the head row (idempotent, safe to race)."""
         try:
-            PolicyBase.metadata.create_all(self._engine)
-            with Session(self._engine) as session, session.begin():
-                if session.get(PolicyHead, HEAD_ID) is None:
-                    session.add(PolicyHead(id=HEAD_ID, version=0))
-        except IntegrityError:
-            pass  # another process created the head row first: that is the outcome we wanted
+            ensure_schema(self._engine)  # the migrations create the head row too
         except SQLAlchemyError as exc:
             raise PolicyStoreError(
                 f"cannot create the policy tables: {type(exc).__name__}"
@@ -123,97 +117,151 @@ class PolicyStore:
         author: str,
         reason: str,
         expected_version: int | None = None,
+        author_role: str = "admin",
+        conn: sa.Connection | None = None,
     ) -> int:
         """Store `policy_set` as the next version and return its number.
 
         With `expected_version` (0: the store is empty) the write happens only if the latest version is
         still that one, checked under the write lock; otherwise PolicyVersionConflictError, and nothing
-        is stored (a compare-and-set: no concurrent writer's version is silently overwritten)."""
-        _check_text("author", author, AUTHOR_MAX)
-        _check_text("reason", reason, REASON_MAX)
-        document = policy_set.canonical_json()
-        # Re-validate what will be stored: a PolicySet built with model_construct() skips validation,
-        # and a version that cannot be read back would fail every engine closed later, far from here.
-        parse_policy(document, "policy to store", fmt="json")
-        with self._subscribers_lock:
-            subscribers = list(self._subscribers)
-        try:
-            with self._engine.connect() as conn:
-                conn.execution_options(**{_LOCK_OPTION: True})
-                with Session(bind=conn) as session, session.begin():
-                    change = self._append(session, document, author, reason, expected_version)
-                    _notify(subscribers, change)
-        except SQLAlchemyError as exc:
-            raise PolicyStoreError(f"cannot store the policy: {type(exc).__name__}") from exc
-        _log.info("policy.stored", version=change.version, digest=change.digest)
-        return change.version
+        is stored (a compare-and-set: no concurrent writer's version is silently overwritten). With
+        `conn`, the version is written inside the caller's write transaction (and commits with it)."""
+        return self.put_with(
+            lambda _current: policy_set,
+            author=author,
+            reason=reason,
+            expected_version=expected_version,
+            author_role=author_role,
+            conn=conn,
+        ).version
 
-    def _append(
+    def put_with(
         self,
-        session: Session,
-        document: str,
+        edit: Callable[[PolicyVersion | None], PolicySet],
+        *,
         author: str,
         reason: str,
         expected_version: int | None = None,
+        author_role: str = "admin",
+        conn: sa.Connection | None = None,
     ) -> PolicyChange:
-        head = session.scalars(
-            select(PolicyHead).where(PolicyHead.id == HEAD_ID).with_for_update()
-        ).one_or_none()
-        if head is None:
-            raise PolicyStoreError("policy store has no head row: call create_schema() first")
-        if expected_version is not None and head.version != expected_version:
+        """Store `edit(<the latest version>)` as the next version, reading the latest version under
+        the write lock: a read-modify-write that no concurrent writer can interleave with."""
+        _check_text("author", author, AUTHOR_MAX)
+        _check_text("reason", reason, REASON_MAX)
+        if conn is None:
+            try:
+                with write_transaction(self._engine) as own:
+                    change = self.put_with(
+                        edit,
+                        author=author,
+                        reason=reason,
+                        expected_version=expected_version,
+                        author_role=author_role,
+                        conn=own,
+                    )
+            except SQLAlchemyError as exc:
+                raise PolicyStoreError(f"cannot store the policy: {type(exc).__name__}") from exc
+            _log.info("policy.stored", version=change.version, digest=change.digest)
+            return change
+        head = self.lock_head(conn)
+        if expected_version is not None and head != expected_version:
             raise PolicyVersionConflictError(
-                f"the policy store is at version {head.version}, not {expected_version}"
+                f"the policy store is at version {head}, not {expected_version}"
             )
-        head.version += 1
+        current = self.current(conn=conn)
+        document = edit(current).canonical_json()
+        # Re-validate what will be stored: a PolicySet built with model_construct() skips validation,
+        # and a version that cannot be read back would fail every engine closed later, far from here.
+        parse_policy(document, "policy to store", fmt="json")
         change = PolicyChange(
-            version=head.version,
+            version=head + 1,
             author=author,
             reason=reason,
             digest=_digest(document),
             at=self._clock(),
         )
-        session.add(
-            PolicyVersionRow(
+        conn.execute(
+            sa.insert(PolicyVersionRow).values(
                 version=change.version,
                 created_at=change.at,
                 author=author,
                 reason=reason,
                 digest=change.digest,
                 document=document,
+                author_role=author_role,
             )
         )
-        session.flush()
+        conn.execute(
+            sa.update(PolicyHead).where(PolicyHead.id == HEAD_ID).values(version=change.version)
+        )
+        with self._subscribers_lock:
+            subscribers = list(self._subscribers)
+        _notify(subscribers, change)
         return change
 
-    def current(self) -> PolicyVersion | None:
+    def lock_head(self, conn: sa.Connection) -> int:
+        """Lock the head row until the transaction ends; returns the latest version number."""
+        version = conn.execute(
+            sa.select(PolicyHead.version).where(PolicyHead.id == HEAD_ID).with_for_update()
+        ).scalar_one_or_none()
+        if version is None:
+            raise PolicyStoreError("policy store has no head row: run the control migrations")
+        return int(version)
+
+    def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
+        """The latest version written by an admin (or the seed): the limits a tenant_admin may
+        tighten but never loosen. None: no such version, the built-in defaults are the limits."""
+        with self._reading(conn) as c:
+            row = c.execute(
+                sa.select(*PolicyVersionRow.__table__.c)
+                .where(
+                    sa.or_(
+                        PolicyVersionRow.author_role.is_(None),
+                        PolicyVersionRow.author_role != "tenant_admin",
+                    )
+                )
+                .order_by(PolicyVersionRow.version.desc())
+                .limit(1)
+            ).first()
+            return None if row is None else _to_version(row)
+
+    def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version, or None when nothing has been stored yet."""
-        with self._read() as session:
-            row = session.scalars(
-                select(PolicyVersionRow).order_by(PolicyVersionRow.version.desc()).limit(1)
+        with self._reading(conn) as c:
+            row = c.execute(
+                sa.select(*PolicyVersionRow.__table__.c)
+                .order_by(PolicyVersionRow.version.desc())
+                .limit(1)
             ).first()
             return None if row is None else _to_version(row)
 
     def get(self, version: int) -> PolicyVersion:
         """A given version; PolicyStoreError when it does not exist."""
-        with self._read() as session:
-            row = session.get(PolicyVersionRow, version)
+        with self._reading(None) as c:
+            row = c.execute(
+                sa.select(*PolicyVersionRow.__table__.c).where(PolicyVersionRow.version == version)
+            ).first()
             if row is None:
                 raise PolicyStoreError(f"policy version {version} does not exist")
             return _to_version(row)
 
     def history(self) -> list[PolicyChange]:
         """Every version's metadata, oldest first."""
-        with self._read() as session:
-            rows = session.scalars(
-                select(PolicyVersionRow)
-                .options(defer(PolicyVersionRow.document))  # metadata only: documents can be large
-                .order_by(PolicyVersionRow.version)
+        t = PolicyVersionRow
+        with self._reading(None) as c:
+            rows = c.execute(  # metadata only: documents can be large
+                sa.select(t.version, t.author, t.reason, t.digest, t.created_at).order_by(t.version)
             ).all()
             return [_to_change(row) for row in rows]
 
-    def _read(self) -> Session:
-        return Session(self._engine)
+    @contextmanager
+    def _reading(self, conn: sa.Connection | None) -> Iterator[sa.Connection]:
+        if conn is not None:
+            yield conn
+            return
+        with self._engine.connect() as own:
+            yield own
 
 
 def _notify(subscribers: list[Subscriber], change: PolicyChange) -> None:
@@ -239,7 +287,7 @@ def _digest(document: str) -> str:
     return "sha256:" + hashlib.sha256(document.encode("utf-8")).hexdigest()
 
 
-def _to_change(row: PolicyVersionRow) -> PolicyChange:
+def _to_change(row: Any) -> PolicyChange:
     return PolicyChange(
         version=row.version,
         author=row.author,
@@ -249,31 +297,8 @@ def _to_change(row: PolicyVersionRow) -> PolicyChange:
     )
 
 
-def _to_version(row: PolicyVersionRow) -> PolicyVersion:
+def _to_version(row: Any) -> PolicyVersion:
     if _digest(row.document) != row.digest:
         raise PolicyStoreError(f"policy version {row.version} does not match its digest")
     policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")
     return PolicyVersion(change=_to_change(row), policy=policy)
-
-
-def _enable_sqlite_write_lock(engine: Engine) -> None:
-    """Let `put` open its transaction with BEGIN IMMEDIATE (SQLAlchemy's documented pysqlite recipe).
-
-    pysqlite's own transaction handling delays BEGIN until the first write, so two writers could both
-    read the head row and one would fail at upgrade. Taking the write lock at BEGIN serializes them.
-    """
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # SQLAlchemy, not the driver, emits BEGIN
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA busy_timeout=10000")
-        finally:
-            cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Any) -> None:
-        immediate = conn.get_execution_options().get(_LOCK_OPTION, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

@@ -32,7 +32,7 @@ class ApiEnv:
         return {"Authorization": f"Bearer {self.keys[who]}"}
 
     def call(self, who: str | None, method: str, url: str, **kwargs: Any) -> Any:
-        headers = self.headers(who) if who else {}
+        headers = {**(self.headers(who) if who else {}), **kwargs.pop("headers", {})}
         return self.client.request(method, url, headers=headers, **kwargs)
 
 

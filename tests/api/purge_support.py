@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from kvguard.api.services import Services
-from kvguard.engine_adapter.commands import PurgeCommand
+from kvguard.control.commands import PurgeCommand
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
-from kvguard.engine_adapter.records import CustodyEvent, EventKind
+from kvguard.engine_adapter.records import CustodyEvent, EventKind, purge_event_kind
 from kvguard.isolation.scope import (
     AdapterRef,
     CacheConfig,
@@ -77,7 +77,7 @@ class SimEngine:
             num_blocks, policy=PolicySet().policy_for, tagger=services.deriver.scope_tag
         )
         self.bridge = LedgerBridge(services.ledger, lambda _tag: AuditLevel.MINIMAL)
-        self.last_command = services.commands.latest_id()
+        self.last_command = services.commands.latest_seq()
         services.engines.register(
             engine_id, model=MODEL, block_size=16, num_blocks=num_blocks, now=time.time()
         )
@@ -114,7 +114,7 @@ class SimEngine:
         """Execute and acknowledge pending purge commands, as `engine_link.CommandRunner` does."""
         ran = 0
         for command in self.services.commands.pending_after(self.last_command):
-            self.last_command = command.id
+            self.last_command = command.seq
             if not isinstance(command, PurgeCommand):
                 continue
             details = {"command_id": command.id, **self._details()}
@@ -123,7 +123,7 @@ class SimEngine:
             doomed = sum(
                 int(e.details.get("blocks_active_doomed") or 0)
                 for e in events
-                if e.kind is command.selector.event_kind
+                if e.kind is purge_event_kind(command.selector)
             )
             self.forward(events)
             result = {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}

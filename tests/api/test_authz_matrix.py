@@ -79,11 +79,11 @@ def _acme_inference_key(env: ApiEnv) -> None:
     """Inference key `0123456789ab` of tenant acme (a fixed id, so that a URL can name it)."""
     import sqlalchemy as sa  # noqa: PLC0415
 
-    from kvguard.engine_adapter.tenant_keys import TenantApiKey  # noqa: PLC0415
+    from kvguard.control.schema import TenantKeyRow  # noqa: PLC0415
 
     with env.services.db.begin() as conn:
         conn.execute(
-            sa.insert(TenantApiKey).values(
+            sa.insert(TenantKeyRow).values(
                 key_id="0123456789ab",
                 secret_sha256=bytes(32),
                 tenant_id="acme",

@@ -102,7 +102,7 @@ def test_invalid_purges_are_refused_naming_the_field(
     assert r.status_code == 422, r.text
     assert field in r.json()["message"]
     assert "a/b" not in r.json()["message"]  # the value sent is never echoed
-    assert env.services.commands.latest_id() == 0
+    assert env.services.commands.latest_seq() == 0
 
 
 def test_status_moves_from_queued_to_running_to_done(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +10,7 @@ import sqlalchemy as sa
 
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.roles import app_role_grants
+from tests.dbs import pg_roles
 
 from .conftest import make_event
 
@@ -82,18 +82,7 @@ def test_G5_postgres_triggers_refuse(statement: str, pg_url: str, open_ledger: O
 
 @pytest.mark.postgres
 def test_G5_postgres_app_role_can_append_but_not_rewrite(pg_url: str, open_ledger: Opener) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    owner, app = f"kvg_owner_{suffix}", f"kvg_app_{suffix}"
-    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
-    database = sa.engine.make_url(pg_url).database
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"CREATE ROLE {owner} LOGIN")
-            conn.exec_driver_sql(f"CREATE ROLE {app} LOGIN")
-            conn.exec_driver_sql(f'ALTER DATABASE "{database}" OWNER TO {owner}')
-            conn.exec_driver_sql(f"ALTER SCHEMA public OWNER TO {owner}")
-        owner_url = sa.engine.make_url(pg_url).set(username=owner).render_as_string(False)
-        app_url = sa.engine.make_url(pg_url).set(username=app).render_as_string(False)
+    with pg_roles(pg_url) as (owner_url, app_url, app):
         owned = open_ledger(owner_url)
         with owned.store.engine.begin() as conn:
             for statement in app_role_grants(app):
@@ -114,14 +103,6 @@ def test_G5_postgres_app_role_can_append_but_not_rewrite(pg_url: str, open_ledge
         assert ledger.verify().size == 7
         ledger.close()
         owned.close()
-    finally:
-        with admin.connect() as conn:  # roles are cluster-wide: leave none behind
-            conn.exec_driver_sql(f'ALTER DATABASE "{database}" OWNER TO postgres')
-            for role in (owner, app):
-                conn.exec_driver_sql(f"REASSIGN OWNED BY {role} TO postgres")
-                conn.exec_driver_sql(f"DROP OWNED BY {role}")
-                conn.exec_driver_sql(f"DROP ROLE {role}")
-        admin.dispose()
 
 
 def test_app_role_grants_refuse_odd_role_names() -> None:

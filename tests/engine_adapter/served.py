@@ -19,8 +19,8 @@ import httpx
 import sqlalchemy as sa
 
 from kvguard.audit.signing import SigningKey
+from kvguard.control.keys import TenantKeys
 from kvguard.control.tenants import TenantRegistry
-from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir
 from kvguard.isolation import Keyring
 

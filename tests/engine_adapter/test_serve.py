@@ -12,8 +12,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from kvguard.control.keys import TenantKeys
 from kvguard.control.tenants import TenantRegistry
-from kvguard.engine_adapter.tenant_keys import TenantKeys
 from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Share

@@ -189,7 +189,7 @@ def test_purge_tenant_quarantines_zeroizes_and_is_recorded(guarded) -> None:
 
 
 def test_purge_command_from_the_database_is_executed_and_acknowledged(guarded) -> None:
-    from kvguard.engine_adapter.commands import CommandQueue  # noqa: PLC0415
+    from kvguard.control.commands import CommandQueue  # noqa: PLC0415
 
     prompt = DOCS[5] + [15]
     guarded.generate([prompt], _params(), tenant="db-purged")

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from kvguard.control.commands import CommandQueue
 from kvguard.control.engines import EngineRegistry
-from kvguard.engine_adapter.commands import CommandQueue
 from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
 from kvguard.errors import AdmissionError
 from kvguard.policy import PolicySet, TenantPolicy

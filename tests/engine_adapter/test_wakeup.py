@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from pathlib import Path
 
-from kvguard.engine_adapter.commands import CommandQueue
+import sqlalchemy as sa
+
+from kvguard.control.commands import CommandQueue
 from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.engine_adapter.vllm.engine_link import EngineLink
 from kvguard.engine_adapter.vllm.wakeup import IdleWaker, find_engine_input_queue
 
 WAKE = ("wake", None)
@@ -27,52 +31,77 @@ def test_the_input_queue_is_found_from_inside_the_engine_core_constructor() -> N
     assert find_engine_input_queue() is None  # not inside an engine core: in-process engines
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _waker(tmp_path: Path, *, last: list[int], cached: list[int], expiry_s: float = 60.0):
     commands = CommandQueue.open(f"sqlite:///{tmp_path / 'c.db'}")
     woken: list[float] = []
     inbox: queue.Queue[object] = queue.Queue()
+    clock = Clock()
     waker = IdleWaker(
         inbox,
-        commands=CommandQueue.open(f"sqlite:///{tmp_path / 'c.db'}"),
+        commands=commands,
         last_command=lambda: last[0],
         cached_blocks=lambda: cached[0],
-        request_wake=lambda: woken.append(time.monotonic()),
+        request_wake=lambda: woken.append(clock()),
         item=WAKE,
-        check_s=0.05,
         expiry_s=expiry_s,
+        clock=clock,
     )
-    return waker, commands, inbox, woken
+    return waker, commands, inbox, woken, clock
 
 
 def test_a_new_command_wakes_the_engine_once_it_has_run_it_no_more(tmp_path: Path) -> None:
     last = [0]
-    waker, commands, inbox, woken = _waker(tmp_path, last=last, cached=[0])
-    try:
-        time.sleep(0.3)
-        assert inbox.empty() and not woken  # nothing new: an idle engine stays asleep
-        command_id = commands.submit_purge(PurgeSelector(PurgeKind.TENANT, "t"), requested_by="x")
-        assert inbox.get(timeout=2.0) == WAKE and woken
-        last[0] = command_id  # the engine ran it
-        time.sleep(0.2)
-        while not inbox.empty():
-            inbox.get_nowait()
-        time.sleep(0.3)
-        assert inbox.empty()
-    finally:
-        waker.close()
-        commands.engine.dispose()
+    waker, commands, inbox, woken, _clock = _waker(tmp_path, last=last, cached=[0])
+    assert not waker.check() and inbox.empty() and not woken  # an idle engine stays asleep
+    commands.submit_purge(PurgeSelector(PurgeKind.TENANT, "t"), requested_by="x")
+    assert waker.check() and inbox.get_nowait() == WAKE and woken
+    last[0] = commands.latest_seq()  # the engine ran it
+    assert not waker.check() and inbox.empty()
+    commands.engine.dispose()
 
 
 def test_cached_blocks_wake_the_engine_for_expiry_at_the_expiry_interval(tmp_path: Path) -> None:
     cached = [0]
-    waker, commands, inbox, woken = _waker(tmp_path, last=[0], cached=cached, expiry_s=0.2)
+    waker, commands, inbox, woken, clock = _waker(tmp_path, last=[0], cached=cached, expiry_s=5)
+    clock.now += 10
+    assert not waker.check()  # nothing cached: nothing can expire
+    cached[0] = 3
+    assert waker.check()
+    clock.now += 2
+    assert not waker.check()  # not every check: every expiry interval
+    clock.now += 3
+    assert waker.check() and waker.wakes == 2 == len(woken) == inbox.qsize()
+    commands.engine.dispose()
+
+
+def test_the_engine_link_runs_its_chores_on_one_thread(tmp_path: Path) -> None:
+    """The waker's check and the keep-alive run on the link's one thread, which keeps running when a
+    chore fails."""
+    link = EngineLink.open(f"sqlite:///{tmp_path / 'c.db'}", None)
+    seen: list[str] = []
+    failures = [0]
+
+    def flaky() -> None:
+        failures[0] += 1
+        raise sa.exc.OperationalError("SELECT", {}, Exception("down"))
+
+    link.every(0.05, lambda: seen.append(threading.current_thread().name))
+    link.every(0.05, flaky)
+    link.start()
     try:
-        time.sleep(0.5)
-        assert inbox.empty()  # nothing cached: nothing can expire
-        cached[0] = 3
-        time.sleep(1.0)
-        assert 2 <= waker.wakes <= 6  # about every 0.2 s, not every check (0.05 s)
-        assert len(woken) == waker.wakes
+        deadline = time.monotonic() + 5
+        while (len(seen) < 3 or failures[0] < 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(seen) >= 3 and failures[0] >= 3
+        assert set(seen) == {"kvguard-command-listener"}
+        assert not link.take_notified()  # SQLite: no notifications, the engine polls
     finally:
-        waker.close()
-        commands.engine.dispose()
+        link.close()

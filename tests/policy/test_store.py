@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +11,8 @@ import sqlalchemy as sa
 
 from kvguard.errors import PolicyStoreError, PolicyValidationError
 from kvguard.policy import PolicyChange, PolicySet, PolicyStore
+from tests.dbs import fresh_pg_database
 from tests.policy.conftest import policy_set
-
-PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 class FakeClock:
@@ -34,28 +31,12 @@ def _sqlite(tmp_path: Path, clock: FakeClock) -> Iterator[PolicyStore]:
 
 
 def _postgres(clock: FakeClock) -> Iterator[PolicyStore]:
-    schema = f"pt_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.skip(
-            f"PostgreSQL unreachable at {PG_URL} ({type(exc).__name__}); set KVGUARD_TEST_PG_URL"
-        )
-    store: PolicyStore | None = None
-    try:
-        store = PolicyStore.open(
-            PG_URL, clock=clock, connect_args={"options": f"-csearch_path={schema}"}
-        )
-        yield store
-    finally:
-        if store is not None:
+    with fresh_pg_database("kvg_policy") as url:
+        store = PolicyStore.open(url, clock=clock)
+        try:
+            yield store
+        finally:
             store.engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @pytest.fixture

@@ -10,11 +10,12 @@ is an admin action (`audit.checkpoint`).
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
-from pydantic import AwareDatetime
+from pydantic import AfterValidator, AwareDatetime
 
 from kvguard.api.audit_schemas import (
     CheckpointPage,
@@ -52,11 +53,29 @@ TenantQuery = Annotated[
 KindQuery = Annotated[
     list[EventKind] | None, Query(description="Only these kinds (repeat the parameter)")
 ]
+
+
+def _in_utc(value: datetime | None) -> datetime | None:
+    """The instant in UTC. One that UTC cannot express (`0001-01-01T00:00:00+14:00` is in year 0
+    there) overflows the ledger's timestamp arithmetic: a 422 naming the field, not a 500."""
+    if value is None:
+        return None
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("must be an instant between years 1 and 9999 in UTC") from None
+
+
 SinceQuery = Annotated[
     AwareDatetime | None,
+    AfterValidator(_in_utc),
     Query(description="Entries at or after this instant (ISO 8601 with a zone, e.g. `Z`)"),
 ]
-UntilQuery = Annotated[AwareDatetime | None, Query(description="Entries before this instant")]
+UntilQuery = Annotated[
+    AwareDatetime | None,
+    AfterValidator(_in_utc),
+    Query(description="Entries before this instant"),
+]
 
 
 @router.get("/entries", response_model=EntryPage)
@@ -184,7 +203,7 @@ def sign_checkpoint(
     is returned."""
     signed = action.access.services.ledger.checkpoint()
     size = parse_checkpoint(note.split_note(signed)[0]).size
-    action.done(tree_size=size)
+    action.done(None, tree_size=size)
     with action.access.services.ledger.store.engine.connect() as conn:
         row = checkpoint_at(conn, size)
     if row is None:  # the ledger stores the first checkpoint of every size it signs
@@ -238,6 +257,7 @@ def export(
         services.ledger, query, gzip=format == "tar.gz", mtime=int(services.clock())
     )
     action.done(
+        None,
         tree_size=stream.tree_size,
         kinds=",".join(sorted({str(k) for k in kind})) if kind else None,
         since=format_ts(since) if since else None,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
-from kvguard.engine_adapter.tenant_keys import TenantKeyInfo
+from kvguard.control.keys import TenantKeyInfo
 
 router = APIRouter(
     prefix="/v1/tenants/{tenant_id}/inference-keys",
@@ -57,9 +57,10 @@ def create_inference_key(
     access, services = action.access, action.access.services
     services.tenants.get(access.tenant(tenant_id))
     action.tenant_id = tenant_id
-    issued = services.inference_keys.issue(tenant_id)
-    (info,) = services.inference_keys.list(tenant_id, key_id=issued.key_id)
-    action.done(key_id=issued.key_id)
+    with services.write() as conn:
+        issued = services.inference_keys.issue(tenant_id, conn=conn)
+        (info,) = services.inference_keys.list(tenant_id, key_id=issued.key_id, conn=conn)
+        action.done(conn, key_id=issued.key_id)
     return InferenceKeyCreated(**InferenceKeyPublic.of(info).model_dump(), api_key=issued.api_key)
 
 
@@ -83,6 +84,7 @@ def revoke_inference_key(
     access, services = action.access, action.access.services
     services.tenants.get(access.tenant(tenant_id))
     action.tenant_id = tenant_id
-    info = services.inference_keys.revoke(key_id, tenant_id=tenant_id)
-    action.done(key_id=key_id)
+    with services.write() as conn:
+        info = services.inference_keys.revoke(key_id, tenant_id=tenant_id, conn=conn)
+        action.done(conn, key_id=key_id)
     return InferenceKeyPublic.of(info)

@@ -1,9 +1,18 @@
 """`/v1/policies` (the whole policy set) and `/v1/tenants/{id}/policy` (one tenant's entry).
 
 Every stored version is announced to engines as a `policy` command, so they switch to it at their
-next poll (PostgreSQL: at once, through LISTEN/NOTIFY). A tenant_admin may change its own tenant's
-retention, quota, zeroization, audit level, reuse and classification, but not `enabled` (it cannot
-re-enable a tenant the admin disabled) and not `groups` (joining a share group exposes other tenants).
+next poll (PostgreSQL: at once, through LISTEN/NOTIFY). The version, its `policy.change` and
+`admin.action` ledger events and the engine command commit in one transaction.
+
+Concurrency: a tenant PUT edits the latest version under the policy store's write lock, so concurrent
+writers never revert each other's changes. A writer that wants to be sure it edits what it read sends
+`If-Match: "<version>"` (the `ETag` of `GET /v1/policies/current` or of the tenant's policy) or
+`expected_version`; a newer version answers 412 and nothing is stored.
+
+A tenant_admin may only tighten its own tenant's entry against the limits the admin set (the tenant's
+entry in the latest version an admin wrote, `kvguard.policy.tighten`), checked inside the writing
+transaction; it may change neither `enabled` (it cannot re-enable a tenant the admin disabled) nor
+`groups` (joining a share group exposes other tenants).
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, status
+import sqlalchemy as sa
+from fastapi import APIRouter, Header, Path, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.api.auth import Role
@@ -28,12 +38,20 @@ from kvguard.api.deps import (
 )
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.services import Services
-from kvguard.errors import NotFoundError, PermissionDeniedError, PolicyStoreError
+from kvguard.control.tenants import TENANT_ID_PATTERN
+from kvguard.errors import (
+    NotFoundError,
+    PermissionDeniedError,
+    PolicyStoreError,
+    PreconditionFailedError,
+)
 from kvguard.policy import PolicySet, TenantPolicy
-from kvguard.policy.store import PolicyVersion
+from kvguard.policy.store import PolicyChange, PolicyVersion
+from kvguard.policy.tighten import loosened
 
 router = APIRouter(tags=["policies"], responses=ERROR_RESPONSES)
 
+TenantIdPath = Annotated[str, Path(pattern=TENANT_ID_PATTERN, max_length=128)]
 ReasonField = Field(min_length=1, max_length=2000, description="Why: kept with the version")
 
 
@@ -52,11 +70,20 @@ class PolicyVersionPublic(BaseModel):
     policy: PolicySet
 
 
+ExpectedVersionField = Field(
+    default=None,
+    ge=0,
+    lt=1 << 62,
+    description="Store only if this is still the latest version (0: none stored); else 412",
+)
+
+
 class PolicyPut(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: PolicySet
     reason: str = ReasonField
+    expected_version: int | None = ExpectedVersionField
 
 
 class TenantPolicyPublic(BaseModel):
@@ -71,6 +98,7 @@ class TenantPolicyPut(BaseModel):
 
     policy: TenantPolicy
     reason: str = ReasonField
+    expected_version: int | None = ExpectedVersionField
 
 
 class PolicyDiffEntry(BaseModel):
@@ -93,47 +121,104 @@ def _public(version: PolicyVersion | None) -> PolicyVersionPublic:
     )
 
 
-def store_policy(services: Services, policy: PolicySet, *, author: str, reason: str) -> int:
-    """Store a new version, record it in the ledger and tell the engines."""
-    version = services.policies.put(policy, author=author, reason=reason)
-    services.actions.policy_change(services.policies.get(version).change)
-    services.commands.submit_policy(version, requested_by=author)
-    return version
-
-
-def store_tenant_policy(
+def store_policy(
     services: Services,
-    tenant_id: str,
-    change: Callable[[TenantPolicy], TenantPolicy],
+    conn: sa.Connection,
+    edit: Callable[[PolicyVersion | None], PolicySet],
     *,
     author: str,
     reason: str,
-) -> int:
-    """Store a version whose entry for `tenant_id` is `change(<its current policy>)`."""
-    current = services.policies.current()
-    policy_set = current.policy if current else PolicySet()
-    data = policy_set.model_dump(mode="json")
-    data["tenants"][tenant_id] = change(policy_set.policy_for(tenant_id)).model_dump(mode="json")
-    return store_policy(services, PolicySet.model_validate(data), author=author, reason=reason)
+    author_role: Role = Role.ADMIN,
+    expected_version: int | None = None,
+) -> PolicyChange:
+    """Store `edit(<latest version>)` in `conn`'s transaction with its ledger event and engine
+    command (the caller commits all three together)."""
+    change = services.policies.put_with(
+        edit,
+        author=author,
+        reason=reason,
+        expected_version=expected_version,
+        author_role=author_role.value,
+        conn=conn,
+    )
+    services.actions.policy_change(conn, change)
+    services.commands.submit_policy(change.version, requested_by=author, conn=conn)
+    return change
+
+
+def edit_tenant(
+    tenant_id: str, change: Callable[[TenantPolicy], TenantPolicy]
+) -> Callable[[PolicyVersion | None], PolicySet]:
+    """An edit of the latest version whose entry for `tenant_id` becomes `change(<its policy>)`."""
+
+    def edit(current: PolicyVersion | None) -> PolicySet:
+        policy_set = current.policy if current else PolicySet()
+        data = policy_set.model_dump(mode="json")
+        new = change(policy_set.policy_for(tenant_id))
+        data["tenants"][tenant_id] = new.model_dump(mode="json")
+        return PolicySet.model_validate(data)
+
+    return edit
+
+
+def if_match(header: str | None, body_version: int | None) -> int | None:
+    """The version a write expects: `If-Match: "<n>"` or the body's `expected_version`."""
+    if header is None:
+        return body_version
+    value = header.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    value = value.strip('"')
+    if not value.isdigit() or len(value) > 18:
+        raise PreconditionFailedError('If-Match must be a policy version ETag such as "12"')
+    expected = int(value)
+    if body_version is not None and body_version != expected:
+        raise PreconditionFailedError("If-Match and expected_version name different versions")
+    return expected
+
+
+def _etag(version: int) -> dict[str, str]:
+    return {"ETag": f'"{version}"'}
+
+
+IfMatch = Annotated[
+    str | None,
+    Header(alias="If-Match", max_length=40, description='Store only over this version: "<n>"'),
+]
 
 
 @router.get("/v1/policies/current", response_model=PolicyVersionPublic)
-def current_policy(access: Annotated[Access, require(*GLOBAL_READERS)]) -> PolicyVersionPublic:
-    """The policy set engines enforce now."""
-    return _public(access.services.policies.current())
+def current_policy(
+    access: Annotated[Access, require(*GLOBAL_READERS)], response: Response
+) -> PolicyVersionPublic:
+    """The policy set engines enforce now (`ETag`: its version, for `If-Match`)."""
+    current = _public(access.services.policies.current())
+    response.headers.update(_etag(current.change.version if current.change else 0))
+    return current
 
 
 @router.put("/v1/policies", status_code=status.HTTP_201_CREATED, response_model=PolicyChangePublic)
 def put_policy(
-    body: PolicyPut, action: Annotated[Action, audited("policy.put", *ADMINS)]
+    body: PolicyPut,
+    action: Annotated[Action, audited("policy.put", *ADMINS)],
+    response: Response,
+    match: IfMatch = None,
 ) -> PolicyChangePublic:
     """Store a new version of the whole policy set (admin)."""
     services = action.access.services
-    version = store_policy(
-        services, body.policy, author=action.access.principal.name, reason=body.reason
-    )
-    action.done(policy_version=version)
-    return PolicyChangePublic.model_validate(services.policies.get(version).change)
+    expected = if_match(match, body.expected_version)
+    with services.write() as conn:
+        change = store_policy(
+            services,
+            conn,
+            lambda _current: body.policy,
+            author=action.access.principal.name,
+            reason=body.reason,
+            expected_version=expected,
+        )
+        action.done(conn, policy_version=change.version)
+    response.headers.update(_etag(change.version))
+    return PolicyChangePublic.model_validate(change)
 
 
 @router.get("/v1/policies/history", response_model=list[PolicyChangePublic])
@@ -146,7 +231,8 @@ def policy_history(
 
 @router.get("/v1/policies/versions/{version}", response_model=PolicyVersionPublic)
 def policy_version(
-    version: int, access: Annotated[Access, require(*GLOBAL_READERS)]
+    version: Annotated[int, Path(ge=0, lt=1 << 62)],
+    access: Annotated[Access, require(*GLOBAL_READERS)],
 ) -> PolicyVersionPublic:
     return _public(_get_version(access.services, version))
 
@@ -189,13 +275,14 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 @router.get("/v1/tenants/{tenant_id}/policy", response_model=TenantPolicyPublic)
 def tenant_policy(
-    tenant_id: str, access: Annotated[Access, require(*READERS)]
+    tenant_id: TenantIdPath, access: Annotated[Access, require(*READERS)], response: Response
 ) -> TenantPolicyPublic:
-    """The policy that applies to one tenant."""
+    """The policy that applies to one tenant (`ETag`: the set's version, for `If-Match`)."""
     services = access.services
     services.tenants.get(access.tenant(tenant_id))
     current = services.policies.current()
     policy_set = current.policy if current else PolicySet()
+    response.headers.update(_etag(current.change.version if current else 0))
     return TenantPolicyPublic(
         tenant_id=tenant_id,
         version=current.change.version if current else 0,
@@ -210,26 +297,56 @@ def tenant_policy(
     response_model=PolicyChangePublic,
 )
 def put_tenant_policy(
-    tenant_id: str,
+    tenant_id: TenantIdPath,
     body: TenantPolicyPut,
     action: Annotated[Action, audited("tenant.policy.put", *TENANT_WRITERS)],
+    response: Response,
+    match: IfMatch = None,
 ) -> PolicyChangePublic:
-    """Store a new policy set version that changes only this tenant's entry."""
+    """Store a new policy set version that changes only this tenant's entry (a tenant_admin may only
+    tighten what the admin set)."""
     access, services = action.access, action.access.services
     services.tenants.get(access.tenant(tenant_id))
     action.tenant_id = tenant_id
+    role = access.principal.role
+    expected = if_match(match, body.expected_version)
+    with services.write() as conn:
 
-    def change(old: TenantPolicy) -> TenantPolicy:
-        if access.principal.role is Role.TENANT_ADMIN and (
-            body.policy.enabled != old.enabled or body.policy.groups != old.groups
-        ):
-            raise PermissionDeniedError(
-                "a tenant_admin may not change `enabled` or `groups`; ask an admin"
-            )
-        return body.policy
+        def change(old: TenantPolicy) -> TenantPolicy:
+            if role is Role.TENANT_ADMIN:
+                _check_tenant_admin(services, conn, tenant_id, old, body.policy)
+            return body.policy
 
-    version = store_tenant_policy(
-        services, tenant_id, change, author=access.principal.name, reason=body.reason
-    )
-    action.done(policy_version=version)
-    return PolicyChangePublic.model_validate(services.policies.get(version).change)
+        stored = store_policy(
+            services,
+            conn,
+            edit_tenant(tenant_id, change),
+            author=access.principal.name,
+            reason=body.reason,
+            author_role=role,
+            expected_version=expected,
+        )
+        action.done(conn, policy_version=stored.version)
+    response.headers.update(_etag(stored.version))
+    return PolicyChangePublic.model_validate(stored)
+
+
+def _check_tenant_admin(
+    services: Services,
+    conn: sa.Connection,
+    tenant_id: str,
+    old: TenantPolicy,
+    new: TenantPolicy,
+) -> None:
+    """Refuse what a tenant_admin may not do, against state read in the writing transaction."""
+    if new.enabled != old.enabled or new.groups != old.groups:
+        raise PermissionDeniedError(
+            "a tenant_admin may not change `enabled` or `groups`; ask an admin"
+        )
+    limits = services.policies.limits(conn)
+    limit = (limits.policy if limits else PolicySet()).policy_for(tenant_id)
+    looser = loosened(limit, new)
+    if looser:
+        raise PermissionDeniedError(
+            "a tenant_admin may only tighten the limits an admin set; looser: " + ", ".join(looser)
+        )

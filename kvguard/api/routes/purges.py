@@ -2,7 +2,7 @@
 
 Who may purge what: an admin anything; a tenant_admin the sessions of its own tenant or the whole
 tenant (another tenant: 404, a model or adapter: 403); an auditor nothing, but it reads every job and
-certificate. A job is a command every engine executes (`kvguard.engine_adapter.commands`); its
+certificate. A job is a command every engine executes (`kvguard.control.commands`); its
 status and certificate are worked out from the acknowledgements and the ledger on every read
 (`kvguard.api.purge_jobs`, `kvguard.api.certificates`).
 """
@@ -25,12 +25,12 @@ from kvguard.api.purge_schemas import (
     PurgeJobPage,
     PurgeJobPublic,
 )
-from kvguard.engine_adapter.records import PurgeSelector
+from kvguard.control.commands import PurgeSelector
 from kvguard.errors import ConflictError, PermissionDeniedError
 
 router = APIRouter(prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES)
 
-JobId = Annotated[int, Path(ge=1, lt=1 << 62, description="The job id `POST /v1/purges` returned")]
+JobId = Annotated[int, Path(ge=1, lt=1 << 31, description="The job id `POST /v1/purges` returned")]
 
 CONFLICT: dict[int | str, dict[str, Any]] = {
     409: {"description": "The job is not done yet (or ended incomplete)"}
@@ -49,11 +49,20 @@ def create_purge(
     if tenant is not None:
         services.tenants.get(access.tenant(tenant))  # 404: unknown, or another tenant's
         action.tenant_id = tenant
-    job_id = services.commands.submit_purge(
-        PurgeSelector(body.kind, body.value, tenant), requested_by=access.principal.name
-    )
+    with services.write() as conn:
+        job_id = services.commands.submit_purge(
+            PurgeSelector(body.kind, body.value, tenant),
+            requested_by=access.principal.name,
+            conn=conn,
+        )
+        expected = len(
+            jobs.expected_engines(
+                services.engines.engines(), services.clock(), services.config.engine_max_age_s
+            )
+        )
+        action.done(conn, job_id=job_id, purge_kind=body.kind.value, engines_expected=expected)
+    services.deliver()  # the request's entry, so that the status below can see it
     report = jobs.report(services, jobs.get_job(access, job_id))
-    action.done(job_id=job_id, purge_kind=body.kind.value, engines_expected=report.engines_expected)
     return PurgeCreated(
         job_id=job_id, status=report.status, engines_expected=report.engines_expected
     )
@@ -68,14 +77,15 @@ def list_purges(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> PurgeJobPage:
-    """Jobs newest first; a tenant_admin sees only its own tenant's."""
+    """Jobs newest first; a tenant_admin sees only its own tenant's. A page costs O(its jobs'
+    entries), whatever the ledger holds (`jobs.reports`)."""
     services = access.services
     found = jobs.list_jobs(
         services, tenant_id=access.one_tenant_or_all(tenant_id), before=before, limit=limit + 1
     )
     page = found[:limit]
     return PurgeJobPage(
-        jobs=[PurgeJobPublic.of(jobs.report(services, j)) for j in page],
+        jobs=[PurgeJobPublic.of(r) for r in jobs.reports(services, page)],
         next_before=page[-1].job_id if len(found) > limit else None,
     )
 
@@ -107,7 +117,7 @@ def get_certificate(
         raise ConflictError(f"purge job {job_id} is {report.status.value}: no certificate yet")
     document = certificates.issue(services, report)
     ErasureCertificate.model_validate(document)  # the documented shape, checked before it leaves
-    action.done(job_id=job_id, tree_size=document["evidence"]["tree_size"])
+    action.done(None, job_id=job_id, tree_size=document["evidence"]["tree_size"])
     return JSONResponse(
         document,
         headers={

@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
-from kvguard.api.routes.policies import store_tenant_policy
+from kvguard.api.routes.policies import edit_tenant, store_policy
+from kvguard.control.commands import PurgeKind, PurgeSelector
 from kvguard.control.tenants import TENANT_ID_PATTERN
-from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"], responses=ERROR_RESPONSES)
 
@@ -62,10 +62,14 @@ def create_tenant(
     """Register a tenant (admin). Its policy is the default until one is stored for it."""
     services = action.access.services
     action.tenant_id = body.tenant_id
-    tenant = services.tenants.create(
-        body.tenant_id, display_name=body.display_name, created_by=action.access.principal.name
-    )
-    action.done()
+    with services.write() as conn:
+        tenant = services.tenants.create(
+            body.tenant_id,
+            display_name=body.display_name,
+            created_by=action.access.principal.name,
+            conn=conn,
+        )
+        action.done(conn)
     return TenantPublic.model_validate(tenant)
 
 
@@ -99,18 +103,19 @@ def disable_tenant(
     that engines and front ends load) and a tenant purge is queued for every engine."""
     services, who = action.access.services, action.access.principal.name
     action.tenant_id = tenant_id
-    tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason)
-    version = store_tenant_policy(
-        services,
-        tenant_id,
-        lambda p: p.model_copy(update={"enabled": False}),
-        author=who,
-        reason=f"tenant disabled: {body.reason}",
-    )
-    job = services.commands.submit_purge(
-        PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who
-    )
-    action.done(policy_version=version, purge_job_id=job)
+    with services.write() as conn:
+        tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason, conn=conn)
+        version = store_policy(
+            services,
+            conn,
+            edit_tenant(tenant_id, lambda p: p.model_copy(update={"enabled": False})),
+            author=who,
+            reason=f"tenant disabled: {body.reason}",
+        ).version
+        job = services.commands.submit_purge(
+            PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn
+        )
+        action.done(conn, policy_version=version, purge_job_id=job)
     return DisableResult(
         tenant=TenantPublic.model_validate(tenant), policy_version=version, purge_job_id=job
     )

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
-from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
+from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard, open_scheduler_guard
 from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
 from kvguard.errors import ConfigError
 
@@ -53,7 +53,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.scheduler_guard: SchedulerGuard | None = None
         self.worker_guard: WorkerGuard | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_guard = SchedulerGuard(
+            self.scheduler_guard = open_scheduler_guard(
                 options,
                 model_name=str(vllm_config.model_config.model),
                 block_size=vllm_config.cache_config.block_size,

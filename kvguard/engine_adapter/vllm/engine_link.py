@@ -1,7 +1,15 @@
-"""The engine's end of the command link: poll `engine_commands`, run each command, acknowledge it.
+"""The engine's end of the control plane: `EngineLink` (its one connection) and `CommandRunner`.
+
+`EngineLink` is everything an engine process holds on the control database: one SQLAlchemy engine
+(one pool), the command queue, the policy store and the engine registry on it, and one daemon thread,
+which LISTENs for command notifications (PostgreSQL) and runs the link's chores between waits: the
+registry keep-alive of an idle engine and the idle wake-up check (`wakeup.IdleWaker`). The connector
+builds it (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The thread
+never touches custody or the pool: chores only read the database, move `last_seen` on, or put vLLM's
+no-op wake-up item on its input queue.
 
 `CommandRunner` runs in the scheduler thread. It polls at most every `COMMAND_POLL_S`, or at once when
-its PostgreSQL `CommandListener` heard a `NOTIFY` (see `kvguard.engine_adapter.commands`). Purges are
+its PostgreSQL `CommandListener` heard a `NOTIFY` (see `kvguard.control.commands`). Purges are
 carried out by the scheduler guard (custody lives there); policy commands load the named version from
 the policy store (`policy_url`), and the guard swaps it in. Acknowledgements carry counts and version
 numbers only.
@@ -15,14 +23,22 @@ policy commands with `policy_version: null`.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from kvguard.engine_adapter.commands import (
+import sqlalchemy as sa
+
+from kvguard.control.commands import (
     CommandListener,
     CommandQueue,
     PolicyCommand,
     PurgeCommand,
 )
+from kvguard.control.db import open_engine
+from kvguard.control.engines import EngineRegistry
 from kvguard.engine_adapter.records import PurgeSelector
 from kvguard.errors import PolicyStoreError
 from kvguard.logging import get_logger
@@ -45,28 +61,97 @@ class CommandTarget(Protocol):
     def use_policy(self, policies: PolicySet, version: int) -> None: ...
 
 
+@dataclass
+class _Chore:
+    interval_s: float
+    task: Callable[[], object]
+    last: float = float("-inf")
+
+
+class EngineLink:
+    """An engine process's one connection to the control database (module docstring)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        policy_engine: sa.Engine | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.queue = CommandQueue(engine)
+        self.registry = EngineRegistry(engine)
+        # The policy store lives on the control database unless configured elsewhere.
+        self._policy_engine = policy_engine
+        self.policies: PolicyStore | None = PolicyStore(policy_engine or engine)
+        self._clock = clock
+        self._chores: list[_Chore] = []
+        self._lock = threading.Lock()
+        self.listener = CommandListener(engine, tick=self._tick)
+        self._started = False
+
+    @classmethod
+    def open(cls, control_url: str, policy_url: str | None = None) -> EngineLink:
+        engine = open_engine(control_url)
+        other = policy_url is not None and policy_url != control_url
+        link = cls(engine, policy_engine=open_engine(policy_url) if other and policy_url else None)
+        if policy_url is None:
+            link.policies = None  # the engine follows its policy file only
+        return link
+
+    def every(self, interval_s: float, task: Callable[[], object]) -> None:
+        """Run `task` on the link's thread every `interval_s` seconds (errors are logged)."""
+        with self._lock:
+            self._chores.append(_Chore(interval_s, task))
+
+    def start(self) -> EngineLink:
+        if not self._started:
+            self._started = True
+            self.listener.start()
+        return self
+
+    def take_notified(self) -> bool:
+        """True if a command was announced since the last call (PostgreSQL NOTIFY)."""
+        return self.listener.take()
+
+    def _tick(self) -> None:
+        now = self._clock()
+        with self._lock:
+            due = [c for c in self._chores if now - c.last >= c.interval_s]
+            for chore in due:
+                chore.last = now
+        for chore in due:
+            try:
+                chore.task()
+            except sa.exc.SQLAlchemyError as exc:
+                _log.warning("engine link chore failed; retrying", error=type(exc).__name__)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.engine.dispose()
+        if self._policy_engine is not None:
+            self._policy_engine.dispose()
+
+
 class CommandRunner:
     """Polls and runs engine commands for one engine (see the module docstring)."""
 
-    def __init__(self, engine_id: str, *, control_url: str, policy_url: str | None) -> None:
+    def __init__(self, engine_id: str, link: EngineLink) -> None:
         self.engine_id = engine_id
-        self.queue = CommandQueue.open(control_url)
-        self._last = self.queue.latest_id()  # older commands found nothing of ours to act on
+        self.queue = link.queue
+        self._link = link
+        self._last = self.queue.latest_seq()  # older commands found nothing of ours to act on
         self._last_poll = float("-inf")
-        self.store = PolicyStore.open(policy_url) if policy_url else None
-        self.listener: CommandListener | None = None
-        if self.queue.engine.dialect.name == "postgresql":
-            self.listener = CommandListener(self.queue.engine).start()
+        self.store = link.policies
         self.executed = 0
 
     @property
-    def last_id(self) -> int:
-        """The newest command this engine has run (or skipped as older than itself)."""
+    def last_seq(self) -> int:
+        """The number of the newest command this engine has run (or skipped as older than itself)."""
         return self._last
 
     def due(self, now: float) -> bool:
-        woken = self.listener is not None and self.listener.take()
-        return woken or now - self._last_poll >= COMMAND_POLL_S
+        return self._link.take_notified() or now - self._last_poll >= COMMAND_POLL_S
 
     def run(self, now: float, target: CommandTarget) -> int:
         """Run every command created since the last one run; returns how many ran."""
@@ -78,7 +163,7 @@ class CommandRunner:
             else:
                 result = self._policy(command, target)
             self.queue.acknowledge(command.id, self.engine_id, result)
-            self._last = command.id
+            self._last = command.seq
             ran += 1
         self.executed += ran
         return ran
@@ -101,10 +186,3 @@ class CommandRunner:
         target.use_policy(loaded.policy, loaded.change.version)
         _log.info("policy version applied", version=loaded.change.version)
         return {"policy_version": loaded.change.version}
-
-    def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-        self.queue.engine.dispose()
-        if self.store is not None:
-            self.store.engine.dispose()

@@ -11,13 +11,14 @@ Statistics are observability, not evidence (the ledger is): a heartbeat that fai
 error's type only, never its text, which could carry the database URL) and retried at the next one,
 and the engine carries on. Buffered tags stay buffered until a heartbeat succeeds.
 
-All methods run in the scheduler thread except the keep-alive thread's, which only moves the engine
-row's `last_seen` on: an idle vLLM engine runs no scheduler code, and must not look dead to the API.
+All methods run in the scheduler thread except `keepalive`, which the engine link's thread runs every
+`HEARTBEAT_S` (`EngineLink.every`) and which only moves the engine row's `last_seen` on: an idle vLLM
+engine runs no scheduler code, and must not look dead to the API. The reporter owns no connection:
+the registry is the engine link's.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -44,7 +45,6 @@ ENGINE_COUNTERS: Final = (
     "share_narrowed",
     "quota_deferred",
 )
-_STOP_WAIT_S: Final = 1.0
 _log = get_logger("vllm.reporting")
 
 
@@ -76,15 +76,17 @@ class EngineReporter:
         self.sums: dict[str, float] = {}  # engine-wide latency sums
         self.cleanup_max_s = 0.0
         self.heartbeats = 0
-        self._keepalive: _Keepalive | None = None
 
     # --- what the scheduler reports -----------------------------------------------------------
 
     def register(self, *, model: str, block_size: int, num_blocks: int) -> None:
         self._identity = {"model": model, "block_size": block_size, "num_blocks": num_blocks}
         self._try_register()
-        if self._keepalive is None:
-            self._keepalive = _Keepalive(self.registry, self.engine_id, self._clock)
+
+    def keepalive(self) -> None:
+        """Move `last_seen` on (the link's thread, every HEARTBEAT_S); nothing before `register`."""
+        if self._registered:
+            self.registry.touch(self.engine_id, self._clock())
 
     def new_tag(self, tag: str, tenant: str) -> None:
         self._tags[tag] = tenant
@@ -169,9 +171,7 @@ class EngineReporter:
         return True
 
     def close(self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]) -> None:
-        """Last heartbeat and `stopped_at`; stops the keep-alive thread. Never raises."""
-        if self._keepalive is not None:
-            self._keepalive.close()
+        """Last heartbeat and `stopped_at`. Never raises."""
         if not self._identity:
             return
         if self.heartbeat(now, summary, counters):
@@ -179,7 +179,6 @@ class EngineReporter:
                 self.registry.stop(self.engine_id, now)
             except sa.exc.SQLAlchemyError as exc:
                 _log.warning("could not record the engine's stop", error=type(exc).__name__)
-        self.registry.engine.dispose()
 
     def _try_register(self, *, raise_errors: bool = False) -> None:
         try:
@@ -241,29 +240,3 @@ def _bytes_per_block(details: Mapping[str, Any]) -> int | None:
     if isinstance(cleared, int) and isinstance(count, int) and count > 0:
         return cleared // count
     return None
-
-
-class _Keepalive:
-    """A daemon thread that moves the engine row's `last_seen` on every `HEARTBEAT_S`."""
-
-    def __init__(
-        self, registry: EngineRegistry, engine_id: str, clock: Callable[[], float]
-    ) -> None:
-        self._registry = registry
-        self._engine_id = engine_id
-        self._clock = clock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvguard-keepalive", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._registry.touch(self._engine_id, self._clock())
-            except sa.exc.SQLAlchemyError as exc:
-                _log.warning("engine keep-alive failed; retrying", error=type(exc).__name__)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(_STOP_WAIT_S)

@@ -112,19 +112,24 @@ class GuardOptions:
     def policy_set(self) -> PolicySet:
         return self.initial_policy()[0]
 
-    def initial_policy(self, ledger: Ledger | None = None) -> tuple[PolicySet, int | None]:
+    def initial_policy(
+        self, ledger: Ledger | None = None, *, store: PolicyStore | None = None
+    ) -> tuple[PolicySet, int | None]:
         """The policy to start with, and its store version (None: from `policy_file` or defaults).
 
         With `policy_url` and a `ledger`, an empty store is first seeded from `policy_file`
-        (`kvguard.control.policy_seed`), so the engine and the admin API read one policy."""
+        (`kvguard.control.policy_seed`), so the engine and the admin API read one policy. `store` is
+        the engine link's policy store; without it one is opened for the call."""
         if self.policy_url:
-            store = PolicyStore.open(self.policy_url)
+            own = store is None
+            store = store or PolicyStore.open(self.policy_url)
             try:
                 if ledger is not None:
                     seed_from_file(store, ledger, self.policy_file)
                 current = store.current()
             finally:
-                store.engine.dispose()
+                if own:
+                    store.engine.dispose()
             if current is not None:
                 _log.info("policy loaded from the policy store", version=current.change.version)
                 return current.policy, current.change.version

@@ -14,6 +14,10 @@ enforces custody's answers on the pool:
 Commands from the database (purges, policy versions) run through `engine_link.CommandRunner`; cache
 statistics and heartbeats to the engine registry go through `reporting.EngineReporter`. All of this
 runs in the scheduler's single thread; nothing here touches tensors.
+
+The guard opens nothing: the connector builds the engine link (one pool, one thread), the ledger, the
+salt deriver and the starting policy (`open_scheduler_guard`) and passes them in, so tests build a
+guard over fakes in microseconds (tests/engine_adapter/test_scheduler_guard.py).
 """
 
 from __future__ import annotations
@@ -26,19 +30,25 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
-from kvguard.control.engines import EngineRegistry
+from kvguard.audit.ledger import Ledger
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
-from kvguard.engine_adapter.records import BlockStatus, CustodyEvent, PurgeSelector
-from kvguard.engine_adapter.vllm.engine_link import CommandRunner
+from kvguard.engine_adapter.records import (
+    BlockStatus,
+    CustodyEvent,
+    PurgeSelector,
+    purge_event_kind,
+)
+from kvguard.engine_adapter.vllm.engine_link import CommandRunner, EngineLink
 from kvguard.engine_adapter.vllm.intake import UNGOVERNED_TENANT, make_private, ungoverned_scope
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
-from kvguard.engine_adapter.vllm.reporting import EngineReporter
+from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S, EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
-from kvguard.engine_adapter.vllm.wakeup import IdleWaker
+from kvguard.engine_adapter.vllm.wakeup import WAKE_CHECK_S, IdleWaker
 from kvguard.errors import CustodyError, ScopeError
+from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import Scope, Share
 from kvguard.logging import get_logger
 from kvguard.policy import (
@@ -69,8 +79,33 @@ def _repair_reason(exc: CustodyError) -> str:
 
 
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
-__all__ = ["UNGOVERNED_TENANT", "SchedulerGuard"]
+__all__ = ["UNGOVERNED_TENANT", "SchedulerGuard", "open_scheduler_guard"]
 SWEEP_INTERVAL_S = 0.25
+
+
+def open_scheduler_guard(
+    options: GuardOptions, *, model_name: str, block_size: int
+) -> SchedulerGuard:
+    """Open what a scheduler guard works with (the engine link, the ledger, the salt deriver, the
+    starting policy, seeded into an empty store) and build the guard over them."""
+    deriver = options.deriver()
+    ledger = options.open_ledger()
+    link = EngineLink.open(options.control_url, options.policy_url)
+    try:
+        policy = options.initial_policy(ledger, store=link.policies)
+    except BaseException:
+        link.close()
+        ledger.close()
+        raise
+    return SchedulerGuard(
+        options,
+        model_name=model_name,
+        block_size=block_size,
+        link=link,
+        ledger=ledger,
+        deriver=deriver,
+        policy=policy,
+    )
 
 
 class SchedulerGuard:
@@ -82,12 +117,17 @@ class SchedulerGuard:
         *,
         model_name: str,
         block_size: int,
+        link: EngineLink,
+        ledger: Ledger,
+        deriver: SaltDeriver,
+        policy: tuple[PolicySet, int | None],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.options = options
-        self.deriver = options.deriver()
-        self.ledger = options.open_ledger()
-        self.policies, self.policy_version = options.initial_policy(self.ledger)
+        self.link = link
+        self.deriver = deriver
+        self.ledger = ledger
+        self.policies, self.policy_version = policy
         self.bridge = LedgerBridge(self.ledger, self._level_for_tag)
         self._clock = clock
         self._model_name = model_name
@@ -107,23 +147,25 @@ class SchedulerGuard:
         self._closed = False
         self.timer = PhaseTimer()
         self.engine_id = uuid.uuid4().hex[:12]
-        self.commands = CommandRunner(
-            self.engine_id, control_url=options.control_url, policy_url=options.policy_url
-        )
+        self.commands = CommandRunner(self.engine_id, link)
         self.reporter = EngineReporter(
-            EngineRegistry.open(options.control_url),
+            link.registry,
             engine_id=self.engine_id,
             tenant_tag=self.deriver.tenant_tag,
             clock=clock,
         )
         self._last_sweep = float("-inf")
-        self._wake_requested = False  # set by the idle waker's thread, cleared by the next step
+        self._wake_requested = False  # set by the idle waker's check, cleared by the next step
         self.waker = IdleWaker.attach(
-            control_url=options.control_url,
-            last_command=lambda: self.commands.last_id,
+            commands=link.queue,
+            last_command=lambda: self.commands.last_seq,
             cached_blocks=lambda: self.custody.cached_count if self.custody is not None else 0,
             request_wake=self._request_wake,
         )
+        link.every(HEARTBEAT_S, self.reporter.keepalive)
+        if self.waker is not None:
+            link.every(WAKE_CHECK_S, self.waker.check)
+        link.start()
         atexit.register(self.close)
         self.stats = self.reporter.stats  # engine-wide counters, reported with every heartbeat
 
@@ -456,7 +498,7 @@ class SchedulerGuard:
         doomed = sum(
             int(e.details.get("blocks_active_doomed") or 0)
             for e in events
-            if e.kind is selector.event_kind
+            if e.kind is purge_event_kind(selector)
         )
         self._forward(events)
         return {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
@@ -553,10 +595,8 @@ class SchedulerGuard:
         if self._closed:
             return
         self._closed = True
-        if self.waker is not None:
-            self.waker.close()
-        self.commands.close()
         if self.custody is not None:
             self.reporter.close(self._clock(), self.custody.summary(), self._counters())
+        self.link.close()
         self.ledger.flush()
         self.ledger.close()

@@ -38,7 +38,7 @@ from typing import Any, Final
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvguard.engine_adapter.tenant_keys import TenantKeys
+from kvguard.control.keys import TenantKeys
 from kvguard.engine_adapter.vllm.adapters import AdapterDigests
 from kvguard.engine_adapter.vllm.routes import RouteClass, classify
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope

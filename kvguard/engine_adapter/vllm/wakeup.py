@@ -2,13 +2,13 @@
 
 vLLM's engine-core process blocks on its input queue while it has no requests, so no scheduler code
 runs: a purge queued through the database, or a TTL that runs out, would wait for the next request
-and the tenant's bytes would stay in device memory until then. `IdleWaker` is a daemon thread in the
-engine-core process that looks, once a second, for a command newer than the last one the engine ran
-(one indexed `max(id)` read on its own connection) and, while blocks are cached, every
-`EXPIRY_WAKE_S` for expiry. When there is work it raises the guard's wake flag (which
+and the tenant's bytes would stay in device memory until then. `IdleWaker.check` runs on the engine
+link's thread (`EngineLink.every`, once a second) in the engine-core process: it looks for a command
+newer than the last one the engine ran (one indexed `max(seq)` read on the link's pool) and, while
+blocks are cached, every `EXPIRY_WAKE_S` for expiry. When there is work it raises the guard's wake flag (which
 `has_pending_push_work` reports, so the engine keeps stepping) and puts vLLM's own no-op
 `WAKEUP` request on the input queue, which unblocks the loop; the next step runs the guard's
-housekeeping in the scheduler thread as usual. The thread never touches custody or the pool.
+housekeeping in the scheduler thread as usual. The check never touches custody or the block pool.
 
 Coupling, on purpose and checked by tests: the queue is found by walking up the frames that are
 constructing the connector to the `EngineCoreProc` (an object with an `input_queue` that is a
@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import inspect
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
-import sqlalchemy as sa
-
-from kvguard.engine_adapter.commands import CommandQueue
+from kvguard.control.commands import CommandQueue
 from kvguard.logging import get_logger
 
 WAKE_CHECK_S: Final = 1.0
 EXPIRY_WAKE_S: Final = 5.0
-_STOP_WAIT_S: Final = 2.0
 _log = get_logger("vllm.wakeup")
 
 
@@ -59,7 +55,7 @@ def _wakeup_item() -> tuple[Any, None]:
 
 
 class IdleWaker:
-    """The wake-up thread (see the module docstring)."""
+    """The idle wake-up check (see the module docstring); `check` runs on the engine link's thread."""
 
     def __init__(
         self,
@@ -70,7 +66,6 @@ class IdleWaker:
         cached_blocks: Callable[[], int],
         request_wake: Callable[[], None],
         item: Any = None,
-        check_s: float = WAKE_CHECK_S,
         expiry_s: float = EXPIRY_WAKE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -80,18 +75,15 @@ class IdleWaker:
         self._cached_blocks = cached_blocks
         self._request_wake = request_wake
         self._item = item if item is not None else _wakeup_item()
-        self._check_s, self._expiry_s, self._clock = check_s, expiry_s, clock
+        self._expiry_s, self._clock = expiry_s, clock
         self._last_expiry_wake = clock()
         self.wakes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvguard-idle-waker", daemon=True)
-        self._thread.start()
 
     @classmethod
     def attach(
         cls,
         *,
-        control_url: str,
+        commands: CommandQueue,
         last_command: Callable[[], int],
         cached_blocks: Callable[[], int],
         request_wake: Callable[[], None],
@@ -102,33 +94,25 @@ class IdleWaker:
             return None
         return cls(
             found,
-            commands=CommandQueue.open(control_url),
+            commands=commands,
             last_command=last_command,
             cached_blocks=cached_blocks,
             request_wake=request_wake,
         )
 
     def _due(self) -> bool:
-        if self._commands.latest_id() > self._last_command():
+        if self._commands.latest_seq() > self._last_command():
             return True
         expiry_due = self._clock() - self._last_expiry_wake >= self._expiry_s
         return expiry_due and self._cached_blocks() > 0
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._check_s):
-            try:
-                due = self._due()
-            except sa.exc.SQLAlchemyError as exc:  # the scheduler's own poll fails loudly
-                _log.warning("idle wake-up check failed; retrying", error=type(exc).__name__)
-                continue
-            if due:
-                self._last_expiry_wake = self._clock()
-                self._request_wake()
-                self._queue.put_nowait(self._item)
-                self.wakes += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(_STOP_WAIT_S)
-        self._commands.engine.dispose()
+    def check(self) -> bool:
+        """Wake the engine if it has work; True if it did. Database errors propagate (the link logs
+        them and tries again at the next check)."""
+        if not self._due():
+            return False
+        self._last_expiry_wake = self._clock()
+        self._request_wake()
+        self._queue.put_nowait(self._item)
+        self.wakes += 1
+        return True

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import sqlalchemy as sa
 
-from kvguard.engine_adapter.commands import (
+from kvguard.control.commands import (
     CommandListener,
     CommandQueue,
     PolicyCommand,
     PurgeCommand,
+    PurgeKind,
+    PurgeSelector,
 )
-from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.control.db import write_transaction
 from kvguard.errors import ConfigError
 
 
@@ -27,9 +30,11 @@ def test_purge_and_policy_commands_come_back_in_order(db_url) -> None:
     commands = queue.pending_after(0)
     assert [type(c) for c in commands] == [PurgeCommand, PolicyCommand, PurgeCommand]
     assert [c.id for c in commands] == [first, second, third]
-    assert commands[1] == PolicyCommand(second, 7)
+    assert commands[1] == PolicyCommand(second, 7, commands[1].seq)
+    assert [c.seq for c in commands] == [1, 2, 3]  # gapless, in commit order
     assert commands[2].selector == PurgeSelector(PurgeKind.SESSION, "s1", "acme")
-    assert queue.pending_after(second) == [commands[2]]
+    assert queue.pending_after(commands[1].seq) == [commands[2]]
+    assert queue.latest_seq() == 3
     queue.acknowledge(second, "e1", {"policy_version": 7})
     assert queue.acks(second)[0]["policy_version"] == 7
     for bad in (0, -1, True, "3"):
@@ -96,3 +101,77 @@ def test_listener_reconnects_after_its_connection_is_killed(pg_url) -> None:
     finally:
         listener.close()
         queue.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_command_committed_after_a_higher_id_was_read_is_not_skipped(pg_url) -> None:
+    """The 0.1.0 bug: ids are drawn before commit, so an `id > last` cursor skipped a command that
+    committed late. Numbers are taken in commit order: the reader sees the late one."""
+    queue = CommandQueue.open(pg_url)
+    slow_started, release = threading.Event(), threading.Event()
+
+    def slow_submit() -> None:
+        with write_transaction(queue.engine) as conn:
+            queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "slow"), requested_by="t", conn=conn)
+            slow_started.set()
+            release.wait(10)  # commit only after the fast one had its chance
+
+    slow = threading.Thread(target=slow_submit)
+    slow.start()
+    assert slow_started.wait(10)
+    fast_done = threading.Event()
+    fast = threading.Thread(
+        target=lambda: (
+            queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "fast"), requested_by="t"),
+            fast_done.set(),
+        )
+    )
+    fast.start()
+    # The fast submitter waits for the head lock: it cannot commit a number before the slow one.
+    assert not fast_done.wait(0.5)
+    assert queue.pending_after(0) == []
+    release.set()
+    slow.join(10)
+    fast.join(10)
+    seen = [c.selector.value for c in queue.pending_after(0) if isinstance(c, PurgeCommand)]
+    assert seen == ["slow", "fast"]
+    queue.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_concurrent_submitters_strand_no_command(pg_url) -> None:
+    """Eight submitters against a reader that polls as an engine does: every committed command is
+    read exactly once, in number order."""
+    queue = CommandQueue.open(pg_url)
+    per_thread, threads = 40, 8
+    stop = threading.Event()
+    read: list[int] = []
+
+    def engine() -> None:
+        last = 0
+        while True:
+            finished = stop.is_set()
+            for command in queue.pending_after(last):
+                read.append(command.id)
+                last = command.seq
+            if finished:
+                return
+            time.sleep(0.002)
+
+    def submitter(n: int) -> None:
+        for i in range(per_thread):
+            queue.submit_purge(PurgeSelector(PurgeKind.TENANT, f"t{n}-{i}"), requested_by="t")
+
+    reader = threading.Thread(target=engine)
+    reader.start()
+    workers = [threading.Thread(target=submitter, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    stop.set()
+    reader.join(30)
+    all_ids = [c.id for c in queue.pending_after(0, limit=10_000)]
+    assert len(all_ids) == per_thread * threads
+    assert sorted(read) == sorted(all_ids) and len(set(read)) == len(read)
+    queue.engine.dispose()

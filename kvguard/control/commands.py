@@ -1,15 +1,21 @@
 """Commands for engines, through the database: purges and policy changes (CLI and admin API).
 
 The API and engine processes share nothing but the database (ARCHITECTURE.md, data flow). A command is
-a row in `engine_commands`; every engine attached to the database executes every command created after
-it started (a fresh engine holds no older state, so older purges have nothing to act on, and it loads
+a row in `engine_commands`, numbered `seq` in commit order: the number is taken from the
+`command_head` row under its row lock, held until the submitting transaction commits, so no command
+can commit after a higher-numbered one was read. Every engine attached to the database executes every
+command numbered after the newest one when it started (a fresh engine holds no older state, so older purges have nothing to act on, and it loads
 the current policy version itself) and records an acknowledgement row per engine in
 `engine_command_acks` with what it did, in counts only. Kinds: `purge` (selector kind and value) and
-`policy` (`selector_value` is the policy store version to load).
+`policy` (`selector_value` is the policy store version to load). An engine reads "numbered after the
+last one I ran" and acknowledges each command once, so it runs every command exactly once whatever
+the order in which submitters commit (an `id` cursor skipped commands on PostgreSQL, where ids are
+drawn before commit). A submit may join the caller's transaction (`conn=`), so a command commits
+with the state change that caused it, or not at all.
 
 Delivery. Engines poll from their scheduler thread, at most once a second (`COMMAND_POLL_S` in the
 vLLM adapter), when a request arrives or a step runs. On PostgreSQL every submit also runs
-`NOTIFY kvguard_commands` in its own transaction (delivered at commit, never for a rolled-back
+`NOTIFY kvguard_commands` in its transaction (delivered at commit, never for a rolled-back
 command), and an engine runs a `CommandListener`: a daemon thread that `LISTEN`s on a dedicated
 connection and only raises a flag; the scheduler thread sees the flag at its next request or step and
 polls at once instead of waiting out the second. The listener never touches engine state, reconnects
@@ -23,14 +29,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Final
 
 import sqlalchemy as sa
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
+from kvguard.control.db import ensure_schema, open_engine, write_transaction
+from kvguard.control.schema import HEAD_ID, CommandHead, EngineCommand, EngineCommandAck
 from kvguard.errors import ConfigError
+from kvguard.isolation.scope import Scope
 from kvguard.logging import get_logger
 
 NOTIFY_CHANNEL: Final = "kvguard_commands"
@@ -39,35 +48,38 @@ _RECONNECT_S: Final = (0.5, 1.0, 2.0, 5.0)
 _log = get_logger("engine.commands")
 
 
-class _Base(DeclarativeBase):
-    metadata = sa.MetaData()
+class PurgeKind(StrEnum):
+    SESSION = "session"
+    TENANT = "tenant"
+    MODEL = "model"
+    ADAPTER = "adapter"
 
 
-class EngineCommand(_Base):
-    __tablename__ = "engine_commands"
+@dataclass(frozen=True, slots=True)
+class PurgeSelector:
+    """Which owners a purge removes. `value` is the session, tenant, model or adapter id."""
 
-    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
-    kind: Mapped[str] = mapped_column(sa.String(32))
-    selector_kind: Mapped[str] = mapped_column(sa.String(16))
-    selector_value: Mapped[str] = mapped_column(sa.String(256))
-    tenant_id: Mapped[str | None] = mapped_column(sa.String(256), nullable=True)
-    requested_by: Mapped[str] = mapped_column(sa.String(256))
-    created_at: Mapped[float] = mapped_column(sa.Float)
+    kind: PurgeKind
+    value: str
+    tenant_id: str | None = None  # a session purge is always within one tenant
 
-
-class EngineCommandAck(_Base):
-    __tablename__ = "engine_command_acks"
-
-    command_id: Mapped[int] = mapped_column(sa.ForeignKey("engine_commands.id"), primary_key=True)
-    engine_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    done_at: Mapped[float] = mapped_column(sa.Float)
-    result: Mapped[str] = mapped_column(sa.Text)  # JSON: counts only, never identifiers of blocks
+    def matches(self, scope: Scope) -> bool:
+        if self.kind is PurgeKind.TENANT:
+            return scope.tenant_id == self.value
+        if self.kind is PurgeKind.SESSION:
+            return scope.session_id == self.value and (
+                self.tenant_id is None or scope.tenant_id == self.tenant_id
+            )
+        if self.kind is PurgeKind.MODEL:
+            return scope.model.id == self.value
+        return scope.adapter is not None and scope.adapter.id == self.value
 
 
 @dataclass(frozen=True, slots=True)
 class PurgeCommand:
-    id: int
+    id: int  # the purge job id the API reports and the ledger's purge entries carry
     selector: PurgeSelector
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,30 +88,37 @@ class PolicyCommand:
 
     id: int
     version: int
+    seq: int = 0
 
 
 Command = PurgeCommand | PolicyCommand
 
 
 class CommandQueue:
+    """Submit commands (admin API, CLI) and read them in commit order (engines)."""
+
     def __init__(self, engine: sa.Engine) -> None:
         self._engine = engine
-        _Base.metadata.create_all(engine)
+        ensure_schema(engine)
 
     @classmethod
     def open(cls, url: str) -> CommandQueue:
-        return cls(sa.create_engine(url))
+        return cls(open_engine(url))
 
     @property
     def engine(self) -> sa.Engine:
         return self._engine
 
-    def submit_purge(self, selector: PurgeSelector, *, requested_by: str) -> int:
+    def submit_purge(
+        self, selector: PurgeSelector, *, requested_by: str, conn: sa.Connection | None = None
+    ) -> int:
+        """Queue a purge; returns its job id. With `conn`, inside the caller's write transaction."""
         if not selector.value:
             raise ConfigError("a purge needs a non-empty session, tenant, model or adapter id")
         if selector.kind is PurgeKind.SESSION and not selector.tenant_id:
             raise ConfigError("a session purge needs the tenant the session belongs to")
         return self._submit(
+            conn,
             kind="purge",
             selector_kind=selector.kind.value,
             selector_value=selector.value,
@@ -107,11 +126,14 @@ class CommandQueue:
             requested_by=requested_by,
         )
 
-    def submit_policy(self, version: int, *, requested_by: str) -> int:
+    def submit_policy(
+        self, version: int, *, requested_by: str, conn: sa.Connection | None = None
+    ) -> int:
         """Tell every engine to load policy store version `version`."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ConfigError("a policy command needs a stored policy version (1 or more)")
         return self._submit(
+            conn,
             kind="policy",
             selector_kind="version",
             selector_value=str(version),
@@ -119,45 +141,65 @@ class CommandQueue:
             requested_by=requested_by,
         )
 
-    def _submit(self, **values: Any) -> int:
-        with self._engine.begin() as conn:
-            new_id = conn.execute(
-                sa.insert(EngineCommand)
-                .values(created_at=time.time(), **values)
-                .returning(EngineCommand.id)
+    def _submit(self, conn: sa.Connection | None, **values: Any) -> int:
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self._submit(own, **values)
+        # The head row stays locked until the caller commits: numbers are handed out in commit
+        # order, so an engine that has read number n has seen every command numbered below it.
+        seq = (
+            conn.execute(
+                sa.select(CommandHead.seq).where(CommandHead.id == HEAD_ID).with_for_update()
             ).scalar_one()
-            if self._engine.dialect.name == "postgresql":
-                conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))  # sent at commit
-            return int(new_id)
+            + 1
+        )
+        conn.execute(sa.update(CommandHead).where(CommandHead.id == HEAD_ID).values(seq=seq))
+        new_id = conn.execute(
+            sa.insert(EngineCommand)
+            .values(created_at=time.time(), seq=seq, **values)
+            .returning(EngineCommand.id)
+        ).scalar_one()
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))  # sent at commit
+        return int(new_id)
 
-    def latest_id(self) -> int:
+    def latest_seq(self) -> int:
+        """The number of the newest committed command (0: none yet)."""
         with self._engine.connect() as conn:
-            return int(
-                conn.execute(
-                    sa.select(sa.func.coalesce(sa.func.max(EngineCommand.id), 0))
-                ).scalar_one()
-            )
+            value = conn.execute(sa.select(sa.func.max(EngineCommand.seq))).scalar_one()
+            return int(value or 0)
 
-    def pending_after(self, last_id: int) -> list[Command]:
-        """Commands created after `last_id`, in order (kinds this version does not know are skipped)."""
+    def pending_after(self, last_seq: int, *, limit: int = 1000) -> list[Command]:
+        """Commands numbered after `last_seq`, in commit order (kinds this version does not know
+        are skipped)."""
         t = EngineCommand
         with self._engine.connect() as conn:
             rows = conn.execute(
-                sa.select(t.id, t.kind, t.selector_kind, t.selector_value, t.tenant_id)
-                .where(t.id > last_id)
-                .order_by(t.id)
+                sa.select(t.id, t.seq, t.kind, t.selector_kind, t.selector_value, t.tenant_id)
+                .where(t.seq > last_seq)
+                .order_by(t.seq)
+                .limit(limit)
             ).all()
         out: list[Command] = []
         for r in rows:
             if r.kind == "purge":
                 selector = PurgeSelector(PurgeKind(r.selector_kind), r.selector_value, r.tenant_id)
-                out.append(PurgeCommand(r.id, selector))
+                out.append(PurgeCommand(r.id, selector, r.seq))
             elif r.kind == "policy":
-                out.append(PolicyCommand(r.id, int(r.selector_value)))
+                out.append(PolicyCommand(r.id, int(r.selector_value), r.seq))
         return out
 
     def acknowledge(self, command_id: int, engine_id: str, result: dict[str, Any]) -> None:
-        with self._engine.begin() as conn:
+        """Record that `engine_id` ran `command_id` (once: a second acknowledgement is ignored)."""
+        with write_transaction(self._engine) as conn:
+            done = conn.execute(
+                sa.select(EngineCommandAck.command_id).where(
+                    EngineCommandAck.command_id == command_id,
+                    EngineCommandAck.engine_id == engine_id,
+                )
+            ).first()
+            if done is not None:
+                return
             conn.execute(
                 sa.insert(EngineCommandAck).values(
                     command_id=command_id,
@@ -168,23 +210,40 @@ class CommandQueue:
             )
 
     def acks(self, command_id: int) -> list[dict[str, Any]]:
+        return self.acks_for([command_id]).get(command_id, [])
+
+    def acks_for(self, command_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
+        """The acknowledgements of several commands in one query."""
         t = EngineCommandAck
+        out: dict[int, list[dict[str, Any]]] = {}
+        if not command_ids:
+            return out
         with self._engine.connect() as conn:
             rows = conn.execute(
-                sa.select(t.engine_id, t.done_at, t.result).where(t.command_id == command_id)
+                sa.select(t.command_id, t.engine_id, t.done_at, t.result)
+                .where(t.command_id.in_(list(command_ids)))
+                .order_by(t.command_id, t.engine_id)
             ).all()
-        return [
-            {"engine_id": r.engine_id, "done_at": r.done_at, **json.loads(r.result)} for r in rows
-        ]
+        for r in rows:
+            out.setdefault(int(r.command_id), []).append(
+                {"engine_id": r.engine_id, "done_at": r.done_at, **json.loads(r.result)}
+            )
+        return out
 
 
 class CommandListener:
-    """Wakes an engine's command poll on PostgreSQL `NOTIFY kvguard_commands` (module docstring)."""
+    """Wakes an engine's command poll on PostgreSQL `NOTIFY kvguard_commands` (module docstring).
 
-    def __init__(self, engine: sa.Engine) -> None:
-        if engine.dialect.name != "postgresql":
+    `tick`, if given, runs on the same thread after every wait of at most half a second (the engine
+    link's chores: keep-alive, idle wake-up checks); on SQLite, which has no notifications, the
+    thread only ticks. Without `tick` a SQLite listener would have nothing to do and is refused."""
+
+    def __init__(self, engine: sa.Engine, *, tick: Callable[[], None] | None = None) -> None:
+        self._listens = engine.dialect.name == "postgresql"
+        if not self._listens and tick is None:
             raise ConfigError("command notifications need PostgreSQL; SQLite engines poll")
         self._engine = engine
+        self._tick = tick
         self._woken = threading.Event()
         self._listening = threading.Event()
         self._stop = threading.Event()
@@ -194,7 +253,7 @@ class CommandListener:
 
     @classmethod
     def open(cls, url: str) -> CommandListener:
-        return cls(sa.create_engine(url))
+        return cls(open_engine(url))
 
     def start(self) -> CommandListener:
         self._thread.start()
@@ -226,6 +285,10 @@ class CommandListener:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        if not self._listens:
+            while not self._stop.wait(_LISTEN_POLL_S):
+                self._run_tick()
+            return
         import psycopg  # noqa: PLC0415 (the postgres extra; only PostgreSQL engines get here)
 
         failures = 0
@@ -243,6 +306,15 @@ class CommandListener:
                     retry_in_s=delay,
                 )
                 self._stop.wait(delay)
+                self._run_tick()
+
+    def _run_tick(self) -> None:
+        if self._tick is None:
+            return
+        try:
+            self._tick()
+        except Exception as exc:  # a chore's failure must not end the thread
+            _log.warning("engine link chore failed", error=type(exc).__name__)
 
     def _listen(self) -> None:
         # A connection of its own, outside the pool (`detach`), in autocommit: LISTEN takes effect at
@@ -258,6 +330,7 @@ class CommandListener:
             while not self._stop.is_set():
                 for _ in conn.notifies(timeout=_LISTEN_POLL_S):
                     self._woken.set()
+                self._run_tick()
         finally:
             self._listening.clear()
             raw.close()

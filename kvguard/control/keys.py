@@ -1,0 +1,283 @@
+"""The one key store: admin API keys (`ApiKeys`) and tenant inference keys (`TenantKeys`).
+
+Both kinds are 32 random bytes (256 bits) behind a key id, shown once at creation and never stored:
+the database keeps a fast hash of the secret (inference keys: SHA-256; admin keys: HMAC-SHA256 under a
+per-key salt). Slow password hashes defend guessable passwords, not 256-bit random keys, and would
+cost more than the request they guard. Every check does the same work whether the key id exists or
+not (an unknown id is hashed and compared against a dummy), the comparison is constant-time, and the
+row is read on every request, so a revocation holds from the next request in every process. Admin
+keys issued by kvguard 0.1.0 carry an scrypt hash: the first successful check stores their HMAC and
+drops the scrypt hash, so each pays the slow hash at most once.
+
+Key shapes: `kvg_adm_<key id>_<secret>` (admin), `kvg_<key id>_<secret>` (inference); the log redactor
+masks both. Inference keys are issued only for registered tenants that are not disabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Final
+
+import sqlalchemy as sa
+
+from kvguard.control.db import ensure_schema, open_engine, write_transaction
+from kvguard.control.schema import AdminKeyRow, TenantKeyRow
+from kvguard.control.tenants import TenantRegistry, check_tenant_id
+from kvguard.errors import ConfigError, ConflictError, NotFoundError
+from kvguard.logging import register_secret
+
+_KEY_RE: Final = re.compile(r"^kvg_([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})$")
+_ADMIN_KEY_RE: Final = re.compile(r"^kvg_adm_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+_SCRYPT: Final = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}
+_DUMMY_HASH: Final = secrets.token_bytes(32)  # compared against when a key id is unknown
+_DUMMY_SALT: Final = secrets.token_bytes(16)
+
+
+class Role(StrEnum):
+    ADMIN = "admin"  # everything
+    AUDITOR = "auditor"  # read-only: audit, exports, tenants, policies, jobs, cache state
+    TENANT_ADMIN = "tenant_admin"  # one tenant: its policy, sessions, purges, audit, cache state
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the key id (recorded as `who` in the ledger), its role and bound tenant."""
+
+    key_id: str
+    role: Role
+    tenant_id: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"key:{self.key_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedApiKey:
+    principal: Principal
+    api_key: str  # shown once; never stored
+
+
+def _admin_hash(secret: str, salt: bytes) -> bytes:
+    return hmac.new(salt, secret.encode(), hashlib.sha256).digest()
+
+
+def _scrypt(secret: str, salt: bytes) -> bytes:
+    return hashlib.scrypt(secret.encode(), salt=salt, **_SCRYPT)
+
+
+def admin_key_id(api_key: str | None) -> str | None:
+    """The key id of a well-formed admin key (for per-key failure limiting), else None."""
+    match = _ADMIN_KEY_RE.fullmatch(api_key or "")
+    return match.group(1) if match else None
+
+
+class ApiKeys:
+    """Issue, revoke and check admin API keys (table `admin_api_keys`)."""
+
+    def __init__(self, engine: sa.Engine, *, clock: Callable[[], float] = time.time) -> None:
+        self._engine = engine
+        self._clock = clock
+        ensure_schema(engine)
+
+    def create(self, role: Role, *, tenant_id: str | None = None, label: str = "") -> IssuedApiKey:
+        if (role is Role.TENANT_ADMIN) != (tenant_id is not None):
+            raise ConfigError("a tenant_admin key needs --tenant; other roles must not have one")
+        if tenant_id is not None:
+            check_tenant_id(tenant_id)
+        key_id, secret, salt = (
+            secrets.token_hex(6),
+            secrets.token_urlsafe(32),
+            secrets.token_bytes(16),
+        )
+        with write_transaction(self._engine) as conn:
+            conn.execute(
+                sa.insert(AdminKeyRow).values(
+                    key_id=key_id,
+                    salt=salt,
+                    secret_hash=_admin_hash(secret, salt),
+                    role=role.value,
+                    tenant_id=tenant_id,
+                    label=label[:200],
+                    created_at=self._clock(),
+                )
+            )
+        api_key = f"kvg_adm_{key_id}_{secret}"
+        register_secret(api_key)
+        return IssuedApiKey(Principal(key_id, role, tenant_id), api_key)
+
+    def revoke(self, key_id: str) -> None:
+        with write_transaction(self._engine) as conn:
+            done = conn.execute(
+                sa.update(AdminKeyRow)
+                .where(AdminKeyRow.key_id == key_id, AdminKeyRow.revoked_at.is_(None))
+                .values(revoked_at=self._clock())
+            ).rowcount
+        if done != 1:
+            raise NotFoundError(f"no active admin key with id {key_id!r}")
+
+    def authenticate(self, api_key: str | None) -> Principal | None:
+        """The principal of a valid, unrevoked key; None for anything else (never raises on bad
+        input). The same work for unknown and known key ids (module docstring)."""
+        match = _ADMIN_KEY_RE.fullmatch(api_key or "")
+        if match is None:
+            return None
+        key_id, secret = match.groups()
+        t = AdminKeyRow
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(
+                    t.salt, t.secret_hash, t.secret_scrypt, t.role, t.tenant_id, t.revoked_at
+                ).where(t.key_id == key_id)
+            ).first()
+        if row is not None and row.secret_hash is None and row.secret_scrypt is not None:
+            return self._legacy(key_id, secret, row)
+        salt = row.salt if row is not None else _DUMMY_SALT
+        stored = row.secret_hash if row is not None else _DUMMY_HASH
+        if not hmac.compare_digest(_admin_hash(secret, salt), stored) or row is None:
+            return None
+        if row.revoked_at is not None:
+            return None
+        return Principal(key_id, Role(row.role), row.tenant_id)
+
+    def _legacy(self, key_id: str, secret: str, row: Any) -> Principal | None:
+        """A 0.1.0 key: one scrypt check, then its HMAC replaces the scrypt hash."""
+        if not hmac.compare_digest(_scrypt(secret, row.salt), row.secret_scrypt):
+            return None
+        with write_transaction(self._engine) as conn:
+            conn.execute(
+                sa.update(AdminKeyRow)
+                .where(AdminKeyRow.key_id == key_id)
+                .values(secret_hash=_admin_hash(secret, row.salt), secret_scrypt=None)
+            )
+        if row.revoked_at is not None:
+            return None
+        return Principal(key_id, Role(row.role), row.tenant_id)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    key_id: str
+    tenant_id: str
+    api_key: str  # shown once; never stored
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeyInfo:
+    """What may be listed about a key: never the key or its hash."""
+
+    key_id: str
+    tenant_id: str
+    created_at: float
+    revoked: bool
+
+    @property
+    def created_iso(self) -> str:
+        return datetime.fromtimestamp(self.created_at, UTC).isoformat(timespec="seconds")
+
+    def as_dict(self) -> dict[str, str | float | bool]:
+        return {**asdict(self), "created": self.created_iso}
+
+
+class TenantKeys:
+    """Issue, revoke and check tenant inference keys."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        ensure_schema(engine)
+
+    @classmethod
+    def open(cls, url: str) -> TenantKeys:
+        return cls(open_engine(url))
+
+    def issue(self, tenant_id: str, *, conn: sa.Connection | None = None) -> IssuedKey:
+        """A new key for a registered, enabled tenant (NotFoundError / ConflictError otherwise);
+        with `conn`, inside the caller's write transaction."""
+        if not tenant_id or len(tenant_id) > 256:
+            raise ConfigError("tenant id must be 1-256 characters")
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self.issue(tenant_id, conn=own)
+        tenant = TenantRegistry(self._engine).get(tenant_id, conn=conn)
+        if not tenant.enabled:
+            raise ConflictError(f"tenant {tenant_id!r} is disabled; no new keys")
+        key_id = secrets.token_hex(6)
+        secret = secrets.token_urlsafe(32)
+        conn.execute(
+            sa.insert(TenantKeyRow).values(
+                key_id=key_id,
+                secret_sha256=hashlib.sha256(secret.encode()).digest(),
+                tenant_id=tenant_id,
+                created_at=time.time(),
+                revoked=False,
+            )
+        )
+        return IssuedKey(key_id=key_id, tenant_id=tenant_id, api_key=f"kvg_{key_id}_{secret}")
+
+    def revoke(
+        self, key_id: str, *, tenant_id: str | None = None, conn: sa.Connection | None = None
+    ) -> TenantKeyInfo:
+        """Revoke a key (idempotent); with `tenant_id`, only that tenant's key. NotFoundError if
+        there is no such key (for that tenant). With `conn`, inside the caller's transaction."""
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self.revoke(key_id, tenant_id=tenant_id, conn=own)
+        where = [TenantKeyRow.key_id == key_id]
+        if tenant_id is not None:
+            where.append(TenantKeyRow.tenant_id == tenant_id)
+        done = conn.execute(sa.update(TenantKeyRow).where(*where).values(revoked=True)).rowcount
+        if done != 1:
+            raise NotFoundError(f"tenant key {key_id!r} not found")
+        return self.list(tenant_id, key_id=key_id, conn=conn)[0]
+
+    def list(
+        self,
+        tenant_id: str | None = None,
+        *,
+        key_id: str | None = None,
+        conn: sa.Connection | None = None,
+    ) -> list[TenantKeyInfo]:
+        """Keys (newest first), optionally of one tenant."""
+        stmt = sa.select(
+            TenantKeyRow.key_id,
+            TenantKeyRow.tenant_id,
+            TenantKeyRow.created_at,
+            TenantKeyRow.revoked,
+        ).order_by(TenantKeyRow.created_at.desc(), TenantKeyRow.key_id)
+        if tenant_id is not None:
+            stmt = stmt.where(TenantKeyRow.tenant_id == tenant_id)
+        if key_id is not None:
+            stmt = stmt.where(TenantKeyRow.key_id == key_id)
+        if conn is None:
+            with self._engine.connect() as own:
+                return self.list(tenant_id, key_id=key_id, conn=own)
+        return [
+            TenantKeyInfo(r.key_id, r.tenant_id, float(r.created_at), bool(r.revoked))
+            for r in conn.execute(stmt)
+        ]
+
+    def tenant_for(self, api_key: str | None) -> str | None:
+        """The tenant of a valid, unrevoked key; None for anything else (never raises on bad input)."""
+        match = _KEY_RE.fullmatch(api_key or "")
+        if match is None:
+            return None
+        key_id, secret = match.groups()
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(
+                    TenantKeyRow.secret_sha256, TenantKeyRow.tenant_id, TenantKeyRow.revoked
+                ).where(TenantKeyRow.key_id == key_id)
+            ).first()
+        digest = hashlib.sha256(secret.encode()).digest()
+        stored = row.secret_sha256 if row is not None else _DUMMY_HASH  # same work either way
+        if not hmac.compare_digest(stored, digest) or row is None or row.revoked:
+            return None
+        return str(row.tenant_id)

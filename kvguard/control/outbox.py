@@ -1,0 +1,126 @@
+"""A transactional outbox: ledger events committed with the state change they describe.
+
+An admin write (a tenant, a policy version, a purge job, a key) and its ledger events commit in one
+database transaction: the events go into `control_outbox`, not straight into the ledger, because the
+ledger appends under its own head lock in its own transaction. `drain` then moves pending rows into
+the ledger: it appends them and stamps each row with its ledger index in the ledger's transaction,
+with `UPDATE ... WHERE ledger_index IS NULL`. A row another drainer stamped first makes that update
+miss, and the whole append rolls back and is retried, so every row lands in the ledger exactly once
+whatever crashes or races between commit and drain. A crash after the state commit leaves its events
+pending; the next drain (the API drains after every write, at start-up and every few seconds) appends
+them.
+
+The outbox keeps delivered rows (id -> ledger index) as the record of what was delivered; its rows
+hold what the ledger entries hold (tenant ids only in the erasable payloads).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import sqlalchemy as sa
+
+from kvguard.audit.events import AuditEvent
+from kvguard.audit.leaf import prepare_entry
+from kvguard.audit.ledger import Ledger
+from kvguard.control.db import ensure_schema
+from kvguard.control.schema import OutboxRow
+from kvguard.errors import ConfigError
+from kvguard.logging import get_logger
+
+_BATCH: Final = 500
+_RETRIES: Final = 5
+_log = get_logger("control.outbox")
+
+
+class _RacedError(Exception):
+    """Another drainer delivered one of our rows first: roll back and read again."""
+
+
+class Outbox:
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        ensure_schema(engine)
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    def add(self, conn: sa.Connection, events: Sequence[AuditEvent]) -> list[int]:
+        """Queue `events` inside the caller's write transaction; returns their outbox ids."""
+        now = time.time()
+        ids = []
+        for event in events:
+            ids.append(
+                int(
+                    conn.execute(
+                        sa.insert(OutboxRow)
+                        .values(created_at=now, event=event.model_dump_json())
+                        .returning(OutboxRow.id)
+                    ).scalar_one()
+                )
+            )
+        return ids
+
+    def pending(self) -> int:
+        """How many committed events are not in the ledger yet."""
+        with self._engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.select(sa.func.count()).where(OutboxRow.ledger_index.is_(None))
+                ).scalar_one()
+            )
+
+    def ledger_index(self, outbox_id: int) -> int | None:
+        with self._engine.connect() as conn:
+            value = conn.execute(
+                sa.select(OutboxRow.ledger_index).where(OutboxRow.id == outbox_id)
+            ).scalar_one_or_none()
+        return None if value is None else int(value)
+
+    def drain(self, ledger: Ledger) -> int:
+        """Append every pending event to the ledger, exactly once; returns how many this call
+        appended. Raises what the ledger raises when it cannot be written (the rows stay pending).
+        The ledger must live in the outbox's database: the stamp joins the ledger's transaction."""
+        if ledger.store.engine.url != self._engine.url:
+            raise ConfigError("the outbox drains only into a ledger in the same database")
+        total = 0
+        while True:
+            appended = self._drain_batch(ledger)
+            total += appended
+            if appended < _BATCH:
+                return total
+
+    def _drain_batch(self, ledger: Ledger) -> int:
+        for _attempt in range(_RETRIES):
+            with self._engine.connect() as conn:
+                rows = conn.execute(
+                    sa.select(OutboxRow.id, OutboxRow.event)
+                    .where(OutboxRow.ledger_index.is_(None))
+                    .order_by(OutboxRow.id)
+                    .limit(_BATCH)
+                ).all()
+            if not rows:
+                return 0
+            prepared = [prepare_entry(AuditEvent.model_validate_json(r.event)) for r in rows]
+            ids = [int(r.id) for r in rows]
+
+            def stamp(conn: sa.Connection, first: int, ids: list[int] = ids) -> None:
+                for offset, outbox_id in enumerate(ids):
+                    done = conn.execute(
+                        sa.update(OutboxRow)
+                        .where(OutboxRow.id == outbox_id, OutboxRow.ledger_index.is_(None))
+                        .values(ledger_index=first + offset)
+                    ).rowcount
+                    if done != 1:
+                        raise _RacedError
+
+            try:
+                ledger.store.append(prepared, after=stamp)
+            except _RacedError:
+                continue
+            return len(rows)
+        _log.warning("outbox drain kept racing another drainer; the rest is left to it")
+        return 0

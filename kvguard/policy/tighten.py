@@ -1,0 +1,45 @@
+"""What a tenant_admin may change: only tighten the limits the admin set, never loosen them.
+
+`loosened(limit, proposed)` lists every field where `proposed` is looser than `limit` (the tenant's
+entry in the latest admin-written version); an empty list means the proposal only tightens or keeps.
+Tighter means: more sensitive classification, narrower reuse, shorter TTL and idle limit, a quota no
+larger (and present when the admin set one), zeroization no less often and verified no less, more
+auditing. `enabled` and `groups` are the admin's alone (checked by the API against the current entry).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvguard.policy.enums import AuditLevel, Classification, Verify, ZeroizeOn
+from kvguard.policy.models import TenantPolicy
+
+_CLASSIFICATION: Final = list(Classification)  # public < internal < confidential < restricted
+_VERIFY: Final = [Verify.NONE, Verify.SAMPLE, Verify.FULL]
+_AUDIT: Final = [AuditLevel.MINIMAL, AuditLevel.STANDARD, AuditLevel.FULL]
+_ZEROIZE_ON: Final = [ZeroizeOn.CROSS_SCOPE, ZeroizeOn.ALWAYS]
+
+
+def loosened(limit: TenantPolicy, proposed: TenantPolicy) -> list[str]:
+    """The fields (dotted paths) where `proposed` loosens `limit`."""
+    out = []
+    if _CLASSIFICATION.index(proposed.classification) < _CLASSIFICATION.index(limit.classification):
+        out.append("classification")
+    if proposed.reuse.rank > limit.reuse.rank:
+        out.append("reuse")
+    if proposed.retention.ttl_s > limit.retention.ttl_s:
+        out.append("retention.ttl_s")
+    if proposed.retention.idle_s > limit.retention.idle_s:
+        out.append("retention.idle_s")
+    cap = limit.quota.max_blocks
+    if cap is not None and (proposed.quota.max_blocks is None or proposed.quota.max_blocks > cap):
+        out.append("quota.max_blocks")
+    if _ZEROIZE_ON.index(proposed.zeroize.on_release) < _ZEROIZE_ON.index(limit.zeroize.on_release):
+        out.append("zeroize.on_release")
+    if _VERIFY.index(proposed.zeroize.verify) < _VERIFY.index(limit.zeroize.verify):
+        out.append("zeroize.verify")
+    if _AUDIT.index(proposed.audit) < _AUDIT.index(limit.audit):
+        out.append("audit")
+    if proposed.enabled and not limit.enabled:
+        out.append("enabled")
+    return out

@@ -1,0 +1,329 @@
+"""Issue 11: admin writes are one transaction with their engine commands and ledger events; policy
+writes never lose each other's updates; a tenant_admin only tightens what the admin set."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from kvguard.audit.events import EventKind
+from kvguard.control.schema import OutboxRow, TenantRow
+from kvguard.errors import LedgerUnavailableError
+from tests.api.conftest import ApiEnv
+from tests.api.purge_support import SimEngine, scope
+
+POLICY = "/v1/tenants/{}/policy"
+
+
+def _put(env: ApiEnv, who: str, tenant: str, policy: dict[str, Any], **kw: Any) -> Any:
+    return env.call(who, "PUT", POLICY.format(tenant), json={"policy": policy, "reason": "r"}, **kw)
+
+
+def _entries(env: ApiEnv, kind: str) -> list[dict[str, Any]]:
+    env.services.deliver()
+    with env.services.ledger.store.engine.connect() as conn:
+        leaves = conn.execute(
+            sa.text("SELECT leaf FROM ledger_entries WHERE kind = :k ORDER BY idx"), {"k": kind}
+        ).scalars()
+        return [json.loads(bytes(leaf)) for leaf in leaves]
+
+
+# --- lost updates ---------------------------------------------------------------------------------
+
+
+def test_concurrent_tenant_writers_never_revert_each_other(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    """Two tenant_admins and an admin write at once; between consecutive versions only the writer's
+    own tenant entry may change (0.1.0: 39 of 144 versions reverted the other tenant's change)."""
+    env = make_env(any_db)
+    writers = [("acme", "acme"), ("globex", "globex"), ("admin", "acme"), ("admin", "globex")]
+    errors: list[str] = []
+
+    def write(who: str, tenant: str, n: int) -> None:
+        for i in range(n):
+            ttl = 100 + i if who != "admin" else 3000 - i
+            r = _put(env, who, tenant, {"retention": {"ttl_s": ttl, "idle_s": 10}})
+            if r.status_code != 201:
+                errors.append(f"{who}/{tenant}: {r.status_code} {r.text}")
+
+    threads = [
+        threading.Thread(target=write, args=(who, tenant, 6))
+        for who, tenant in writers
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    # tenant_admins may be refused when they would loosen the admin's newest limit: that is
+    # a clean 403, never a lost update.
+    assert all(" 403 " in e for e in errors), errors
+    store = env.services.policies
+    history = store.history()
+    assert [c.version for c in history] == list(range(1, len(history) + 1))
+    previous = None
+    for change in history:
+        version = store.get(change.version)
+        if previous is not None:
+            touched = {
+                t
+                for t in set(version.policy.tenants) | set(previous.tenants)
+                if version.policy.tenants.get(t) != previous.tenants.get(t)
+            }
+            assert len(touched) <= 1, f"version {change.version} changed {touched}"
+        previous = version.policy
+
+
+def test_admin_disable_is_never_undone_by_the_tenants_own_writes(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    env = make_env(any_db)
+    done = threading.Event()
+
+    def tenant_writes() -> None:
+        i = 0
+        while not done.is_set() and i < 60:
+            _put(env, "acme", "acme", {"retention": {"ttl_s": 100 + i % 50, "idle_s": 10}})
+            i += 1
+
+    writer = threading.Thread(target=tenant_writes)
+    writer.start()
+    r = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "incident"})
+    assert r.status_code == 200, r.text
+    done.set()
+    writer.join(60)
+    current = env.services.policies.current()
+    assert current is not None and current.policy.policy_for("acme").enabled is False
+    refused = _put(env, "acme", "acme", {"enabled": True, "retention": {"ttl_s": 5, "idle_s": 5}})
+    assert refused.status_code == 403
+
+
+def test_if_match_guards_a_read_modify_write(make_env: Callable[..., ApiEnv], any_db: str) -> None:
+    env = make_env(any_db)
+    got = env.call("admin", "GET", "/v1/policies/current")
+    assert got.headers["ETag"] == '"0"'
+    body = {"policy": got.json()["policy"], "reason": "first"}
+    first = env.call("admin", "PUT", "/v1/policies", json=body, headers={"If-Match": '"0"'})
+    assert first.status_code == 201 and first.headers["ETag"] == '"1"'
+    stale = env.call("admin", "PUT", "/v1/policies", json=body, headers={"If-Match": '"0"'})
+    assert stale.status_code == 412 and stale.json()["error"] == "precondition_failed"
+    by_body = env.call("admin", "PUT", "/v1/policies", json={**body, "expected_version": 0})
+    assert by_body.status_code == 412
+    tenant = env.call("admin", "GET", POLICY.format("acme"))
+    assert tenant.headers["ETag"] == '"1"'
+    ok = _put(env, "admin", "acme", {"audit": "full"}, headers={"If-Match": '"1"'})
+    assert ok.status_code == 201
+    assert [c.version for c in env.services.policies.history()] == [1, 2]
+    garbage = _put(env, "admin", "acme", {}, headers={"If-Match": "yesterday"})
+    assert garbage.status_code == 412
+    # Every refused write left nothing behind: no version, no command, no policy.change entry.
+    assert len(_entries(env, EventKind.POLICY_CHANGE.value)) == 2
+    assert [c.version for c in env.services.commands.pending_after(0) if hasattr(c, "version")] == [
+        1,
+        2,
+    ]
+
+
+# --- tenant_admin limits --------------------------------------------------------------------------
+
+ADMIN_LIMITS = {
+    "classification": "internal",
+    "reuse": "session",
+    "retention": {"ttl_s": 600, "idle_s": 120},
+    "quota": {"max_blocks": 64},
+    "zeroize": {"on_release": "always", "verify": "sample"},
+    "audit": "standard",
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"classification": "public"}, "classification"),
+        ({"reuse": "tenant"}, "reuse"),
+        ({"retention": {"ttl_s": 601, "idle_s": 120}}, "retention.ttl_s"),
+        ({"retention": {"ttl_s": 600, "idle_s": 121}}, "retention.idle_s"),
+        ({"quota": {"max_blocks": None}}, "quota.max_blocks"),
+        ({"quota": {"max_blocks": 65}}, "quota.max_blocks"),
+        ({"zeroize": {"on_release": "cross_scope", "verify": "sample"}}, "zeroize.on_release"),
+        ({"zeroize": {"on_release": "always", "verify": "none"}}, "zeroize.verify"),
+        ({"audit": "minimal"}, "audit"),
+    ],
+)
+def test_a_tenant_admin_cannot_loosen_what_the_admin_set(
+    make_env: Callable[..., ApiEnv], change: dict[str, Any], field: str
+) -> None:
+    env = make_env()
+    assert _put(env, "admin", "acme", ADMIN_LIMITS).status_code == 201
+    r = _put(env, "acme", "acme", {**ADMIN_LIMITS, **change})
+    assert r.status_code == 403 and field in r.json()["message"], r.text
+    assert len(env.services.policies.history()) == 1
+
+
+def test_a_tenant_admin_may_tighten_and_relax_back_to_the_limit(
+    make_env: Callable[..., ApiEnv], tmp_path: Path
+) -> None:
+    env = make_env()
+    assert _put(env, "admin", "acme", ADMIN_LIMITS).status_code == 201
+    tighter = {
+        **ADMIN_LIMITS,
+        "classification": "confidential",
+        "reuse": "none",
+        "retention": {"ttl_s": 60, "idle_s": 30},
+        "quota": {"max_blocks": 8},
+        "zeroize": {"on_release": "always", "verify": "full"},
+        "audit": "full",
+    }
+    assert _put(env, "acme", "acme", tighter).status_code == 201
+    # Back up to (not past) the admin's limits: the limits are the admin's version, not the last.
+    assert _put(env, "acme", "acme", ADMIN_LIMITS).status_code == 201
+    assert _put(env, "acme", "acme", {**ADMIN_LIMITS, "audit": "minimal"}).status_code == 403
+    # With no admin version at all, the built-in defaults are the limits.
+    fresh = make_env(f"sqlite:///{tmp_path / 'fresh.db'}")
+    assert _put(fresh, "acme", "acme", {"audit": "minimal"}).status_code == 403
+    assert _put(fresh, "acme", "acme", {"audit": "full"}).status_code == 201
+
+
+# --- one transaction: state, commands, ledger events ----------------------------------------------
+
+
+def test_a_write_that_fails_midway_leaves_nothing(
+    make_env: Callable[..., ApiEnv], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine command fails after the tenant row and the policy version were written in the
+    same transaction: neither remains, and no event waits in the outbox."""
+    env = make_env()
+    services = env.services
+
+    def broken(*_a: Any, **_k: Any) -> int:
+        raise sa.exc.OperationalError("INSERT", {}, Exception("connection lost"))
+
+    monkeypatch.setattr(services.commands, "submit_purge", broken)
+    r = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "x"})
+    assert r.status_code >= 500
+    assert services.tenants.get("acme").enabled
+    assert services.policies.current() is None
+    with services.db.connect() as conn:
+        pending = conn.execute(
+            sa.select(OutboxRow.event).where(OutboxRow.ledger_index.is_(None))
+        ).all()
+    assert pending == []
+    actions = [e["details"] for e in _entries(env, EventKind.ADMIN_ACTION.value)]
+    assert actions[-1]["action"] == "tenant.disable" and actions[-1]["outcome"] == "failed"
+
+
+def test_a_ledger_outage_after_commit_delays_the_entries_but_never_loses_them(
+    make_env: Callable[..., ApiEnv], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = make_env()
+    services = env.services
+    real_append = services.ledger.store.append
+
+    def down(*_a: Any, **_k: Any) -> int:
+        raise LedgerUnavailableError("ledger down")
+
+    monkeypatch.setattr(services.ledger.store, "append", down)
+    r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech"})
+    assert r.status_code == 201  # the tenant and its entry committed together
+    assert services.outbox.pending() == 1
+    monkeypatch.setattr(services.ledger.store, "append", real_append)
+    assert services.deliver()
+    assert services.outbox.pending() == 0
+    created = [
+        e["details"]
+        for e in _entries(env, EventKind.ADMIN_ACTION.value)
+        if e["details"]["action"] == "tenant.create"
+    ]
+    assert created[-1]["outcome"] == "ok"
+
+
+def test_concurrent_drains_deliver_every_event_exactly_once(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    env = make_env(any_db, outbox_drain_s=None)
+    services = env.services
+    with services.db.connect() as conn:
+        before = conn.execute(sa.select(sa.func.count()).select_from(OutboxRow)).scalar_one()
+    size_before = services.ledger.size
+    event = services.actions.event(
+        services.keys.authenticate(env.keys["admin"]),  # type: ignore[arg-type]
+        "test.event",
+        "ok",
+    )
+    with services.write() as conn:
+        services.outbox.add(conn, [event] * 1200)
+    threads = [threading.Thread(target=services.actions.deliver) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    services.actions.deliver()
+    with services.db.connect() as conn:
+        rows = conn.execute(sa.select(OutboxRow.ledger_index)).scalars().all()
+    indices = [i for i in rows if i is not None]
+    assert len(rows) == before + 1200 and len(indices) == len(rows)
+    assert len(set(indices)) == len(indices)
+    assert services.ledger.size == size_before + 1200 + 0  # each event appended once
+    assert services.ledger.verify().size == services.ledger.size
+
+
+def test_outbox_rows_hold_no_tenant_id_outside_the_payload(make_env: Callable[..., ApiEnv]) -> None:
+    env = make_env()
+    env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech"})
+    with env.services.db.connect() as conn:
+        events = [json.loads(e) for e in conn.execute(sa.select(OutboxRow.event)).scalars()]
+        assert conn.execute(sa.select(TenantRow.tenant_id)).scalars().all()
+    for event in events:
+        without_payload = {k: v for k, v in event.items() if k != "payload"}
+        assert "initech" not in json.dumps(without_payload)
+
+
+def test_no_certificate_until_the_request_entry_is_in_the_ledger(
+    make_env: Callable[..., ApiEnv], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A purge committed while the ledger was down runs on the engines (its command committed with
+    its outbox entry), but the job is `done`, and certified, only once that entry is delivered."""
+    env = make_env(outbox_drain_s=None)
+    services = env.services
+    engine = SimEngine(services, "engine-one")
+    engine.cache(scope("acme"), [0, 1])
+    real_append = services.ledger.store.append
+    monkeypatch.setattr(services.ledger.store, "append", _ledger_down)
+    r = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    monkeypatch.setattr(services.ledger.store, "append", _append_except_outbox(real_append))
+    engine.run_commands()
+    engine.zeroize()
+    job = env.call("admin", "GET", f"/v1/purges/{job_id}").json()
+    assert job["status"] == "running" and job["blocks_cleared"] == 2
+    assert env.call("admin", "GET", f"/v1/purges/{job_id}/certificate").status_code == 409
+    monkeypatch.setattr(services.ledger.store, "append", real_append)
+    assert services.deliver()
+    job = env.call("admin", "GET", f"/v1/purges/{job_id}").json()
+    assert job["status"] == "done"
+    cert = env.call("admin", "GET", f"/v1/purges/{job_id}/certificate")
+    assert cert.status_code == 200
+    assert "request" in [e["role"] for e in cert.json()["evidence"]["entries"]]
+
+
+def _ledger_down(*_a: Any, **_k: Any) -> int:
+    raise LedgerUnavailableError("ledger down")
+
+
+def _append_except_outbox(real: Callable[..., int]) -> Callable[..., int]:
+    """The engine's entries go through; the API's outbox drain (the `after` hook) still fails."""
+
+    def append(prepared: Any, after: Any = None) -> int:
+        if after is not None:
+            raise LedgerUnavailableError("ledger down for the API")
+        return real(prepared, after)
+
+    return append

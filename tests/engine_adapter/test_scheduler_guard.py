@@ -1,0 +1,290 @@
+"""SchedulerGuard over fakes: no vLLM, no database, no threads (issue 11 item 8).
+
+The guard opens nothing; the connector passes it the engine link, the ledger, the salt deriver and
+the starting policy (`open_scheduler_guard`). Here those are in-memory fakes, and vLLM's block pool,
+requests and scheduler output are the few attributes the guard reads, so each test runs in
+milliseconds and drives the guard step by step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvguard.control.commands import PolicyCommand, PurgeCommand, PurgeKind, PurgeSelector
+from kvguard.engine_adapter.records import BlockStatus
+from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
+from kvguard.engine_adapter.vllm.transport import Envelope
+from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy.models import Quota
+from tests.engine_adapter.conftest import DERIVER, scope_for
+
+BLOCK = 16
+
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    block_hash: object | None = None
+    ref_cnt: int = 0
+
+
+class FakePool:
+    def __init__(self, n: int) -> None:
+        self.blocks = [FakeBlock(i) for i in range(n)]
+        self.freed: list[int] = []
+
+    def touch(self, blocks: list[FakeBlock]) -> None:
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[FakeBlock]) -> None:
+        for b in blocks:
+            b.ref_cnt -= 1
+            self.freed.append(b.block_id)
+
+    def _maybe_evict_cached_block(self, block: FakeBlock) -> None:
+        block.block_hash = None
+
+
+class FakeQueue:
+    def __init__(self) -> None:
+        self.commands: list[Any] = []
+        self.acks: dict[int, dict[str, Any]] = {}
+
+    def latest_seq(self) -> int:
+        return max((c.seq for c in self.commands), default=0)
+
+    def pending_after(self, seq: int) -> list[Any]:
+        return [c for c in self.commands if c.seq > seq]
+
+    def acknowledge(self, command_id: int, _engine_id: str, result: dict[str, Any]) -> None:
+        assert command_id not in self.acks, "a command acknowledged twice"
+        self.acks[command_id] = result
+
+
+class FakeRegistry:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def register(self, engine_id: str, **_kw: Any) -> None:
+        self.calls.append("register")
+
+    def heartbeat(self, engine_id: str, **_kw: Any) -> None:
+        self.calls.append("heartbeat")
+
+    def touch(self, engine_id: str, now: float) -> None:
+        self.calls.append("touch")
+
+    def stop(self, engine_id: str, now: float) -> None:
+        self.calls.append("stop")
+
+
+@dataclass
+class FakeLink:
+    queue: FakeQueue = field(default_factory=FakeQueue)
+    registry: FakeRegistry = field(default_factory=FakeRegistry)
+    policies: Any = None
+    chores: list[Any] = field(default_factory=list)
+    started: bool = False
+    closed: bool = False
+    notified: bool = False
+
+    def every(self, interval_s: float, task: Any) -> None:
+        self.chores.append((interval_s, task))
+
+    def start(self) -> FakeLink:
+        self.started = True
+        return self
+
+    def take_notified(self) -> bool:
+        was, self.notified = self.notified, False
+        return was
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeLedger:
+    def __init__(self) -> None:
+        self.entries: list[Any] = []
+        self.closed = False
+
+    def submit(self, event: Any) -> None:
+        self.entries.append(event)
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def kinds(self) -> list[str]:
+        return [str(e.kind) for e in self.entries]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_rids = itertools.count()
+
+
+def request(tenant: str, tokens: int, *, max_tokens: int = 1, cache: bool = True) -> Any:
+    scope = scope_for(tenant)
+    envelope = Envelope(scope=scope, use_cache=cache)
+    r = SimpleNamespace(
+        request_id=f"r{next(_rids)}",
+        sampling_params=SimpleNamespace(extra_args=envelope.to_extra_args(), max_tokens=max_tokens),
+        cache_salt=DERIVER.salt(scope),
+        num_prompt_tokens=tokens,
+        prompt_token_ids=list(range(tokens)),
+        block_hashes=[],
+        skip_reading_prefix_cache=False,
+    )
+    r.update_block_hashes = lambda: None
+    return r
+
+
+def schedule(
+    new: list[tuple[Any, list[int], int]] = (),  # type: ignore[assignment]
+    preempted: tuple[str, ...] = (),
+) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, block_ids=(blocks,), num_computed_tokens=hit)
+            for r, blocks, hit in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        preempted_req_ids=set(preempted),
+    )
+
+
+@pytest.fixture
+def make_guard(tmp_path: Any) -> Any:
+    def make(policy: PolicySet | None = None, blocks: int = 32) -> tuple[SchedulerGuard, Any]:
+        options = GuardOptions(
+            salt_keyring_file=tmp_path / "unused", ledger_url="x", signing_key_file=tmp_path / "u"
+        )
+        link, ledger, clock = FakeLink(), FakeLedger(), Clock()
+        guard = SchedulerGuard(
+            options,
+            model_name="tiny",
+            block_size=BLOCK,
+            link=link,  # type: ignore[arg-type]
+            ledger=ledger,  # type: ignore[arg-type]
+            deriver=DERIVER,
+            policy=(policy or PolicySet(), None),
+            clock=clock,
+        )
+        pool = FakePool(blocks)
+        guard.bind_pool(pool)
+        return guard, SimpleNamespace(link=link, ledger=ledger, clock=clock, pool=pool)
+
+    return make
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+
+def test_the_guard_opens_nothing_and_registers_its_chores_on_the_link(make_guard: Any) -> None:
+    guard, f = make_guard()
+    assert f.link.started and len(f.link.chores) == 1  # keep-alive; no waker in-process
+    assert f.link.registry.calls == ["register"]
+    f.link.chores[0][1]()  # the keep-alive, as the link's thread runs it
+    assert f.link.registry.calls == ["register", "touch"]
+    guard.close()
+    assert f.link.closed and f.ledger.closed
+    assert f.link.registry.calls[-2:] == ["heartbeat", "stop"]
+
+
+def test_a_released_block_is_cleared_before_another_tenant_gets_it(make_guard: Any) -> None:
+    guard, f = make_guard(PolicySet(default=TenantPolicy(retention={"ttl_s": 0, "idle_s": 0})))
+    a = request("a", 2 * BLOCK)
+    guard.on_new_request(a)
+    guard.build_step(schedule(new=[(a, [3, 4], 0)]))
+    guard.request_finished(a)
+    assert guard.custody is not None
+    assert {guard.custody.record(b).status for b in (3, 4)} == {BlockStatus.QUARANTINED}
+    assert f.pool.blocks[3].ref_cnt == 1  # held out of the free queue
+    step = guard.build_step(schedule())
+    assert sorted(step.release) == [3, 4]
+    # The engine hands block 3 to tenant b before the worker reported it clear (a free that
+    # bypassed the connector): it is in this step's handover list, cleared before the forward.
+    b = request("b", BLOCK)
+    guard.on_new_request(b)
+    step = guard.build_step(schedule(new=[(b, [3], 0)]))
+    assert 3 in step.handover
+
+
+def test_commands_run_once_each_in_number_order(make_guard: Any) -> None:
+    guard, f = make_guard()
+    a = request("a", BLOCK)
+    guard.on_new_request(a)
+    guard.build_step(schedule(new=[(a, [1], 0)]))
+    f.pool.blocks[1].block_hash = "h1"  # full: vLLM hashed it, so it stays cached
+    guard.request_finished(a)
+    queue = f.link.queue
+    queue.commands += [
+        PurgeCommand(7, PurgeSelector(PurgeKind.TENANT, "a"), seq=1),
+        PolicyCommand(8, 1, seq=2),
+    ]
+    f.clock.now += 5
+    guard.poll()
+    assert set(queue.acks) == {7, 8}
+    assert queue.acks[7]["blocks_quarantined"] == 1
+    assert queue.acks[8] == {"policy_version": None}  # no policy store on this engine
+    f.clock.now += 5
+    guard.poll()  # nothing new: nothing runs twice (FakeQueue refuses a second ack)
+    assert guard.commands.last_seq == 2
+    assert "tenant.purge" in f.ledger.kinds()
+
+
+def test_a_notification_polls_at_once(make_guard: Any) -> None:
+    guard, f = make_guard()
+    guard.poll()
+    f.link.queue.commands.append(PurgeCommand(1, PurgeSelector(PurgeKind.TENANT, "x"), seq=1))
+    guard.poll()  # within the poll interval, nothing announced: not read yet
+    assert not f.link.queue.acks
+    f.link.notified = True
+    guard.poll()
+    assert 1 in f.link.queue.acks
+
+
+def test_quota_holds_a_tenant_to_its_blocks(make_guard: Any) -> None:
+    policy = PolicySet(tenants={"a": TenantPolicy(quota=Quota(max_blocks=2))})
+    guard, f = make_guard(policy)
+    first, second = request("a", 2 * BLOCK - 1), request("a", 2 * BLOCK - 1)
+    for r in (first, second):
+        guard.on_new_request(r)
+    assert guard.may_schedule(first)
+    guard.build_step(schedule(new=[(first, [0, 1], 0)]))
+    assert not guard.may_schedule(second)  # 2 running + 2 more > 2
+    assert not guard.may_schedule(second)  # deferred again: one ledger entry per request
+    guard.build_step(schedule())
+    assert f.ledger.kinds().count("quota.defer") == 1
+    guard.request_finished(first)
+    assert guard.may_schedule(second)
+
+
+def test_a_forged_salt_turns_caching_off(make_guard: Any) -> None:
+    guard, _f = make_guard()
+    r = request("a", BLOCK)
+    r.cache_salt = "copied-from-someone-else"
+    guard.on_new_request(r)
+    assert r.skip_reading_prefix_cache and r.cache_salt.startswith("kvguard-private:")
+    assert guard.stats["untrusted_salts"] == 1
