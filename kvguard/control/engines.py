@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from kvguard.control.db import ensure_schema
+from kvguard.control.db import ensure_schema, open_engine
 from kvguard.control.schema import EngineRow, EngineTenantStatsRow, ScopeTagRow
 
 Totals = Mapping[str, int | float]
-# A heartbeat that waits longer for SQLite's write lock is skipped and retried: the scheduler must
-# not stall behind another writer.
+# A heartbeat that waits longer for SQLite's write lock fails and is retried: the scheduler must not
+# stall behind another writer (`_short_busy_wait`).
 _SQLITE_BUSY_S = 2.0
 
 
@@ -93,14 +94,7 @@ class EngineRegistry:
 
     @classmethod
     def open(cls, url: str) -> EngineRegistry:
-        parsed = sa.engine.make_url(url)
-        if parsed.get_backend_name() == "sqlite":
-            engine = sa.create_engine(
-                url, connect_args={"timeout": _SQLITE_BUSY_S}, hide_parameters=True
-            )
-            sa.event.listen(engine, "connect", _sqlite_wal)
-            return cls(engine)
-        return cls(sa.create_engine(url, pool_pre_ping=True, hide_parameters=True))
+        return cls(open_engine(url))
 
     @property
     def engine(self) -> sa.Engine:
@@ -141,7 +135,7 @@ class EngineRegistry:
             {"scope_tag": t, "tenant_id": tenant, "first_seen": now} for t, tenant in new_tags
         ]
         document = _totals_json(totals)
-        with self._engine.begin() as conn:
+        with self._engine.connect() as conn, _short_busy_wait(conn), conn.begin():
             found = conn.execute(
                 sa.update(EngineRow)
                 .where(EngineRow.engine_id == engine_id)
@@ -232,11 +226,22 @@ class EngineRegistry:
             ).scalar_one_or_none()
 
 
-def _sqlite_wal(dbapi_connection: Any, _record: Any) -> None:
-    # WAL: the API's reads never wait for an engine's heartbeat, nor the other way round.
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.close()
+@contextmanager
+def _short_busy_wait(conn: sa.Connection) -> Iterator[None]:
+    """On SQLite, wait at most `_SQLITE_BUSY_S` for the write lock (the scheduler thread calls
+    `heartbeat`: a heartbeat that cannot get the lock fails and is retried at the next one rather
+    than stall the engine behind another writer); the connection's own timeout is restored after."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    previous = raw.execute("PRAGMA busy_timeout").fetchone()[0]
+    raw.execute(f"PRAGMA busy_timeout={int(_SQLITE_BUSY_S * 1000)}")
+    try:
+        yield
+    finally:
+        raw.execute(f"PRAGMA busy_timeout={int(previous)}")
 
 
 def _totals_json(totals: Totals) -> str:

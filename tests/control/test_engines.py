@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+import sqlalchemy as sa
 
 from kvguard.control.engines import EngineRegistry, TenantCacheStats
 
@@ -141,3 +143,26 @@ def test_create_all_is_idempotent(db_url) -> None:
     assert [e.engine_id for e in second.engines()] == ["e1"]
     first.engine.dispose()
     second.engine.dispose()
+
+
+def test_a_heartbeat_behind_another_sqlite_writer_fails_fast(sqlite_url: str) -> None:
+    """The scheduler thread sends heartbeats: behind another process's write lock it gives up after
+    about two seconds (and retries at the next heartbeat), not the 30 s other writers wait."""
+    registry = EngineRegistry.open(sqlite_url)
+    registry.register("e1", model="tiny", block_size=32, num_blocks=64, now=1.0)
+    other = sa.create_engine(sqlite_url, connect_args={"isolation_level": None})
+    with other.connect() as conn:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # another writer holds the lock
+        start = time.monotonic()
+        with pytest.raises(sa.exc.OperationalError):
+            registry.heartbeat("e1", now=2.0, totals={}, tenants=[])
+        waited = time.monotonic() - start
+        conn.exec_driver_sql("ROLLBACK")
+    assert 1.0 < waited < 6.0
+    registry.heartbeat("e1", now=3.0, totals={}, tenants=[])  # and the connection is fine after
+    with registry.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000  # restored
+    other.dispose()
+    registry.engine.dispose()
