@@ -115,31 +115,22 @@ def demo(
 def _submit_recorded_purge(queue: Any, selector: Any, by: str) -> int:
     """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
     the admin API, or the next `kvguard` process that opens the ledger, delivers it)."""
-    from datetime import UTC, datetime  # noqa: PLC0415
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
 
-    from kvguard.audit.events import AuditEvent, EventKind  # noqa: PLC0415
-    from kvguard.control.db import write_transaction  # noqa: PLC0415
-    from kvguard.control.outbox import Outbox  # noqa: PLC0415
-
-    outbox = Outbox(queue.engine)
-    with write_transaction(queue.engine) as conn:
-        job_id = int(queue.submit_purge(selector, requested_by=by, conn=conn))
-        tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
-        event = AuditEvent(
-            kind=EventKind.ADMIN_ACTION,
-            ts=datetime.now(UTC),
-            details={
-                "principal": f"cli:{by}"[:200],
-                "role": "operator",
-                "action": "purge.create",
-                "outcome": "ok",
-                "job_id": job_id,
-                "purge_kind": selector.kind.value,
-            },
-            payload={"tenant_id": tenant} if tenant else None,
+    tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
+    return int(
+        record_operator_change(
+            queue.engine,
+            lambda conn: queue.submit_purge(selector, requested_by=by, conn=conn),
+            lambda job_id: operator_event(
+                "purge.create",
+                by=by,
+                tenant_id=tenant,
+                job_id=job_id,
+                purge_kind=selector.kind.value,
+            ),
         )
-        outbox.add(conn, [event])
-    return job_id
+    )
 
 
 @app.command()
@@ -232,8 +223,15 @@ def tenant_key_create(
     db: TenantDbOption = None,
 ) -> None:
     """Issue an inference API key for a registered tenant (shown once; only its hash is kept)."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
     try:
-        issued = _tenant_keys(db).issue(tenant)
+        keys = _tenant_keys(db)
+        issued = record_operator_change(
+            keys.engine,
+            lambda conn: keys.issue(tenant, conn=conn),
+            lambda i: operator_event("inference_key.create", tenant_id=tenant, key_id=i.key_id),
+        )
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -249,8 +247,17 @@ def tenant_key_revoke(
     db: TenantDbOption = None,
 ) -> None:
     """Revoke a tenant key; the server refuses it from the next request."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
     try:
-        _tenant_keys(db).revoke(key_id)
+        keys = _tenant_keys(db)
+        record_operator_change(
+            keys.engine,
+            lambda conn: keys.revoke(key_id, conn=conn),
+            lambda info: operator_event(
+                "inference_key.revoke", tenant_id=info.tenant_id, key_id=key_id
+            ),
+        )
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

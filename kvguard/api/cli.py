@@ -155,8 +155,20 @@ def create_key_command(
     except ValueError:
         typer.echo(f"error: --role must be one of {', '.join(r.value for r in Role)}", err=True)
         raise typer.Exit(2) from None
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
     try:
-        issued = _open_keys(db).create(chosen, tenant_id=tenant, label=label)
+        keys = _open_keys(db)
+        issued = record_operator_change(
+            keys.engine,
+            lambda conn: keys.create(chosen, tenant_id=tenant, label=label, conn=conn),
+            lambda i: operator_event(
+                "api_key.create",
+                tenant_id=tenant,
+                key_id=i.principal.key_id,
+                granted_role=chosen.value,
+            ),
+        )
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -170,8 +182,15 @@ def revoke_key_command(
     db: DbOption = None,
 ) -> None:
     """Revoke an admin API key; every API process refuses it from its next request."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
     try:
-        _open_keys(db).revoke(key_id)
+        keys = _open_keys(db)
+        record_operator_change(
+            keys.engine,
+            lambda conn: keys.revoke(key_id, conn=conn),
+            lambda _none: operator_event("api_key.revoke", key_id=key_id),
+        )
     except KvguardError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -88,7 +88,19 @@ class ApiKeys:
         self._clock = clock
         ensure_schema(engine)
 
-    def create(self, role: Role, *, tenant_id: str | None = None, label: str = "") -> IssuedApiKey:
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    def create(
+        self,
+        role: Role,
+        *,
+        tenant_id: str | None = None,
+        label: str = "",
+        conn: sa.Connection | None = None,
+    ) -> IssuedApiKey:
+        """A new key (shown once); with `conn`, inside the caller's write transaction."""
         if (role is Role.TENANT_ADMIN) != (tenant_id is not None):
             raise ConfigError("a tenant_admin key needs --tenant; other roles must not have one")
         if tenant_id is not None:
@@ -98,29 +110,34 @@ class ApiKeys:
             secrets.token_urlsafe(32),
             secrets.token_bytes(16),
         )
-        with write_transaction(self._engine) as conn:
-            conn.execute(
-                sa.insert(AdminKeyRow).values(
-                    key_id=key_id,
-                    salt=salt,
-                    secret_hash=_admin_hash(secret, salt),
-                    role=role.value,
-                    tenant_id=tenant_id,
-                    label=label[:200],
-                    created_at=self._clock(),
-                )
-            )
+        row = {
+            "key_id": key_id,
+            "salt": salt,
+            "secret_hash": _admin_hash(secret, salt),
+            "role": role.value,
+            "tenant_id": tenant_id,
+            "label": label[:200],
+            "created_at": self._clock(),
+        }
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                own.execute(sa.insert(AdminKeyRow).values(**row))
+        else:
+            conn.execute(sa.insert(AdminKeyRow).values(**row))
         api_key = f"kvg_adm_{key_id}_{secret}"
         register_secret(api_key)
         return IssuedApiKey(Principal(key_id, role, tenant_id), api_key)
 
-    def revoke(self, key_id: str) -> None:
-        with write_transaction(self._engine) as conn:
-            done = conn.execute(
-                sa.update(AdminKeyRow)
-                .where(AdminKeyRow.key_id == key_id, AdminKeyRow.revoked_at.is_(None))
-                .values(revoked_at=self._clock())
-            ).rowcount
+    def revoke(self, key_id: str, *, conn: sa.Connection | None = None) -> None:
+        """Revoke a key; with `conn`, inside the caller's write transaction."""
+        if conn is None:
+            with write_transaction(self._engine) as own:
+                return self.revoke(key_id, conn=own)
+        done = conn.execute(
+            sa.update(AdminKeyRow)
+            .where(AdminKeyRow.key_id == key_id, AdminKeyRow.revoked_at.is_(None))
+            .values(revoked_at=self._clock())
+        ).rowcount
         if done != 1:
             raise NotFoundError(f"no active admin key with id {key_id!r}")
 
@@ -197,6 +214,10 @@ class TenantKeys:
     @classmethod
     def open(cls, url: str) -> TenantKeys:
         return cls(open_engine(url))
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
 
     def issue(self, tenant_id: str, *, conn: sa.Connection | None = None) -> IssuedKey:
         """A new key for a registered, enabled tenant (NotFoundError / ConflictError otherwise);

@@ -17,15 +17,16 @@ hold what the ledger entries hold (tenant ids only in the erasable payloads).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Final, TypeVar
 
 import sqlalchemy as sa
 
-from kvguard.audit.events import AuditEvent
+from kvguard.audit.events import AuditEvent, DetailValue, EventKind
 from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
-from kvguard.control.db import ensure_schema
+from kvguard.control.db import ensure_schema, write_transaction
 from kvguard.control.schema import OutboxRow
 from kvguard.errors import ConfigError
 from kvguard.logging import get_logger
@@ -33,6 +34,37 @@ from kvguard.logging import get_logger
 _BATCH: Final = 500
 _RETRIES: Final = 5
 _log = get_logger("control.outbox")
+T = TypeVar("T")
+
+
+def operator_event(
+    action: str, *, by: str = "cli", tenant_id: str | None = None, **details: DetailValue
+) -> AuditEvent:
+    """The `admin.action` entry of a change an operator made with the `kvguard` CLI (principal
+    `cli:<by>`, role `operator`; the tenant id only in the erasable payload)."""
+    return AuditEvent(
+        kind=EventKind.ADMIN_ACTION,
+        ts=datetime.now(UTC),
+        details={
+            "principal": f"cli:{by}"[:200],
+            "role": "operator",
+            "action": action,
+            "outcome": "ok",
+            **details,
+        },
+        payload={"tenant_id": tenant_id} if tenant_id else None,
+    )
+
+
+def record_operator_change(
+    engine: sa.Engine, change: Callable[[sa.Connection], T], event: Callable[[T], AuditEvent]
+) -> T:
+    """Run `change` and queue its `event` in one write transaction (the admin API, or the next
+    process that drains the outbox, delivers the entry)."""
+    with write_transaction(engine) as conn:
+        result = change(conn)
+        Outbox(engine).add(conn, [event(result)])
+    return result
 
 
 class _RacedError(Exception):

@@ -1,0 +1,72 @@
+"""Changes made with the `kvguard` CLI are recorded like the admin API's: each commits with its
+`admin.action` entry (principal `cli:<by>`, role `operator`) in the outbox, which the next process
+holding the ledger drains; no key ever appears in an entry."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from kvguard.api.services import Services
+from kvguard.cli import app
+from kvguard.control.db import open_engine
+from kvguard.control.schema import OutboxRow
+from kvguard.control.tenants import TenantRegistry
+from tests.api.conftest import make_config
+
+
+def test_cli_changes_reach_the_ledger_with_their_entries(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'kvguard.db'}"
+    TenantRegistry(open_engine(url)).create("acme", display_name="Acme", created_by="test")
+    runner = CliRunner()
+    outputs = []
+    for args in (
+        ["keys", "create", "--role", "auditor", "--db", url],
+        ["keys", "tenant-key", "create", "acme", "--db", url],
+        ["purge", "--tenant", "acme", "--db", url, "--by", "oncall"],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        outputs.append(result.output)
+    admin_key_id = re.search(r"key ([0-9a-f]{12})", outputs[0]).group(1)  # type: ignore[union-attr]
+    tenant_key_id = re.search(r"key id ([0-9a-f]{12})", outputs[1]).group(1)  # type: ignore[union-attr]
+    for args in (
+        ["keys", "revoke", admin_key_id, "--db", url],
+        ["keys", "tenant-key", "revoke", tenant_key_id, "--db", url],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+    secrets = [line for out in outputs for line in out.split() if line.startswith("kvg_")]
+    assert len(secrets) == 2
+
+    engine = open_engine(url)
+    with engine.connect() as conn:
+        pending = conn.execute(sa.select(OutboxRow.event)).scalars().all()
+    assert len(pending) == 5 and not any(s in e for s in secrets for e in pending)
+
+    config, _key = make_config(tmp_path, url)
+    services = Services.open(config)  # drains what the CLI left
+    try:
+        assert services.outbox.pending() == 0
+        with services.ledger.store.engine.connect() as conn:
+            leaves = conn.execute(
+                sa.text("SELECT leaf FROM ledger_entries WHERE kind = 'admin.action' ORDER BY idx")
+            ).scalars()
+            actions = [json.loads(bytes(leaf))["details"] for leaf in leaves]
+        cli = [a for a in actions if a["role"] == "operator"]
+        assert [a["action"] for a in cli] == [
+            "api_key.create",
+            "inference_key.create",
+            "purge.create",
+            "api_key.revoke",
+            "inference_key.revoke",
+        ]
+        assert cli[2]["principal"] == "cli:oncall" and cli[2]["job_id"] == 1
+        assert "acme" not in json.dumps(cli)  # the tenant id only in the erasable payloads
+    finally:
+        services.close()
+        engine.dispose()
