@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 import httpx
@@ -343,4 +344,45 @@ async def test_a_request_that_can_never_fit_the_quota_is_a_clear_400(tenant_keys
     refused = await _post(client, key, {"prompt": [1], "max_tokens": 129})  # 5 blocks > 4
     assert refused.status_code == 400 and "quota is 4 blocks" in refused.text
     assert (await _post(client, key, {"prompt": [1], "max_tokens": 128})).status_code == 200
+    assert len(downstream.bodies) == 1
+
+
+@pytest.mark.anyio
+async def test_key_store_outage_is_503_and_key_reads_do_not_block_the_loop(
+    setup, monkeypatch
+) -> None:
+    """The key check runs on a worker thread: while it waits on the database, the event loop (vLLM's
+    streams) keeps running. A key store that cannot be read is a 503, never a 500 or a pass."""
+    import asyncio  # noqa: PLC0415
+
+    keys, _, downstream, client = setup
+    issued = keys.issue("acme")
+    real = keys.tenant_for
+
+    def slow(key):
+        time.sleep(0.4)
+        return real(key)
+
+    monkeypatch.setattr(keys, "tenant_for", slow)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    response = await _post(client, issued.api_key, {"prompt": [1]})
+    seen = ticks  # how far the loop got while the key check waited 0.4 s
+    task.cancel()
+    assert response.status_code == 200 and seen >= 10
+    assert len(downstream.bodies) == 1
+
+    def down(_key):
+        raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+
+    monkeypatch.setattr(keys, "tenant_for", down)
+    response = await _post(client, issued.api_key, {"prompt": [1]})
+    assert response.status_code == 503 and "retry" in response.text
     assert len(downstream.bodies) == 1

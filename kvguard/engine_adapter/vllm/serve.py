@@ -36,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
+import anyio.to_thread
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.control.keys import TenantKeys
@@ -127,10 +128,8 @@ class KVGuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        tenant = self.keys.tenant_for(_bearer(headers.get(b"authorization")))
+        tenant = await self._tenant(scope, send, headers)
         if tenant is None:
-            _log.info("request refused: invalid or missing API key", path=scope.get("path"))
-            await _reply(send, 401, "invalid or missing API key")
             return
         if route is RouteClass.READ:
             await self.app(scope, receive, send)
@@ -139,6 +138,24 @@ class KVGuardMiddleware:
             await _reply(send, 403, "this route is not served through kvguard")
             return
         await self._governed(scope, receive, send, tenant, headers)
+
+    async def _tenant(
+        self, scope: MutableMapping[str, Any], send: Send, headers: dict[bytes, bytes]
+    ) -> str | None:
+        """The caller's tenant; None once the refusal (401, or 503 without the key store) is sent."""
+        try:
+            # Database reads run on a worker thread: vLLM's event loop keeps streaming meanwhile.
+            tenant = await anyio.to_thread.run_sync(
+                self.keys.tenant_for, _bearer(headers.get(b"authorization"))
+            )
+        except SQLAlchemyError as exc:
+            _log.warning("key store unreadable; refusing requests", error=type(exc).__name__)
+            await _reply(send, 503, "kvguard cannot check API keys right now; retry later")
+            return None
+        if tenant is None:
+            _log.info("request refused: invalid or missing API key", path=scope.get("path"))
+            await _reply(send, 401, "invalid or missing API key")
+        return tenant
 
     async def _governed(
         self,
@@ -168,14 +185,14 @@ class KVGuardMiddleware:
         engine = self._engine_view(scope)
         if engine is None:
             raise _RefusedError(503, "kvguard cannot read the engine configuration")
-        if not self._refresh_policy():
+        if not await anyio.to_thread.run_sync(self._refresh_policy):
             raise _RefusedError(503, "policy unavailable")
         body = await _read_body(receive)
         if body is None:
             raise _RefusedError(413, "request body too large")
         try:
             doc = _json_object(body)
-            adapter = self._adapter(scope, doc)
+            adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
             raise _RefusedError(400, str(exc)) from None
         session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
