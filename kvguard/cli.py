@@ -16,7 +16,12 @@ import typer
 
 from kvguard import __version__
 from kvguard.api.cli import create_key_command, revoke_key_command, serve_command
-from kvguard.audit.cli import audit_app, signing_key_command, verify_command
+from kvguard.audit.cli import (
+    audit_app,
+    signing_key_command,
+    verifier_key_command,
+    verify_command,
+)
 from kvguard.control.keys import TenantKeys
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
@@ -44,6 +49,7 @@ keys_app.command("revoke")(revoke_key_command)
 keys_app.command(
     "signing-key", help="Create a checkpoint signing key (0600) and print its verifier key."
 )(signing_key_command)
+keys_app.command("verifier-key")(verifier_key_command)
 
 
 def _version(value: bool) -> None:

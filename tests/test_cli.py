@@ -75,3 +75,15 @@ def test_purge_command_is_queued_and_usage_errors_exit_2(tmp_path) -> None:
     )
     result = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme", "--wait", "0.3"])
     assert result.exit_code == 1 and "no engine acknowledged" in result.output
+
+
+def test_verifier_key_prints_what_signing_key_printed(tmp_path) -> None:
+    key_file = tmp_path / "ledger.key"
+    made = runner.invoke(app, ["keys", "signing-key", "log.example", "--out", str(key_file)])
+    assert made.exit_code == 0
+    shown = runner.invoke(app, ["keys", "verifier-key", str(key_file)])
+    assert shown.exit_code == 0 and shown.output == made.output
+    assert shown.output.startswith("log.example+") and "PRIVATE" not in shown.output
+    assert runner.invoke(app, ["keys", "verifier-key", str(tmp_path / "none.key")]).exit_code == 2
+    key_file.chmod(0o644)  # a secret readable by others is refused, not used
+    assert runner.invoke(app, ["keys", "verifier-key", str(key_file)]).exit_code == 2

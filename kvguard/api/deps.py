@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
 import sqlalchemy as sa
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvguard.api.auth import Principal, Role, authenticate_bearer
 from kvguard.api.errors import status_for
@@ -44,7 +45,20 @@ def _client(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def get_principal(request: Request, services: ServicesDep) -> Principal:
+# Declares the scheme in the OpenAPI document (Swagger UI's "Authorize", generated clients); the
+# check itself is `authenticate_bearer`, so `auto_error` is off.
+BEARER = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="An admin API key: `kvguard keys create --role admin|auditor|tenant_admin`",
+)
+
+
+def get_principal(
+    request: Request,
+    services: ServicesDep,
+    _declared: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None,
+) -> Principal:
     """The caller behind `Authorization: Bearer <key>`: the one the request gate
     (`kvguard.api.limits`) authenticated before the body was read, else checked here (401, or 429
     past the failure limit)."""

@@ -152,6 +152,18 @@ def signing_key_command(
     typer.echo(key.verifier_key())
 
 
+def verifier_key_command(
+    key_file: Annotated[Path, typer.Argument(help="A signing key file (`kvguard keys signing-key`)")],
+) -> None:
+    """Print the verifier key of a signing key: what auditors pass to `kvguard verify --key`.
+    Exit 0, or 2 when the file is missing, not 0600 or not a signing key."""
+    try:
+        key = SigningKey.load(key_file)
+    except (KvguardError, ValueError, OSError) as exc:
+        raise _fail(f"error: {exc}", EXIT_USAGE) from None
+    typer.echo(key.verifier_key())
+
+
 def verify_command(
     path: Annotated[
         Path, typer.Argument(help="Export bundle directory, or an erasure certificate file")
