@@ -103,6 +103,11 @@ def demo(
     keep: Annotated[bool, typer.Option(help="Keep an existing demo data directory.")] = False,
 ) -> None:
     """Run the multi-tenant scenario on a real vLLM engine (CPU, embedded defaults)."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("vllm") is None:
+        typer.echo(_NO_VLLM.format(exc="no module named 'vllm'"), err=True)
+        raise typer.Exit(2)
     from kvguard.demo import run_demo  # noqa: PLC0415 (imports vLLM: only for this command)
 
     summary = run_demo(data_dir, fresh=not keep)
@@ -306,7 +311,7 @@ def engine_serve(
         from kvguard.engine_adapter.vllm.launch import serve  # noqa: PLC0415
     except ImportError as exc:
         typer.echo(_NO_VLLM.format(exc=exc), err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     try:
         serve(model, list(ctx.args))
     except KvguardError as exc:

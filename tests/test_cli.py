@@ -87,3 +87,15 @@ def test_verifier_key_prints_what_signing_key_printed(tmp_path) -> None:
     assert runner.invoke(app, ["keys", "verifier-key", str(tmp_path / "none.key")]).exit_code == 2
     key_file.chmod(0o644)  # a secret readable by others is refused, not used
     assert runner.invoke(app, ["keys", "verifier-key", str(key_file)]).exit_code == 2
+
+
+def test_demo_without_vllm_says_how_to_install_it(monkeypatch) -> None:
+    import importlib.util  # noqa: PLC0415
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 2
+    assert "pip install 'kvguard[vllm]'" in result.output and "Traceback" not in result.output

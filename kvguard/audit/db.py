@@ -13,8 +13,10 @@ Both hide SQL parameters from exception texts: a failed statement's ids never re
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -31,6 +33,7 @@ def create_engine(url: str) -> sa.Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):
             raise LedgerUnavailableError("the ledger needs a durable SQLite file, not :memory:")
+        _create_private(Path(parsed.database))
         engine = sa.create_engine(
             url, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000}, hide_parameters=True
         )
@@ -42,6 +45,18 @@ def create_engine(url: str) -> sa.Engine:
             url, isolation_level="READ COMMITTED", pool_pre_ping=True, hide_parameters=True
         )
     raise LedgerUnavailableError(f"unsupported ledger database {parsed.get_backend_name()!r}")
+
+
+def _create_private(path: Path) -> None:
+    """Create a new SQLite file 0600: it holds the ledger, tenant ids and key hashes. SQLite gives
+    its -wal and -shm files the database file's permissions. An existing file is left as it is."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    except OSError:
+        return  # a missing directory or a read-only place: SQLite reports it when it opens
+    os.close(fd)
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -130,3 +130,13 @@ def store_policy():  # type: ignore[no-untyped-def]
     from kvguard.policy import PolicySet  # noqa: PLC0415
 
     return PolicySet()
+
+
+def test_a_new_sqlite_database_and_its_wal_are_private(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.db"
+    engine = control_db.open_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("SELECT 1")
+    for file in (path, path.with_name("kvguard.db-wal")):
+        assert file.exists() and file.stat().st_mode & 0o777 == 0o600, file
+    engine.dispose()
