@@ -12,6 +12,7 @@ Writes: a route makes its change, its engine commands and its ledger events in o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,12 @@ from kvguard.policy.store import PolicyStore
 DEFAULT_ORIGIN = "kvguard.local/ledger"
 OUTBOX_DRAIN_S = 5.0
 _log = get_logger("kvguard.api.services")
+_in_write = threading.local()
+
+
+def _one_connection_per_write(*_args: object) -> None:
+    if getattr(_in_write, "active", False):
+        raise RuntimeError("a second database connection inside a write transaction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,7 @@ class Services:
     @classmethod
     def open(cls, config: ApiConfig, *, clock: Callable[[], float] = time.time) -> Services:
         db = open_engine(config.db_url)
+        sa.event.listen(db, "checkout", _one_connection_per_write)
         ledger = Ledger.open(
             config.db_url,
             origin=config.origin,
@@ -127,9 +135,15 @@ class Services:
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:
         """One write transaction on the control database: state, commands and outbox events
-        commit together or not at all."""
+        commit together or not at all. Everything inside uses `conn`: a second pooled connection
+        taken while the transaction holds its row locks could wait on them forever under load
+        (every pooled connection waiting for the lock this one holds), so it is refused."""
         with write_transaction(self.db) as conn:
-            yield conn
+            _in_write.active = True
+            try:
+                yield conn
+            finally:
+                _in_write.active = False
 
     def deliver(self) -> bool:
         """Drain the outbox into the ledger; False (logged) when the ledger cannot be written now:

@@ -153,7 +153,9 @@ def signing_key_command(
 
 
 def verifier_key_command(
-    key_file: Annotated[Path, typer.Argument(help="A signing key file (`kvguard keys signing-key`)")],
+    key_file: Annotated[
+        Path, typer.Argument(help="A signing key file (`kvguard keys signing-key`)")
+    ],
 ) -> None:
     """Print the verifier key of a signing key: what auditors pass to `kvguard verify --key`.
     Exit 0, or 2 when the file is missing, not 0600 or not a signing key."""

@@ -42,7 +42,14 @@ def create_engine(url: str) -> sa.Engine:
         return engine
     if parsed.get_backend_name() == "postgresql":
         return sa.create_engine(
-            url, isolation_level="READ COMMITTED", pool_pre_ping=True, hide_parameters=True
+            url,
+            isolation_level="READ COMMITTED",
+            pool_pre_ping=True,
+            hide_parameters=True,
+            # As many connections as the API's worker threads (anyio's 40) may want at once, so
+            # requests do not queue for a connection; idle ones beyond 10 are closed.
+            pool_size=10,
+            max_overflow=30,
         )
     raise LedgerUnavailableError(f"unsupported ledger database {parsed.get_backend_name()!r}")
 

@@ -41,6 +41,8 @@ from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
 
 Clock = Callable[[], float]
+_PARSED_MAX = 64
+_PARSED_MAX = 64
 
 _log = get_logger("policy.store")
 
@@ -75,6 +77,11 @@ class PolicyStore:
         self._clock = clock
         self._subscribers: list[Subscriber] = []
         self._subscribers_lock = threading.Lock()
+        # Versions are immutable: each is parsed and digest-checked once per process (a read of the
+        # current version then costs one small indexed query, not a parse of the whole set). A
+        # process that parsed a version keeps enforcing it even if its row is later edited behind
+        # the triggers' back; any process that reads the edited row refuses it.
+        self._parsed: dict[int, PolicyVersion] = {}
 
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
@@ -212,39 +219,48 @@ class PolicyStore:
     def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version written by an admin (or the seed): the limits a tenant_admin may
         tighten but never loosen. None: no such version, the built-in defaults are the limits."""
+        t = PolicyVersionRow
         with self._reading(conn) as c:
             row = c.execute(
-                sa.select(*PolicyVersionRow.__table__.c)
-                .where(
-                    sa.or_(
-                        PolicyVersionRow.author_role.is_(None),
-                        PolicyVersionRow.author_role != "tenant_admin",
-                    )
-                )
-                .order_by(PolicyVersionRow.version.desc())
+                sa.select(t.version, t.digest)
+                .where(sa.or_(t.author_role.is_(None), t.author_role != "tenant_admin"))
+                .order_by(t.version.desc())
                 .limit(1)
             ).first()
-            return None if row is None else _to_version(row)
+            return None if row is None else self._version(c, int(row.version), row.digest)
 
     def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version, or None when nothing has been stored yet."""
+        t = PolicyVersionRow
         with self._reading(conn) as c:
-            row = c.execute(
-                sa.select(*PolicyVersionRow.__table__.c)
-                .order_by(PolicyVersionRow.version.desc())
-                .limit(1)
+            latest = c.execute(
+                sa.select(t.version, t.digest).order_by(t.version.desc()).limit(1)
             ).first()
-            return None if row is None else _to_version(row)
+            if latest is None:
+                return None
+            return self._version(c, int(latest.version), latest.digest)
 
     def get(self, version: int) -> PolicyVersion:
         """A given version; PolicyStoreError when it does not exist."""
         with self._reading(None) as c:
-            row = c.execute(
-                sa.select(*PolicyVersionRow.__table__.c).where(PolicyVersionRow.version == version)
-            ).first()
-            if row is None:
-                raise PolicyStoreError(f"policy version {version} does not exist")
-            return _to_version(row)
+            return self._version(c, version, None)
+
+    def _version(self, conn: sa.Connection, version: int, digest: str | None) -> PolicyVersion:
+        """A version, parsed and digest-checked once per process (versions never change)."""
+        cached = self._parsed.get(version)
+        if cached is not None and (digest is None or cached.change.digest == digest):
+            return cached
+        row = conn.execute(
+            sa.select(*PolicyVersionRow.__table__.c).where(PolicyVersionRow.version == version)
+        ).first()
+        if row is None:
+            raise PolicyStoreError(f"policy version {version} does not exist")
+        parsed = _to_version(row)
+        with self._subscribers_lock:
+            if len(self._parsed) >= _PARSED_MAX:
+                self._parsed.pop(next(iter(self._parsed)), None)
+            self._parsed[version] = parsed
+        return parsed
 
     def history(self) -> list[PolicyChange]:
         """Every version's metadata, oldest first."""

@@ -327,3 +327,15 @@ def _append_except_outbox(real: Callable[..., int]) -> Callable[..., int]:
         return real(prepared, after)
 
     return append
+
+
+def test_a_write_transaction_never_takes_a_second_connection(
+    make_env: Callable[..., ApiEnv],
+) -> None:
+    """Inside `services.write()` everything uses the transaction's connection: a second pooled one
+    could wait forever on the row locks the first holds once every pooled connection waits on them
+    (0.1.x's purge route read the engine registry that way and deadlocked under load)."""
+    services = make_env().services
+    with pytest.raises(RuntimeError, match="second database connection"), services.write():
+        services.engines.engines()
+    assert services.engines.engines() == []  # outside a write: fine

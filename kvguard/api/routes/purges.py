@@ -49,16 +49,19 @@ def create_purge(
     if tenant is not None:
         services.tenants.get(access.tenant(tenant))  # 404: unknown, or another tenant's
         action.tenant_id = tenant
+    # Read before the write transaction: inside it, a second pooled connection would be taken
+    # while the command head's row lock is held, and under load every pooled connection can be
+    # waiting on that lock (a deadlock until the pool timeout).
+    expected = len(
+        jobs.expected_engines(
+            services.engines.engines(), services.clock(), services.config.engine_max_age_s
+        )
+    )
     with services.write() as conn:
         job_id = services.commands.submit_purge(
             PurgeSelector(body.kind, body.value, tenant),
             requested_by=access.principal.name,
             conn=conn,
-        )
-        expected = len(
-            jobs.expected_engines(
-                services.engines.engines(), services.clock(), services.config.engine_max_age_s
-            )
         )
         action.done(conn, job_id=job_id, purge_kind=body.kind.value, engines_expected=expected)
     services.deliver()  # the request's entry, so that the status below can see it
