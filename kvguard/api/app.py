@@ -10,6 +10,7 @@ limit, NUL check and authentication before the body is read), then FastAPI's exc
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from kvguard.api import errors
 from kvguard.api.auth import Principal
 from kvguard.api.limits import PRINCIPAL_STATE, RequestGate
 from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
-from kvguard.api.services import Services
+from kvguard.api.services import CONFIG_ENV, ApiConfig, Services
 from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.api.access")
@@ -67,6 +68,13 @@ class AccessLog:
                 key_id=principal.key_id if isinstance(principal, Principal) else None,
                 duration_ms=round((time.perf_counter() - start) * 1000, 2),
             )
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one `kvguard serve --workers N` worker process: opens its own `Services` from the
+    settings the parent checked (`KVGUARD_API_CONFIG`) and closes them at shutdown."""
+    config = ApiConfig.from_json(os.environ[CONFIG_ENV])
+    return create_app(Services.open(config), close_on_shutdown=True)
 
 
 def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAPI:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -70,6 +71,15 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
             show_default=False,
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Worker processes (each opens its own connections; the outbox and checkpoints "
+            "are safe to share).",
+        ),
+    ] = 1,
 ) -> None:
     """Serve the compliance admin API (uvicorn). Secrets: KVGUARD_SIGNING_KEY_FILE and
     KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
@@ -78,7 +88,7 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from kvguard.api.app import create_app  # noqa: PLC0415
-    from kvguard.api.services import Services  # noqa: PLC0415
+    from kvguard.api.services import CONFIG_ENV, Services  # noqa: PLC0415
 
     try:
         config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
@@ -95,6 +105,20 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         typer.echo(f"error: cannot open database {url}: {type(exc).__name__}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
+    if workers > 1:
+        # Checked above in this process (secrets, database, migrations); each worker opens its
+        # own services from the same settings.
+        services.close()
+        os.environ[CONFIG_ENV] = config.to_json()
+        uvicorn.run(
+            "kvguard.api.app:app_from_environment",
+            factory=True,
+            workers=workers,
+            host=host,
+            port=port,
+            **uvicorn_options(trusted_proxy or []),
+        )
+        return
     uvicorn.run(
         create_app(services, close_on_shutdown=True),
         host=host,

@@ -12,6 +12,7 @@ Writes: a route makes its change, its engine commands and its ledger events in o
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +47,16 @@ _log = get_logger("kvguard.api.services")
 _in_write = threading.local()
 
 
+def _plain(value: object) -> object:
+    return str(value) if isinstance(value, Path) else value
+
+
 def _one_connection_per_write(*_args: object) -> None:
     if getattr(_in_write, "active", False):
         raise RuntimeError("a second database connection inside a write transaction")
+
+
+CONFIG_ENV = "KVGUARD_API_CONFIG"  # how `kvguard serve --workers N` hands its config to workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +77,17 @@ class ApiConfig:
     checkpoint_interval_s: float | None = 60.0
     # Seconds between background drains of the ledger outbox (None: only after writes and at start).
     outbox_drain_s: float | None = OUTBOX_DRAIN_S
+
+    def to_json(self) -> str:
+        """The settings as JSON (paths and URL only: no secret is in them)."""
+        return json.dumps({f: _plain(getattr(self, f)) for f in self.__dataclass_fields__})
+
+    @classmethod
+    def from_json(cls, text: str) -> ApiConfig:
+        data = json.loads(text)
+        for name in ("signing_key_file", "salt_keyring_file"):
+            data[name] = Path(data[name])
+        return cls(**data)
 
 
 @dataclass

@@ -458,3 +458,32 @@ def test_serve_trusts_forwarded_headers_only_from_configured_proxies(
     assert configured["proxy_headers"] is True
     assert configured["forwarded_allow_ips"] == "10.0.0.1,10.0.0.2"
     assert configured["max_body_bytes"] == 2048
+
+
+def test_serve_with_workers_hands_each_worker_the_checked_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workers N`: the parent checks secrets and database, then uvicorn starts N processes that
+    each build the app from the same settings (`app_from_environment`)."""
+    from kvguard.api.app import app_from_environment  # noqa: PLC0415
+    from kvguard.api.services import CONFIG_ENV  # noqa: PLC0415
+
+    monkeypatch.setenv("KVGUARD_MODE", "dev")
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    runs: list[tuple[Any, dict[str, Any]]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append((app, kwargs)))
+    db = f"sqlite:///{tmp_path / 'k.db'}"
+    args = ["serve", "--db", db, "--workers", "2", "--max-body-bytes", "4096"]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 0, result.output
+    ((target, kwargs),) = runs
+    assert target == "kvguard.api.app:app_from_environment"
+    assert kwargs["factory"] is True and kwargs["workers"] == 2
+    assert kwargs["proxy_headers"] is False
+    app = app_from_environment()  # what each worker does
+    try:
+        assert app.state.services.config.max_body_bytes == 4096
+        assert app.state.services.config.db_url == db
+    finally:
+        app.state.services.close()
