@@ -45,6 +45,8 @@ class ActionLog:
     ) -> None:
         self._ledger = ledger
         self.outbox = outbox
+        # How an entry recorded on its own is delivered (Services points it at its delivery thread).
+        self.deliver_hook: Callable[[], bool] = self.try_deliver
         self._deriver = deriver
         self._clock = clock
         self._append_seconds = append_seconds
@@ -93,7 +95,7 @@ class ActionLog:
         else:
             with write_transaction(self.outbox.engine) as own:
                 self.outbox.add(own, [event])
-            self.try_deliver()
+            self.deliver_hook()
         _log.info("admin action", action=action, outcome=outcome, principal=principal.name)
 
     def event(

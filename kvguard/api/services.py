@@ -29,12 +29,11 @@ from kvguard.api.auth import ApiKeys, FailureLimiter
 from kvguard.api.metrics import FleetCollector, new_registry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
-from kvguard.audit.writer import PeriodicTask
 from kvguard.control.commands import CommandQueue
 from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.engines import EngineRegistry
 from kvguard.control.keys import TenantKeys
-from kvguard.control.outbox import Outbox
+from kvguard.control.outbox import Deliverer, Outbox
 from kvguard.control.tenants import TenantRegistry
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
@@ -107,7 +106,7 @@ class Services:
     metrics: CollectorRegistry
     outbox: Outbox
     clock: Callable[[], float] = field(default=time.time)
-    _drainer: PeriodicTask | None = None
+    _deliverer: Deliverer | None = None
 
     @classmethod
     def open(cls, config: ApiConfig, *, clock: Callable[[], float] = time.time) -> Services:
@@ -145,10 +144,8 @@ class Services:
         )
         registry.register(FleetCollector(services))  # reads the fleet at scrape time
         services.deliver()  # what a crash left pending
-        if config.outbox_drain_s is not None:
-            services._drainer = PeriodicTask(
-                config.outbox_drain_s, services.deliver, "kvguard-outbox-drain"
-            )
+        services._deliverer = Deliverer(services.actions.deliver, interval_s=config.outbox_drain_s)
+        services.actions.deliver_hook = services.deliver
         return services
 
     @contextmanager
@@ -165,8 +162,11 @@ class Services:
                 _in_write.active = False
 
     def deliver(self) -> bool:
-        """Drain the outbox into the ledger; False (logged) when the ledger cannot be written now:
-        the events stay committed in the outbox for the next drain."""
+        """Drain the outbox into the ledger (group commits on the delivery thread, once it runs);
+        False (logged) when the ledger cannot be written now: the events stay committed in the
+        outbox for the next drain."""
+        if self._deliverer is not None:
+            return self._deliverer.deliver()
         return self.actions.try_deliver()
 
     def tenant_ledger_tags(self, tenant_id: str) -> list[str]:
@@ -177,8 +177,9 @@ class Services:
         )
 
     def close(self) -> None:
-        if self._drainer is not None:
-            self._drainer.stop()
+        if self._deliverer is not None:
+            self._deliverer.close()
+            self._deliverer = None
         self.deliver()
         self.ledger.close()
         self.db.dispose()

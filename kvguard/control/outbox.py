@@ -16,6 +16,7 @@ hold what the ledger entries hold (tenant ids only in the erasable payloads).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -156,3 +157,69 @@ class Outbox:
             return len(rows)
         _log.warning("outbox drain kept racing another drainer; the rest is left to it")
         return 0
+
+
+class Deliverer:
+    """Drains an outbox into a ledger on one thread, in group commits.
+
+    A writer that has committed calls `deliver()`: it asks for a drain and waits for the first drain
+    that *starts* after its call, which picks up every row committed before it, its own included.
+    Writers arriving while a drain runs are served together by the next one: one ledger transaction
+    for many writes, and no two threads of a process racing for the same rows. The thread also
+    drains every `interval_s` seconds (what a crash or an outage left behind). A drain that fails
+    (the ledger cannot be written) leaves the rows pending for the next one; `deliver` then returns
+    False and the caller answers anyway: its change and its entries are committed."""
+
+    def __init__(
+        self, drain: Callable[[], object], *, interval_s: float | None, name: str = "kvguard-outbox"
+    ) -> None:
+        self._drain = drain
+        self._interval = interval_s
+        self._cond = threading.Condition()
+        self._requested = 0
+        self._done = 0
+        self._ok = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def deliver(self, timeout: float = 10.0) -> bool:
+        """Wait (at most `timeout` seconds) for a drain that started after this call."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._requested += 1
+            target = self._requested
+            self._cond.notify_all()
+            while self._done < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop:
+                    return False
+                self._cond.wait(remaining)
+            return self._ok
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._requested == self._done and not self._stop:
+                    self._cond.wait(self._interval)
+                if self._stop:
+                    return
+                target = self._requested
+            try:
+                self._drain()
+                ok = True
+            except Exception as exc:  # the ledger is down: rows stay pending, the next pass retries
+                _log.warning("ledger delivery deferred", error_type=type(exc).__name__)
+                ok = False
+            with self._cond:
+                self._done = max(self._done, target)
+                self._ok = ok
+                self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current drain."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)

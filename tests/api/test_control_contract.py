@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -339,3 +340,39 @@ def test_a_write_transaction_never_takes_a_second_connection(
     with pytest.raises(RuntimeError, match="second database connection"), services.write():
         services.engines.engines()
     assert services.engines.engines() == []  # outside a write: fine
+
+
+def test_the_deliverer_groups_concurrent_writers_into_few_drains() -> None:
+    """Every caller waits for a drain that started after its call (so its own committed rows are
+    in it); callers arriving during a drain share the next one."""
+    from kvguard.control.outbox import Deliverer  # noqa: PLC0415
+
+    passes: list[float] = []
+    calls: list[float] = []
+    lock = threading.Lock()
+
+    def drain() -> None:
+        passes.append(time.monotonic())
+        time.sleep(0.05)  # a ledger transaction
+
+    deliverer = Deliverer(drain, interval_s=None)
+    results: list[bool] = []
+
+    def writer() -> None:
+        with lock:
+            calls.append(time.monotonic())
+        results.append(deliverer.deliver())
+
+    threads = [threading.Thread(target=writer) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    deliverer.close()
+    assert results == [True] * 40
+    assert len(passes) < 20  # grouped, not one drain per writer
+    assert max(passes) >= max(calls)  # the last caller was served by a drain started after it
+
+    failing = Deliverer(lambda: 1 / 0, interval_s=None)
+    assert failing.deliver() is False  # reported, not raised: the rows stay pending
+    failing.close()
