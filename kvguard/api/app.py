@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 import structlog
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,6 +81,12 @@ def app_from_environment() -> FastAPI:
 def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Route handlers run on anyio's worker threads (40 by default). The work is CPU-bound Python
+        # behind one GIL: more threads than the pool of connections can use only slow down the
+        # thread that holds a row lock, and every writer queues behind it.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = (
+            services.config.worker_threads
+        )
         yield
         if close_on_shutdown:
             services.close()

@@ -76,6 +76,8 @@ class ApiConfig:
     checkpoint_interval_s: float | None = 60.0
     # Seconds between background drains of the ledger outbox (None: only after writes and at start).
     outbox_drain_s: float | None = OUTBOX_DRAIN_S
+    # Requests handled at once per process (anyio worker threads; see create_app's lifespan).
+    worker_threads: int = 8
 
     def to_json(self) -> str:
         """The settings as JSON (paths and URL only: no secret is in them)."""

@@ -288,3 +288,27 @@ def test_a_forged_salt_turns_caching_off(make_guard: Any) -> None:
     guard.on_new_request(r)
     assert r.skip_reading_prefix_cache and r.cache_salt.startswith("kvguard-private:")
     assert guard.stats["untrusted_salts"] == 1
+
+
+def test_a_database_outage_never_stops_the_scheduler(make_guard: Any, monkeypatch: Any) -> None:
+    """The command poll runs in vLLM's scheduler thread, where an exception kills the engine core:
+    an unreachable database is logged and the poll retried; commands run once it is back."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    guard, f = make_guard()
+    queue = f.link.queue
+    queue.commands.append(PurgeCommand(1, PurgeSelector(PurgeKind.TENANT, "x"), seq=1))
+    real = queue.pending_after
+
+    def down(_seq: int) -> list[Any]:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(queue, "pending_after", down)
+    guard.poll()
+    r = request("a", BLOCK)
+    guard.on_new_request(r)  # requests keep arriving and being admitted
+    assert not queue.acks
+    monkeypatch.setattr(queue, "pending_after", real)
+    f.clock.now += 5
+    guard.poll()
+    assert 1 in queue.acks

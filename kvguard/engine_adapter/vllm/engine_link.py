@@ -154,8 +154,17 @@ class CommandRunner:
         return self._link.take_notified() or now - self._last_poll >= COMMAND_POLL_S
 
     def run(self, now: float, target: CommandTarget) -> int:
-        """Run every command created since the last one run; returns how many ran."""
+        """Run every command created since the last one run; returns how many ran. A database that
+        cannot be reached is logged and tried again at the next poll: it never stops the engine
+        (this runs in vLLM's scheduler thread, where an exception kills the engine core)."""
         self._last_poll = now
+        try:
+            return self._run(now, target)
+        except sa.exc.SQLAlchemyError as exc:
+            _log.warning("command poll failed; retrying at the next poll", error=type(exc).__name__)
+            return 0
+
+    def _run(self, now: float, target: CommandTarget) -> int:
         ran = 0
         for command in self.queue.pending_after(self._last):
             if isinstance(command, PurgeCommand):
