@@ -24,7 +24,9 @@ Served = tuple[Services, dict[str, str]]  # the services and one key per role
 
 
 def _open(directory: Path, db_url: str) -> Served:
-    config, _key = make_config(directory, db_url)
+    # The failed-authentication limiter is tested in test_auth.py; here it would turn the 401s that
+    # schemathesis checks for unauthenticated calls (every route needs the bearer key) into 429s.
+    config, _key = make_config(directory, db_url, auth_max_failures=1_000_000)
     services = Services.open(config)
     services.tenants.create("acme", display_name="Acme", created_by="test")
     services.tenants.create("initech", display_name="Initech", created_by="test")
