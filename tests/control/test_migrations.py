@@ -31,6 +31,7 @@ DATA = Path(__file__).parent / "data" / "v0_1_0"
 def old_db(tmp_path: Path) -> Path:
     for item in DATA.iterdir():
         shutil.copy(item, tmp_path / item.name)
+        (tmp_path / item.name).chmod(0o600)  # git keeps no modes: secrets must be 0600 to load
     return tmp_path
 
 
