@@ -247,13 +247,19 @@ class PolicyStore:
 
     def get(self, version: int) -> PolicyVersion:
         """A given version; PolicyStoreError when it does not exist."""
+        t = PolicyVersionRow
         with self._reading(None) as c:
-            return self._version(c, version, None)
+            digest = c.execute(sa.select(t.digest).where(t.version == version)).scalar()
+            if digest is None:
+                raise PolicyStoreError(f"policy version {version} does not exist")
+            return self._version(c, version, digest)
 
-    def _version(self, conn: sa.Connection, version: int, digest: str | None) -> PolicyVersion:
-        """A version, parsed and digest-checked once per process (versions never change)."""
+    def _version(self, conn: sa.Connection, version: int, digest: str) -> PolicyVersion:
+        """A version, parsed and digest-checked once per process (versions never change). The
+        cache is keyed by number and checked against the stored digest: a number read inside a
+        transaction that then rolled back, and reused by another writer, is parsed afresh."""
         cached = self._parsed.get(version)
-        if cached is not None and (digest is None or cached.change.digest == digest):
+        if cached is not None and cached.change.digest == digest:
             return cached
         row = conn.execute(
             sa.select(*PolicyVersionRow.__table__.c).where(PolicyVersionRow.version == version)
