@@ -55,6 +55,7 @@ def pg_roles(url: str) -> Iterator[tuple[str, str, str]]:
             app,
         )
     finally:
+        admin.dispose()  # a test may have terminated its pooled connection: connect afresh
         with admin.connect() as conn:
             conn.exec_driver_sql(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
@@ -66,3 +67,22 @@ def pg_roles(url: str) -> Iterator[tuple[str, str, str]]:
                 conn.exec_driver_sql(f"DROP OWNED BY {role}")
                 conn.exec_driver_sql(f"DROP ROLE {role}")
         admin.dispose()
+
+
+def migrate_and_grant(owner_url: str, app_role: str) -> None:
+    """What docs/operations.md prescribes, as the owner: migrate everything (`kvguard db migrate`)
+    and run the statements `kvguard db grants APP_ROLE` prints."""
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+    from kvguard.audit.migrate import upgrade as upgrade_ledger  # noqa: PLC0415
+    from kvguard.control.db import upgrade  # noqa: PLC0415
+    from kvguard.control.roles import all_grants  # noqa: PLC0415
+
+    engine = create_engine(owner_url)
+    try:
+        upgrade_ledger(engine)
+        upgrade(engine)
+        with engine.begin() as conn:
+            for statement in all_grants(app_role):
+                conn.exec_driver_sql(statement)
+    finally:
+        engine.dispose()

