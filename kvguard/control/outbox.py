@@ -106,13 +106,6 @@ class Outbox:
                 ).scalar_one()
             )
 
-    def ledger_index(self, outbox_id: int) -> int | None:
-        with self._engine.connect() as conn:
-            value = conn.execute(
-                sa.select(OutboxRow.ledger_index).where(OutboxRow.id == outbox_id)
-            ).scalar_one_or_none()
-        return None if value is None else int(value)
-
     def drain(self, ledger: Ledger) -> int:
         """Append every pending event to the ledger, exactly once; returns how many this call
         appended. Raises what the ledger raises when it cannot be written (the rows stay pending).
