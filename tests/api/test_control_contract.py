@@ -124,11 +124,15 @@ def test_if_match_guards_a_read_modify_write(make_env: Callable[..., ApiEnv], an
     assert [c.version for c in env.services.policies.history()] == [1, 2]
     garbage = _put(env, "admin", "acme", {}, headers={"If-Match": "yesterday"})
     assert garbage.status_code == 412
+    assert (
+        _put(env, "admin", "acme", {"audit": "full"}, headers={"If-Match": "*"}).status_code == 201
+    )
     # Every refused write left nothing behind: no version, no command, no policy.change entry.
-    assert len(_entries(env, EventKind.POLICY_CHANGE.value)) == 2
+    assert len(_entries(env, EventKind.POLICY_CHANGE.value)) == 3
     assert [c.version for c in env.services.commands.pending_after(0) if hasattr(c, "version")] == [
         1,
         2,
+        3,
     ]
 
 

@@ -163,7 +163,7 @@ def edit_tenant(
 
 def if_match(header: str | None, body_version: int | None) -> int | None:
     """The version a write expects: `If-Match: "<n>"` or the body's `expected_version`."""
-    if header is None:
+    if header is None or header.strip() == "*":  # `*`: any current version (RFC 9110)
         return body_version
     value = header.strip()
     if value.startswith("W/"):
