@@ -20,10 +20,10 @@ import sqlalchemy as sa
 from prometheus_client import Histogram
 
 from kvguard.api.auth import Principal
-from kvguard.audit.events import AuditEvent, DetailValue, EventKind
+from kvguard.audit.events import AuditEvent, DetailValue
 from kvguard.audit.ledger import Ledger
 from kvguard.control.db import write_transaction
-from kvguard.control.outbox import Outbox
+from kvguard.control.outbox import Outbox, admin_action_event
 from kvguard.control.policy_seed import policy_change_event
 from kvguard.errors import KvguardError
 from kvguard.isolation.salts import SaltDeriver
@@ -107,16 +107,13 @@ class ActionLog:
         tenant_id: str | None = None,
         target: dict[str, DetailValue] | None = None,
     ) -> AuditEvent:
-        return AuditEvent(
-            kind=EventKind.ADMIN_ACTION,
-            scope_tag=self.tenant_tag(tenant_id) if tenant_id else None,
+        return admin_action_event(
+            principal.name,
+            principal.role.value,
+            action,
+            outcome,
             ts=datetime.fromtimestamp(self._clock(), UTC),
-            details={
-                "principal": principal.name,
-                "role": principal.role.value,
-                "action": action,
-                "outcome": outcome,
-                **(target or {}),
-            },
-            payload={"tenant_id": tenant_id} if tenant_id else None,
+            scope_tag=self.tenant_tag(tenant_id) if tenant_id else None,
+            tenant_id=tenant_id,
+            details=target,
         )

@@ -38,22 +38,48 @@ _log = get_logger("control.outbox")
 T = TypeVar("T")
 
 
+def admin_action_event(
+    principal: str,
+    role: str,
+    action: str,
+    outcome: str,
+    *,
+    ts: datetime,
+    scope_tag: str | None = None,
+    tenant_id: str | None = None,
+    details: dict[str, DetailValue] | None = None,
+) -> AuditEvent:
+    """One `admin.action` entry (the admin API's and the CLI's): who, in which role, did what, with
+    which outcome; the tenant only as its `tt_` tag in the leaf, its id in the erasable payload."""
+    return AuditEvent(
+        kind=EventKind.ADMIN_ACTION,
+        scope_tag=scope_tag,
+        ts=ts,
+        details={
+            "principal": principal[:200],
+            "role": role,
+            "action": action,
+            "outcome": outcome,
+            **(details or {}),
+        },
+        payload={"tenant_id": tenant_id} if tenant_id else None,
+    )
+
+
 def operator_event(
     action: str, *, by: str = "cli", tenant_id: str | None = None, **details: DetailValue
 ) -> AuditEvent:
     """The `admin.action` entry of a change an operator made with the `kvguard` CLI (principal
-    `cli:<by>`, role `operator`; the tenant id only in the erasable payload)."""
-    return AuditEvent(
-        kind=EventKind.ADMIN_ACTION,
+    `cli:<by>`, role `operator`). The CLI holds no salt keyring, so the entry carries no `tt_` tag:
+    it is in admins' and auditors' views, not in the tenant's own export."""
+    return admin_action_event(
+        f"cli:{by}",
+        "operator",
+        action,
+        "ok",
         ts=datetime.now(UTC),
-        details={
-            "principal": f"cli:{by}"[:200],
-            "role": "operator",
-            "action": action,
-            "outcome": "ok",
-            **details,
-        },
-        payload={"tenant_id": tenant_id} if tenant_id else None,
+        tenant_id=tenant_id,
+        details=details,
     )
 
 
