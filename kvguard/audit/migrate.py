@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
@@ -40,3 +42,28 @@ def upgrade(engine: sa.Engine) -> None:
     with write_transaction(engine) as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+def run_env(
+    metadata: sa.MetaData,
+    *,
+    version_table: str,
+    lock_id: int,
+    include_name: Callable[[str | None, str, Any], bool],
+) -> None:
+    """The body of an Alembic `env.py` (the ledger's and the control plane's): migrate on the
+    connection `upgrade` hands over, with the package's own version table, serialised across
+    processes on PostgreSQL by an advisory lock."""
+    from alembic import context  # noqa: PLC0415 (only inside a running migration)
+
+    connection = context.config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        version_table=version_table,
+        include_name=include_name,
+    )
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_id})")
+        context.run_migrations()

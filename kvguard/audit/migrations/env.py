@@ -6,28 +6,12 @@ database can run their own Alembic histories beside it.
 
 from __future__ import annotations
 
-from alembic import context
-
+from kvguard.audit.migrate import VERSION_TABLE, run_env
 from kvguard.audit.schema import metadata
 
-VERSION_TABLE = "ledger_alembic_version"
-_PG_MIGRATION_LOCK = 0x6B76_6775_6172_6431  # pg advisory lock id: two processes opening at once
-
-
-def _run() -> None:
-    connection = context.config.attributes["connection"]
-    context.configure(
-        connection=connection,
-        target_metadata=metadata,
-        version_table=VERSION_TABLE,
-        include_name=lambda name, type_, _parent: (
-            type_ != "table" or str(name).startswith("ledger_")
-        ),
-    )
-    with context.begin_transaction():
-        if connection.dialect.name == "postgresql":
-            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
-        context.run_migrations()
-
-
-_run()
+run_env(
+    metadata,
+    version_table=VERSION_TABLE,
+    lock_id=0x6B76_6775_6172_6431,  # pg advisory lock id: two processes opening at once
+    include_name=lambda name, type_, _parent: type_ != "table" or str(name).startswith("ledger_"),
+)
