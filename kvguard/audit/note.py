@@ -6,9 +6,11 @@ including its final newline. For Ed25519 (signature type 0x01) the key ID is the
 SHA-256(key name || 0x0A || 0x01 || 32-byte public key) and the verifier key string is
 `<name>+<hex key ID>+<base64(0x01 || public key)>`.
 
-Verification (`open_note`) fails closed: unknown signers are ignored as the spec requires, but at
-least one known key must have signed, every known key's signature present must verify, and a known
-key may not sign twice. This module depends only on `cryptography` and the standard library: the
+The text may contain blank lines: it ends at the *last* blank line of the note (spec, "Format"),
+as golang.org/x/mod/sumdb/note splits it. Verification (`open_note`) fails closed: unknown signers
+are ignored as the spec requires, but at least one known key must have signed and every known key's
+signature present must verify; a repeated line of a known key after its first is ignored, as Go's
+`note.Open` does (the first one decides). This module depends only on `cryptography` and the standard library: the
 offline verifier imports it.
 """
 
@@ -81,23 +83,26 @@ def signature_line(name: str, kid: bytes, signature: bytes) -> str:
 
 
 def check_text(text: str) -> None:
-    """Note text is non-empty, ends in a newline and holds no control characters but newlines."""
+    """Note text is non-empty, ends in a newline and holds no control characters but newlines
+    (blank lines are allowed: spec, "Format")."""
     if not text.endswith("\n") or text == "\n":
         raise ValueError("note text must be non-empty and end with a newline")
-    if any(ord(c) < 0x20 and c != "\n" for c in text) or "\n\n" in text:
-        raise ValueError("note text may not contain control characters or blank lines")
+    if _has_control(text):
+        raise ValueError("note text may not contain control characters other than newline")
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 0x20 and c != "\n" for c in text)
 
 
 def split_note(note: str) -> tuple[str, list[tuple[str, bytes]]]:
     """Split a signed note into its text and its (key name, key ID || signature) lines."""
-    head, sep, sigs = note.rpartition("\n\n")
-    if not sep or not sigs.endswith("\n"):
-        raise VerificationError("signed note has no signature block")
+    if _has_control(note):  # the whole note, signature lines included (spec, "Format")
+        raise VerificationError("signed note contains control characters other than newline")
+    head, sep, sigs = note.rpartition("\n\n")  # the text ends at the last blank line
+    if not sep or not sigs.endswith("\n") or not head:
+        raise VerificationError("signed note has no signature block after a non-empty text")
     text = head + "\n"
-    try:
-        check_text(text)
-    except ValueError as exc:
-        raise VerificationError(f"malformed note text: {exc}") from None
     lines = sigs[:-1].split("\n")
     if len(lines) > _MAX_SIGNATURES:
         raise VerificationError("too many signature lines")
@@ -116,8 +121,8 @@ def split_note(note: str) -> tuple[str, list[tuple[str, bytes]]]:
 def open_note(note: str, verifiers: Iterable[Verifier]) -> tuple[str, list[Verifier]]:
     """Verify `note` against trusted `verifiers`; return its text and the keys that signed it.
 
-    Raises VerificationError when no trusted key signed, when a trusted key's signature is bad, or
-    when a trusted key appears twice.
+    Raises VerificationError when no trusted key signed or when a trusted key's (first) signature
+    is bad. Later lines of a key already seen are ignored, as Go's `note.Open` does.
     """
     trusted = {(v.name, v.key_id): v for v in verifiers}
     text, sigs = split_note(note)
@@ -127,7 +132,7 @@ def open_note(note: str, verifiers: Iterable[Verifier]) -> tuple[str, list[Verif
         if verifier is None:
             continue  # a signature by a key we do not know (a witness, an old key): ignore it
         if verifier in signed:
-            raise VerificationError(f"key {name} signed the note twice")
+            continue  # the first line of this key decided
         try:
             Ed25519PublicKey.from_public_bytes(verifier.public_key).verify(
                 raw[_KEY_ID_SIZE:], text.encode()

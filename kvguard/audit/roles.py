@@ -2,9 +2,12 @@
 
 The owner role owns the tables and triggers (run `Ledger.open` as it once, to migrate). The app
 role, which serving processes use, gets only what appending needs: SELECT and INSERT on the ledger
-tables, UPDATE of the head row's size (the triggers refuse any decrease), and DELETE on payloads
-(erasure). It can neither UPDATE, DELETE nor TRUNCATE history, nor drop or disable the triggers
-(only a table's owner or a superuser can). See docs/audit.md for what this does not stop.
+tables, UPDATE of the head row's `id` column only (`SELECT ... FOR UPDATE` needs some UPDATE
+privilege to lock the row; the guard refuses any change of the id), and DELETE on payloads
+(erasure). The head's size and checkpoint size move only through the owner's `SECURITY DEFINER`
+triggers when entries and checkpoints are inserted (migration 0004). The app role can neither
+UPDATE, DELETE nor TRUNCATE history, nor drop or disable the triggers (only a table's owner or a
+superuser can). See docs/audit.md for what this does not stop.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def app_role_grants(app_role: str) -> list[str]:
     statements += [f"GRANT SELECT, INSERT ON {t} TO {app_role}" for t in tables]
     statements += [
         f"GRANT SELECT ON {_VERSION_TABLE} TO {app_role}",
-        f"GRANT UPDATE (size, checkpoint_size) ON ledger_head TO {app_role}",
+        f"GRANT UPDATE (id) ON ledger_head TO {app_role}",
         f"GRANT DELETE ON ledger_payloads TO {app_role}",
     ]
     return statements

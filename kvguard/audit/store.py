@@ -4,7 +4,9 @@ Append protocol (ARCHITECTURE.md, "Gapless indices"), in one transaction:
 1. lock the head row (`BEGIN IMMEDIATE` on SQLite, `SELECT ... FOR UPDATE` on PostgreSQL);
 2. if another process appended meanwhile, reload the in-memory frontier from O(log n) stored hashes;
 3. insert entries, block links, command links, payloads and every newly completed subtree hash;
-4. move the head to the new size and commit (durably: see `kvguard.audit.db`).
+   inserting an entry advances the head (a trigger, migration 0004: the database accepts an entry
+   only at `idx = head.size` and moves the head with it, so nothing else can move it);
+4. commit (durably: see `kvguard.audit.db`).
 The frontier is swapped in only after the commit, so a failed transaction leaves nothing behind.
 """
 
@@ -21,6 +23,9 @@ from kvguard.audit import merkle
 from kvguard.audit import schema as t
 from kvguard.audit.db import write_transaction
 from kvguard.errors import VerificationError
+from kvguard.logging import get_logger
+
+_log = get_logger("kvguard.audit.store")
 
 _IN_CHUNK = 500  # bound the IN (...) list of one hash read
 _SQLITE_MAX_PARAMS = 999  # SQLITE_MAX_VARIABLE_NUMBER before SQLite 3.32 (32,766 since)
@@ -166,9 +171,48 @@ class LedgerStore:
         return _head_size(conn.execute(stmt).scalar_one_or_none())
 
     def _load_frontier(self, conn: sa.Connection, size: int) -> merkle.Frontier:
+        """The right edge of the tree of `size` from O(log n) stored hashes. A subtree hash that is
+        missing (entries appended by something other than this code, which stores none) is rebuilt
+        from the leaf hashes and stored, so that such an append cannot stop every later one."""
         subtrees = merkle.range_subtrees(0, size) if size else []
-        hashes = self.reader(conn)(subtrees) if subtrees else []
+        read = self.reader(conn)
+        hashes = []
+        for s in subtrees:
+            try:
+                (h,) = read([s])
+            except VerificationError:
+                h = self._rebuild_subtree(conn, s)
+            hashes.append(h)
         return merkle.Frontier(size, list(zip(subtrees, hashes, strict=True)))
+
+    def _rebuild_subtree(self, conn: sa.Connection, s: merkle.Subtree) -> bytes:
+        lo, hi = s.position << s.level, (s.position + 1) << s.level
+        e = t.entries.c
+        rows = conn.execute(
+            sa.select(e.leaf_hash).where(e.idx >= lo, e.idx < hi).order_by(e.idx)
+        ).scalars()
+        levels = merkle.tree_levels(bytes(h) for h in rows)
+        if len(levels[0]) != hi - lo:
+            raise VerificationError(f"entries {lo}..{hi - 1} are incomplete: the log was altered")
+        for level in range(1, s.level + 1):  # every complete subtree inside it, level 0 excluded
+            base = lo >> level
+            params = [
+                {"id": t.hash_key(level, base + i), "hash": h} for i, h in enumerate(levels[level])
+            ]
+            have = set(
+                conn.execute(
+                    sa.select(t.hashes.c.id).where(t.hashes.c.id.in_([p["id"] for p in params]))
+                ).scalars()
+            )
+            missing = [p for p in params if p["id"] not in have]
+            if missing:
+                conn.execute(sa.insert(t.hashes), missing)
+        _log.warning(
+            "ledger subtree hashes were missing and were rebuilt from the leaf hashes",
+            first_entry=lo,
+            last_entry=hi - 1,
+        )
+        return levels[s.level][0]
 
     def append(self, prepared: Sequence[PreparedEntry], after: AfterAppend | None = None) -> int:
         """Append `prepared` entries durably; return the index of the first. `after(conn, first)`
@@ -180,11 +224,9 @@ class LedgerStore:
                     frontier = self._frontier.copy()
                 else:  # another process appended since our last append
                     frontier = self._load_frontier(conn, first)
-                self._insert(conn, first, prepared, frontier)
+                self._insert(conn, first, prepared, frontier)  # the entry triggers move the head
                 if after is not None:
                     after(conn, first)
-                head = sa.update(t.head).where(t.head.c.id == 1).values(size=frontier.size)
-                conn.execute(head)
             self._frontier = frontier  # only once the transaction has committed
         return first
 
@@ -225,11 +267,10 @@ class LedgerStore:
     def insert_checkpoint(
         self, conn: sa.Connection, size: int, root: bytes, note: str, prev_size: int | None
     ) -> None:
-        """Store a checkpoint, chained to the previous one, and name it in the head row."""
+        """Store a checkpoint, chained to the previous one; a trigger names it in the head row."""
         conn.execute(
             sa.insert(t.checkpoints).values(size=size, root=root, note=note, prev_size=prev_size)
         )
-        conn.execute(sa.update(t.head).where(t.head.c.id == 1).values(checkpoint_size=size))
 
 
 def _insert_flat(conn: sa.Connection, table: sa.Table, params: list[object]) -> None:

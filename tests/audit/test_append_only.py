@@ -57,7 +57,7 @@ def _refused(engine: sa.Engine, statement: str, setup: str | None = None) -> Non
     with engine.connect() as conn:
         if setup:
             conn.exec_driver_sql(setup)
-        with pytest.raises(sa.exc.DBAPIError, match=r"forbidden|may only grow|permission denied"):
+        with pytest.raises(sa.exc.DBAPIError, match=r"forbidden|may only grow|head moves only|permission denied"):
             conn.exec_driver_sql(statement)
         conn.rollback()
 

@@ -55,9 +55,31 @@ def test_unknown_keys_are_ignored_but_one_trusted_signature_is_required() -> Non
         note.open_note(signed, [b.verifier()])
     both = note.join_note(text, [b.signature_line(text), a.signature_line(text)])
     assert note.open_note(both, [a.verifier()])[1] == [a.verifier()]
+
+
+def test_a_repeated_line_of_a_known_key_is_ignored_as_go_does() -> None:
+    """golang.org/x/mod/sumdb/note `Open` verifies a known key's first line and skips later ones."""
+    a = SigningKey.generate("log.a")
+    text = "hello\n"
     twice = note.join_note(text, [a.signature_line(text), a.signature_line(text)])
-    with pytest.raises(VerificationError, match="twice"):
-        note.open_note(twice, [a.verifier()])
+    assert note.open_note(twice, [a.verifier()])[1] == [a.verifier()]
+    other = a.signature_line("other text\n")  # a well-formed line that does not verify here
+    assert note.open_note(note.join_note(text, [a.signature_line(text), other]), [a.verifier()])
+    with pytest.raises(VerificationError, match="does not verify"):  # the first line decides
+        note.open_note(note.join_note(text, [other, a.signature_line(text)]), [a.verifier()])
+
+
+def test_note_text_may_hold_blank_lines_and_ends_at_the_last_one() -> None:
+    """c2sp.org/signed-note, "Format": the text MAY contain empty lines; it is separated from the
+    signatures by the last empty line."""
+    a = SigningKey.generate("log.a")
+    for text in ("first\n\nsecond\n", "a\n\n\nb\n", "ends blank\n\n"):
+        signed = note.join_note(text, [a.signature_line(text)])
+        assert note.open_note(signed, [a.verifier()])[0] == text
+    with pytest.raises(VerificationError, match="control characters"):
+        note.open_note("x\n\n\u2014 log.a A\tB\n", [a.verifier()])
+    with pytest.raises(VerificationError, match="signature block"):
+        note.split_note("\n\n\u2014 log.a AAAAAAAA\n")
 
 
 def test_key_id_changes_with_name_so_a_key_cannot_be_relabelled() -> None:
