@@ -7,9 +7,13 @@ Durability contract: `append` / `append_many` return only after their transactio
 the database's durable setting (`kvguard.audit.db`); `submit` returns at once and `flush` waits
 until everything submitted before it is durable.
 
-Checkpoints: `checkpoint()` signs a C2SP tlog-checkpoint of the current tree, but only after
-checking, with an RFC 9162 consistency proof built from the stored hashes, that the tree still
-extends the previous checkpoint: the ledger never signs a history that contradicts one it signed.
+Checkpoints: `checkpoint()` signs a C2SP tlog-checkpoint of the current tree only once it has
+proven what it signs (issue 12, item 3): the RFC 9162 consistency proof from the previous signed
+checkpoint, with every proof hash over entries appended since then recomputed from their stored
+leaf hashes (the older ones are vouched for by the previous root), must reproduce the root the
+stored subtree hashes give. The first checkpoint recomputes the whole root from the leaf hashes. A
+corrupted stored hash (the frontier) or a history that contradicts a signed one is refused and
+reported, never signed.
 """
 
 from __future__ import annotations
@@ -188,8 +192,7 @@ class Ledger:
             size = self.store.lock_head(conn)
             root = self.store.root(size, conn)
             last = self.store.latest_checkpoint(conn)
-            if last is not None:
-                self._check_extends(conn, last, size, root)
+            self._prove_root(conn, last, size, root)
             text = format_checkpoint(Checkpoint(self.origin, size, root))
             signed = note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
             if last is None or last.size < size:  # one stored checkpoint per size: the first
@@ -203,22 +206,37 @@ class Ledger:
                 )
         return signed
 
-    def _check_extends(
-        self, conn: sa.Connection, last: CheckpointRow, size: int, root: bytes
+    def _prove_root(
+        self, conn: sa.Connection, last: CheckpointRow | None, size: int, root: bytes
     ) -> None:
-        old_size, old_root = last.size, last.root
-        cp = parse_checkpoint(note.split_note(last.note)[0])
-        if (cp.origin, cp.size, cp.root) != (self.origin, old_size, old_root):
-            raise VerificationError("the stored latest checkpoint does not match its own note")
+        """Refuse to sign `root` unless it follows from the leaf hashes appended since `last`
+        and from `last`'s signed root (module docstring)."""
+        old_size, old_root = 0, merkle.EMPTY_ROOT
+        if last is not None:
+            cp = parse_checkpoint(note.split_note(last.note)[0])
+            if (cp.origin, cp.size, cp.root) != (self.origin, last.size, last.root):
+                raise VerificationError("the stored latest checkpoint does not match its own note")
+            old_size, old_root = last.size, last.root
         if old_size > size:
             raise LogRewrittenError(
-                f"tree shrank from {old_size} to {size} entries since the "
-                "last checkpoint: refusing to sign"
+                f"tree shrank from {old_size} to {size} entries since the last checkpoint: "
+                "refusing to sign"
             )
-        if old_size == 0:
+        if old_size == 0:  # nothing vouched for yet: the whole root from the leaf hashes
+            self._recompute(conn, 0, size, root)
+            return
+        if size == old_size:
+            if root != old_root:
+                raise LogRewrittenError(
+                    f"the root of the first {size} entries changed since it was signed: "
+                    "refusing to sign"
+                )
             return
         ranges = merkle.consistency_ranges(old_size, size)
-        proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn)) if size > old_size else []
+        proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn))
+        for (lo, hi), kept in zip(ranges, proof, strict=True):
+            if lo >= old_size:  # appended since; the older ranges are checked by the old root
+                self._recompute(conn, lo, hi, kept)
         try:
             merkle.verify_consistency(old_size, size, old_root, root, proof)
         except VerificationError as exc:
@@ -226,6 +244,18 @@ class Ledger:
                 f"the log no longer extends its checkpoint of size {old_size} "
                 f"(consistency proof: {exc}): refusing to sign"
             ) from None
+
+    def _recompute(self, conn: sa.Connection, lo: int, hi: int, stored: bytes) -> None:
+        """The hash of entries [lo, hi) from their leaf hashes must be `stored` (from the stored
+        subtree hashes); else the frontier is corrupted and nothing is signed."""
+        levels = merkle.tree_levels(self.store.leaf_hashes(conn, lo, hi))
+        if merkle.levels_root(levels) != stored:
+            _log.error("ledger checkpoint refused: stored subtree hashes are corrupted", first=lo)
+            raise VerificationError(
+                f"entries {lo}..{hi - 1}: the stored subtree hashes do not reproduce the hash of "
+                "their leaf hashes (a corrupted frontier): refusing to sign; run "
+                "`kvguard audit verify-db`"
+            )
 
     def _periodic_checkpoint(self) -> None:
         with self.store.engine.connect() as conn:
