@@ -22,6 +22,7 @@ from kvguard.audit.cli import (
     verifier_key_command,
     verify_command,
 )
+from kvguard.audit.witness_cli import witness_app, witness_key_command
 from kvguard.control.keys import TenantKeys
 from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
@@ -38,6 +39,7 @@ keys_app = typer.Typer(help="Create and rotate kvguard's secrets.", no_args_is_h
 app.add_typer(keys_app, name="keys")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
+app.add_typer(witness_app, name="witness")
 app.command(
     "verify",
     help="Verify an exported audit bundle (a directory) or an erasure certificate (a JSON file) "
@@ -50,6 +52,9 @@ keys_app.command(
     "signing-key", help="Create a checkpoint signing key (0600) and print its verifier key."
 )(signing_key_command)
 keys_app.command("verifier-key")(verifier_key_command)
+keys_app.command(
+    "witness-key", help="Create a witness cosigning key (0600) and print its verifier key."
+)(witness_key_command)
 
 
 def _version(value: bool) -> None:

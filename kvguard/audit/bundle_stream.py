@@ -2,9 +2,9 @@
 archive, optionally gzip-compressed, produced while it is sent.
 
 The archive holds one directory, `kvguard-audit-<tree size>/`, with `checkpoint`,
-`consistency.jsonl` (when older checkpoints exist) and `entries.jsonl`, byte for byte what
-`Ledger.export(..., renderings=False)` writes for the same checkpoint; unpacked, it passes
-`kvguard verify DIR --key VKEY`. The SIEM renderings are left out: their size is unknown before they
+`consistency.jsonl`, `entries.jsonl`, `payloads.jsonl` and last the signed `manifest` (which needs
+every other file's digest), byte for byte what `Ledger.export(..., renderings=False)` writes for the
+same checkpoint; unpacked, it passes `kvguard verify DIR --key VKEY --origin ORIGIN`. The SIEM renderings are left out: their size is unknown before they
 are rendered, and the verifier regenerates nothing that is absent.
 
 Memory stays flat however large the export: entries are read in index order through a
@@ -19,6 +19,7 @@ rather than end in a well-formed but wrong archive.
 from __future__ import annotations
 
 import binascii
+import hashlib
 import json
 import tarfile
 import zlib
@@ -29,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from kvguard.audit import bundle, merkle, note
+from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
-from kvguard.audit.checkpoint import parse_checkpoint
-from kvguard.audit.export import consistency_lines
+from kvguard.audit.checkpoint import Checkpoint, parse_checkpoint
+from kvguard.audit.export import consistency_lines, payload_lines
 from kvguard.audit.leaf import format_micros
+from kvguard.audit.manifest import MANIFEST, Manifest, format_manifest, selection_text
 from kvguard.audit.proof_runs import CHUNK_BITS, ProofRuns
 from kvguard.audit.query import select_indices
 from kvguard.errors import VerificationError
@@ -103,24 +105,51 @@ class BundleStream:
 
     def _archive(self) -> Iterator[bytes]:
         engine = self._ledger.store.engine
+        digests: dict[str, str] = {}
+        committed: list[tuple[int, bytes]] = []
+        cp = Checkpoint(self._ledger.origin, self.tree_size, self._root)
         with engine.connect() as conn, engine.connect() as aux:
             yield _header(self.name + "/", 0, self._mtime, directory=True)
             yield from self._member(bundle.CHECKPOINT, self.checkpoint.encode("utf-8"))
-            lines = consistency_lines(self._ledger, conn, self.tree_size)
-            if lines:
-                yield from self._member(bundle.CONSISTENCY, "".join(lines).encode("utf-8"))
+            lines = consistency_lines(self._ledger, conn, self.tree_size, self._root)
+            yield from self._member(bundle.CONSISTENCY, "".join(lines).encode("utf-8"), digests)
             size = self._measure(conn)
             yield _header(f"{self.name}/{bundle.ENTRIES}", size, self._mtime)
-            written = 0
-            for piece in self._entries(conn, aux):
+            written, count, digest = 0, 0, hashlib.sha256()
+            for piece, rows in self._entries(conn, aux):
                 written += len(piece)
+                digest.update(piece)
+                count += len(rows)
+                committed += [
+                    (i, c) for i, leaf in rows if (c := payloads.commitment_in_leaf(leaf))
+                ]
                 yield piece
             if written != size:
                 raise VerificationError(f"{bundle.ENTRIES} changed while it was exported")
             yield _padding(size)
+            digests[bundle.ENTRIES] = digest.hexdigest()
+            text = "".join(payload_lines(self._ledger, conn, committed, cp)).encode("utf-8")
+            yield from self._member(payloads.PAYLOADS, text, digests)
+        filters = None if self._query.complete else self._query.filters(self.tree_size)
+        if filters is not None:
+            filters.pop("below")
+        manifest = Manifest(
+            self._ledger.origin,
+            self.tree_size,
+            self._root,
+            selection_text(filters),
+            count,
+            digests,
+        )
+        signed = self._ledger.sign_note(format_manifest(manifest)).encode("utf-8")
+        yield from self._member(MANIFEST, signed)
         yield b"\0" * (2 * _BLOCK)  # end of archive
 
-    def _member(self, name: str, data: bytes) -> Iterator[bytes]:
+    def _member(
+        self, name: str, data: bytes, digests: dict[str, str] | None = None
+    ) -> Iterator[bytes]:
+        if digests is not None:
+            digests[name] = hashlib.sha256(data).hexdigest()
         yield _header(f"{self.name}/{name}", len(data), self._mtime)
         yield data
         yield _padding(len(data))
@@ -139,19 +168,21 @@ class BundleStream:
         rows = conn.execute(stmt.execution_options(yield_per=_YIELD_PER * 4))
         return sum(line_size(i, length, path_length(i, n)) for i, length in rows)
 
-    def _entries(self, conn: sa.Connection, aux: sa.Connection) -> Iterator[bytes]:
-        """`entries.jsonl`, one chunk of consecutive indices at a time."""
+    def _entries(
+        self, conn: sa.Connection, aux: sa.Connection
+    ) -> Iterator[tuple[bytes, list[tuple[int, bytes]]]]:
+        """`entries.jsonl`, one chunk of consecutive indices at a time, with the chunk's rows."""
         proofs = ProofRuns(
             self._ledger.store, aux, self.tree_size, self._root, complete=self._query.complete
         )
         chunk: list[tuple[int, bytes]] = []
         for index, leaf in self._rows(conn):
             if chunk and index >> CHUNK_BITS != chunk[0][0] >> CHUNK_BITS:
-                yield _lines(chunk, proofs.chunk(chunk))
+                yield _lines(chunk, proofs.chunk(chunk)), chunk
                 chunk = []
             chunk.append((index, leaf))
         if chunk:
-            yield _lines(chunk, proofs.chunk(chunk))
+            yield _lines(chunk, proofs.chunk(chunk)), chunk
 
     def _rows(self, conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
         """(index, leaf) of the matching entries. In a filtered export each row's filtered columns

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvguard.audit import bundle
+from kvguard.audit.certificate import get_path, verify_certificate
 from kvguard.audit.certificate import load as load_certificate
-from kvguard.audit.certificate import verify_certificate
+from kvguard.audit.cosign import parse_witness_verifier_key, require_cosignatures
 from kvguard.audit.note import parse_verifier_key
-from kvguard.audit.offline import verify_bundle
+from kvguard.audit.offline import OriginNotPinnedError, expected_origin, verify_bundle
 from kvguard.audit.signing import SigningKey
-from kvguard.errors import KvguardError, VerificationError
+from kvguard.errors import ConfigError, KvguardError, VerificationError
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
@@ -166,7 +168,7 @@ def verifier_key_command(
     typer.echo(key.verifier_key())
 
 
-def verify_command(
+def verify_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI option
     path: Annotated[
         Path, typer.Argument(help="Export bundle directory, or an erasure certificate file")
     ],
@@ -174,39 +176,131 @@ def verify_command(
     full: Annotated[
         bool, typer.Option("--full", help="Complete export: recompute the root")
     ] = False,
-    origin: Annotated[str | None, typer.Option(help="Expected log origin")] = None,
+    origin: Annotated[
+        str | None,
+        typer.Option(
+            help="Expected log origin (required unless a trusted checkpoint or the key names "
+            "pin it)"
+        ),
+    ] = None,
+    trusted_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--trusted-checkpoint",
+            help="A checkpoint you kept earlier: the bundle must prove its log extends it",
+        ),
+    ] = None,
+    save_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-checkpoint",
+            help="After a valid result, save the bundle's checkpoint here for later pinning",
+        ),
+    ] = None,
+    witness_key: Annotated[
+        list[str] | None,
+        typer.Option("--witness-key", help="Trusted witness verifier key (repeatable)"),
+    ] = None,
+    min_witnesses: Annotated[
+        int | None,
+        typer.Option(
+            "--min-witnesses", min=1, help="Cosignatures required (default: one per witness key)"
+        ),
+    ] = None,
 ) -> None:
     """Verify an export bundle (a directory) or an erasure certificate (a file) offline.
     Exit 0 valid, 1 invalid, 2 usage error."""
     if not path.is_dir() and not path.is_file():
         raise _fail(f"usage error: {path} is neither a bundle directory nor a file", EXIT_USAGE)
+    witnesses = list(witness_key or [])
     try:
         for k in key:
             parse_verifier_key(k)
+        for w in witnesses:
+            parse_witness_verifier_key(w)
     except VerificationError as exc:
-        raise _fail(f"usage error: --key: {exc}", EXIT_USAGE) from None
+        raise _fail(f"usage error: --key / --witness-key: {exc}", EXIT_USAGE) from None
+    if min_witnesses is not None and min_witnesses > len(witnesses):
+        raise _fail(
+            f"usage error: --min-witnesses {min_witnesses} needs as many --witness-key", EXIT_USAGE
+        )
+    pinned = _read_pinned(trusted_checkpoint)
+    trust = _Trust(key, origin, pinned, witnesses, min_witnesses or len(witnesses))
     if path.is_file():
         if full:
             raise _fail("usage error: --full applies to export bundles only", EXIT_USAGE)
-        _verify_certificate(path, key, origin)
+        checkpoint = _verify_certificate(path, trust)
     else:
-        _verify_bundle(path, key, full, origin)
+        checkpoint = _verify_bundle(path, trust, full)
+    if save_checkpoint is not None:
+        _save_checkpoint(save_checkpoint, checkpoint)
 
 
-def _verify_certificate(path: Path, key: list[str], origin: str | None) -> None:
+class _Trust(NamedTuple):
+    keys: list[str]
+    origin: str | None
+    pinned: str | None
+    witnesses: list[str]
+    min_witnesses: int
+
+
+def _read_pinned(path: Path | None) -> str | None:
+    if path is None:
+        return None
     try:
-        report = verify_certificate(load_certificate(path), key, origin=origin)
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        message = f"usage error: --trusted-checkpoint: cannot read {path}: {exc}"
+        raise _fail(message, EXIT_USAGE) from None
+
+
+def _save_checkpoint(path: Path, checkpoint: str) -> None:
+    """Write the verified checkpoint for `--trusted-checkpoint` next time (replacing an older
+    one the auditor kept is the point, so an existing file is overwritten)."""
+    try:
+        path.write_text(checkpoint, encoding="utf-8")
+    except OSError as exc:
+        raise _fail(f"error: --save-checkpoint: {exc}", EXIT_USAGE) from None
+    typer.echo(f"checkpoint saved to {path} (pass it as --trusted-checkpoint next time)")
+
+
+def _check_witnesses(checkpoint: str, trust: _Trust) -> str:
+    if not trust.witnesses:
+        return ""
+    try:
+        names = require_cosignatures(checkpoint, trust.witnesses, trust.min_witnesses)
+    except ConfigError as exc:
+        raise _fail(f"usage error: --witness-key: {exc}", EXIT_USAGE) from None
+    return f"; cosigned by {len(names)} witness{'es' if len(names) != 1 else ''}"
+
+
+def _verify_certificate(path: Path, trust: _Trust) -> str:
+    try:
+        document = load_certificate(path)
+        report = verify_certificate(document, trust.keys, origin=trust.origin)
+        verifiers = [parse_verifier_key(k) for k in trust.keys]
+        expected_origin(report.origin, trust.origin, None, verifiers)
+        checkpoint = str(get_path(document, "evidence.checkpoint"))
+        if trust.pinned is not None:
+            raise VerificationError(
+                "--trusted-checkpoint applies to export bundles (a certificate carries no "
+                "consistency proofs)"
+            )
+        witnessed = _check_witnesses(checkpoint, trust)
+    except OriginNotPinnedError as exc:
+        raise _fail(f"usage error: {exc}", EXIT_USAGE) from None
     except VerificationError as exc:
         raise _fail(f"INVALID: {exc}", EXIT_INVALID) from None
     engines = f"{report.engines} engine{'' if report.engines == 1 else 's'}"
     typer.echo(
         f"valid: erasure certificate of purge job {report.job_id}: {report.blocks_cleared} blocks "
         f"cleared on {engines}, {report.entries} entries proven against checkpoint "
-        f"{report.origin} size {report.tree_size}"
+        f"{report.origin} size {report.tree_size}{witnessed}"
     )
+    return checkpoint
 
 
-def _verify_bundle(directory: Path, key: list[str], full: bool, origin: str | None) -> None:
+def _verify_bundle(directory: Path, trust: _Trust, full: bool) -> str:
     console = Console(stderr=True)
     columns = (
         TextColumn("verifying"),
@@ -221,11 +315,31 @@ def _verify_bundle(directory: Path, key: list[str], full: bool, origin: str | No
             bar.update(task, completed=done, total=total or None)
 
         try:
-            report = verify_bundle(directory, key, full=full, progress=progress, origin=origin)
+            report = verify_bundle(
+                directory,
+                trust.keys,
+                full=full,
+                progress=progress,
+                origin=trust.origin,
+                trusted_checkpoint=trust.pinned,
+            )
+            checkpoint = (directory / bundle.CHECKPOINT).read_text(encoding="utf-8")
+            witnessed = _check_witnesses(checkpoint, trust)
+        except OriginNotPinnedError as exc:
+            raise _fail(f"usage error: {exc}", EXIT_USAGE) from None
         except VerificationError as exc:
             raise _fail(f"INVALID: {exc}", EXIT_INVALID) from None
-    typer.echo(
-        f"valid: {report.entries} entries against checkpoint {report.origin} size "
-        f"{report.tree_size}; {report.consistency_proofs} consistency proofs, "
-        f"{report.tlog_proofs} tlog-proofs{'; root recomputed' if full else ''}"
+    pinned = (
+        f"; extends your trusted checkpoint of size {report.pinned_size}"
+        if report.pinned_size is not None
+        else ""
     )
+    selection = "complete log" if report.complete else "filtered"
+    typer.echo(
+        f"valid: {report.entries} entries ({selection}) against checkpoint of origin "
+        f"{report.origin!r} size {report.tree_size}; {report.consistency_proofs} consistency "
+        f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present, "
+        f"{report.erased_payloads} erased{pinned}{witnessed}"
+        f"{'; root recomputed' if full else ''}"
+    )
+    return checkpoint

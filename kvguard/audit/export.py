@@ -3,8 +3,12 @@
 The exporter signs a fresh checkpoint first and proves every exported entry against it. A complete
 export (no filter) rebuilds the whole tree from the leaves in memory and refuses to write anything
 if it does not reproduce the signed root; a filtered export reads O(log n) stored hashes per entry and
-checks each proof before writing it. Either way it never hands an auditor a bundle it could not
-verify itself.
+checks each proof before writing it. Consistency proofs from older checkpoints are verified before
+they are written, and the payload of every exported commitment is written or its erasure proven
+(`kvguard.audit.payloads`; a payload deleted without a record stops the export). Last, a manifest
+signed by the log names the selection, the entry count and every file's digest
+(`kvguard.audit.manifest`). Either way it never hands an auditor a bundle it could not verify
+itself.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import sqlalchemy as sa
 
-from kvguard.audit import bundle, merkle, note
+from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
+from kvguard.audit.bundle import CHECKPOINT
 from kvguard.audit.checkpoint import Checkpoint, format_tlog_proof, parse_checkpoint
 from kvguard.audit.leaf import parse_ts, ts_micros
+from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
-from kvguard.errors import AuditError, VerificationError
+from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
@@ -54,7 +60,8 @@ def export_bundle(
     renderings: bool = True,
     consistency: bool = True,
 ) -> ExportSummary:
-    """Write a bundle of the matching entries to the new or empty directory `out`."""
+    """Write a bundle of the matching entries to the new or empty directory `out`. A complete
+    export always carries its consistency proofs (`consistency` applies to filtered ones)."""
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"export directory {out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -68,6 +75,7 @@ def export_bundle(
     }
     complete = all(v is None for v in filters.values())
     (out / bundle.CHECKPOINT).write_text(signed, encoding="utf-8")
+    committed: list[tuple[int, bytes]] = []
     with ledger.store.engine.connect() as conn, ExitStack() as files:
         proofs = _complete_proofs(conn, cp.size, cp.root) if complete else None
         writers = _open_outputs(out, files, renderings)
@@ -79,10 +87,74 @@ def export_bundle(
                 (out / bundle.PROOFS).mkdir(exist_ok=True)
                 text = format_tlog_proof(index, proof, signed)
                 (out / bundle.PROOFS / bundle.proof_name(index)).write_text(text, encoding="utf-8")
+            commitment = payloads.commitment_in_leaf(leaf)
+            if commitment is not None:
+                committed.append((index, commitment))
             count += 1
-        if consistency:
-            _write_consistency(ledger, conn, out, cp.size)
+        if consistency or complete:
+            _write_consistency(ledger, conn, out, cp)
+        lines = payload_lines(ledger, conn, committed, cp)
+        (out / payloads.PAYLOADS).write_text("".join(lines), encoding="utf-8", newline="")
+    manifest = Manifest(
+        ledger.origin,
+        cp.size,
+        cp.root,
+        selection_text(None if complete else filters),
+        count,
+        {p.name: file_digest(p) for p in out.iterdir() if p.is_file() and p.name != CHECKPOINT},
+        count if tlog_proofs else 0,
+    )
+    (out / MANIFEST).write_text(ledger.sign_note(format_manifest(manifest)), encoding="utf-8")
     return ExportSummary(out, cp.size, count, complete, signed)
+
+
+def payload_lines(
+    ledger: Ledger, conn: sa.Connection, committed: Sequence[tuple[int, bytes]], cp: Checkpoint
+) -> list[str]:
+    """`payloads.jsonl` lines for the exported entries with a commitment (index order): the stored
+    payload, or the `payload.erase` entry naming it with its inclusion proof. A commitment with
+    neither is a payload deleted behind the log's back: VerificationError, nothing exported."""
+    if not committed:
+        return []
+    p = t.payloads.c
+    wanted = [i for i, _ in committed]
+    stored: dict[int, tuple[bytes, bytes]] = {}
+    for start in range(0, len(wanted), 500):
+        chunk = wanted[start : start + 500]
+        for idx, salt, body in conn.execute(
+            sa.select(p.idx, p.salt, p.body).where(p.idx.in_(chunk))
+        ):
+            stored[int(idx)] = (bytes(salt), bytes(body))
+    erasures = _erasures(conn, cp.size) if len(stored) < len(committed) else {}
+    reader = ledger.store.reader(conn)
+    out = []
+    for index, commitment in committed:
+        if index in stored:
+            salt, body = stored[index]
+            payloads.check_commitment(commitment, salt, body)
+            out.append(payloads.present_line(index, salt, body))
+            continue
+        if index not in erasures:
+            raise VerificationError(
+                f"entry {index}: payload deleted without a payload.erase record: run verify-db"
+            )
+        by, leaf = erasures[index]
+        proof = merkle.hashes_for_ranges(merkle.inclusion_ranges(by, cp.size), reader)
+        merkle.verify_inclusion(by, cp.size, merkle.leaf_hash(leaf), proof, cp.root)
+        out.append(payloads.erased_line(index, by, leaf, proof))
+    return out
+
+
+def _erasures(conn: sa.Connection, size: int) -> dict[int, tuple[int, bytes]]:
+    """erased index -> (index, leaf) of the first `payload.erase` entry naming it (below `size`)."""
+    e = t.entries.c
+    stmt = sa.select(e.idx, e.leaf).where(e.kind == payloads.ERASE_KIND, e.idx < size)
+    found: dict[int, tuple[int, bytes]] = {}
+    for idx, raw in conn.execute(stmt.order_by(e.idx)):
+        named = payloads.erased_index(bytes(raw))
+        if named is not None:
+            found.setdefault(named, (int(idx), bytes(raw)))
+    return found
 
 
 def _open_outputs(out: Path, files: ExitStack, renderings: bool) -> dict[str, TextIO]:
@@ -158,15 +230,18 @@ def _stored_proof(
     return proof
 
 
-def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, size: int) -> None:
-    lines = consistency_lines(ledger, conn, size)
-    if lines:
-        (out / bundle.CONSISTENCY).write_text("".join(lines), encoding="utf-8", newline="")
+def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, cp: Checkpoint) -> None:
+    """Always written (maybe empty): the manifest then says the bundle carries its consistency
+    data, and the verifier can require it of a complete bundle."""
+    lines = consistency_lines(ledger, conn, cp.size, cp.root)
+    (out / bundle.CONSISTENCY).write_text("".join(lines), encoding="utf-8", newline="")
 
 
-def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int) -> list[str]:
+def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: bytes) -> list[str]:
     """`consistency.jsonl` lines from every stored checkpoint of 0 < size' < `size`, after checking
-    the stored chain (each row matches its note and names its predecessor)."""
+    the stored chain (each row matches its note and names its predecessor) and each proof against
+    the new `root`: a proof that does not verify is a rewritten log, reported here instead of
+    reaching the auditor as a false "forked log"."""
     latest: dict[int, str] = {}
     previous = None
     for row in ledger.store.checkpoints(conn):
@@ -184,9 +259,16 @@ def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int) -> list[st
         if 0 < row.size < size:
             latest[row.size] = row.note
     reader = ledger.store.reader(conn)
-    return [
-        bundle.consistency_line(
-            latest[old], merkle.hashes_for_ranges(merkle.consistency_ranges(old, size), reader)
-        )
-        for old in sorted(latest)
-    ]
+    out = []
+    for old in sorted(latest):
+        proof = merkle.hashes_for_ranges(merkle.consistency_ranges(old, size), reader)
+        old_root = parse_checkpoint(note.split_note(latest[old])[0]).root
+        try:
+            merkle.verify_consistency(old, size, old_root, root, proof)
+        except VerificationError as exc:
+            raise LogRewrittenError(
+                f"the log no longer extends its checkpoint of size {old} ({exc}): "
+                "run `kvguard audit verify-db`"
+            ) from None
+        out.append(bundle.consistency_line(latest[old], proof))
+    return out

@@ -7,7 +7,7 @@ whitespace, UTF-8, no NaN or infinity) of
      "request_id": ... , "scope_tag": ..., "ts": "YYYY-MM-DDTHH:MM:SS.ffffffZ", "v": 1}
 
 The event's erasable `payload` never enters the leaf. The leaf carries
-`SHA-256(_COMMITMENT_PREFIX || salt || canonical(payload))` with a fresh 32-byte random salt stored
+`SHA-256(COMMITMENT_PREFIX || salt || canonical(payload))` (`kvguard.audit.payloads`) with a fresh 32-byte random salt stored
 beside the payload: erasing both leaves a commitment that can no longer be opened nor brute-forced
 from guesses of the payload (a bare hash of a short personal value could be), while every Merkle
 proof stays valid because the leaf bytes do not change.
@@ -15,8 +15,6 @@ proof stays valid because the leaf bytes do not change.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import secrets
 from _json import make_encoder
@@ -25,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final
 
-from kvguard.audit import merkle
+from kvguard.audit import merkle, payloads
 from kvguard.audit.certificate import REQUEST_ACTIONS
 from kvguard.audit.erasure import PURGE_KINDS
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
@@ -34,7 +32,6 @@ from kvguard.errors import SensitiveFieldError, VerificationError
 
 LEAF_VERSION = 1
 SALT_SIZE = 32
-_COMMITMENT_PREFIX = b"kvguard/audit/payload-commitment/v1\x00"
 _TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
@@ -87,17 +84,10 @@ def new_salt() -> bytes:
 
 
 def payload_commitment(salt: bytes, payload: dict[str, DetailValue]) -> bytes:
-    """Salted SHA-256 commitment to an erasable payload (domain separated by `_COMMITMENT_PREFIX`)."""
+    """Salted SHA-256 commitment to an erasable payload (domain separated: `payloads`)."""
     if len(salt) != SALT_SIZE:
         raise ValueError(f"commitment salt must be {SALT_SIZE} bytes")
-    return hashlib.sha256(_COMMITMENT_PREFIX + salt + canonical_json(payload)).digest()
-
-
-def check_commitment(commitment: bytes, salt: bytes, payload_bytes: bytes) -> None:
-    """Raise VerificationError unless the stored payload opens the leaf's commitment."""
-    expected = hashlib.sha256(_COMMITMENT_PREFIX + salt + payload_bytes).digest()
-    if not hmac.compare_digest(expected, commitment):
-        raise VerificationError("payload does not match the commitment in its leaf")
+    return payloads.commitment(salt, canonical_json(payload))
 
 
 def leaf_object(event: AuditEvent, commitment: bytes | None) -> dict[str, Any]:

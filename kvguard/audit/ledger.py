@@ -33,6 +33,7 @@ from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.export import ExportSummary, export_bundle
 from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.migrate import upgrade
+from kvguard.audit.payloads import ErasureReason
 from kvguard.audit.query import QueryPage, run_query
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.store import CheckpointRow, LedgerStore
@@ -159,17 +160,31 @@ class Ledger:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def erase_payload(self, index: int, *, reason: str) -> int:
+    def erase_payload(self, index: int, *, reason: ErasureReason | str) -> int:
         """Delete the erasable payload of entry `index` and its commitment salt, and record the
         erasure as a new `payload.erase` entry in the same transaction; returns that entry's index.
 
-        The leaf (and so every proof and checkpoint) is unchanged: it only ever held the salted
-        commitment, which cannot be opened once the salt is gone.
+        `reason` is an `ErasureReason` code (a leaf is kept forever: no free text in it). The
+        record carries the erased entry's scope tag, so the tenant's own export holds it. The leaf
+        (and so every proof and checkpoint) is unchanged: it only ever held the salted commitment,
+        which cannot be opened once the salt is gone.
         """
+        try:
+            code = ErasureReason(reason)
+        except ValueError:
+            codes = ", ".join(r.value for r in ErasureReason)
+            raise AuditError(f"unknown erasure reason {reason!r}; use one of: {codes}") from None
+        with self.store.engine.connect() as conn:
+            found = conn.execute(
+                sa.select(t.entries.c.scope_tag).where(t.entries.c.idx == index)
+            ).first()
+        if found is None:
+            raise AuditError(f"entry {index} does not exist")
         event = AuditEvent(
             kind=EventKind.PAYLOAD_ERASE,
             ts=self._clock(),
-            details={"erased_index": index, "reason": reason},
+            scope_tag=found[0],
+            details={"erased_index": index, "reason": code.value},
         )
 
         def delete(conn: sa.Connection, _first: int) -> None:
@@ -180,6 +195,10 @@ class Ledger:
         recorded = self.store.append([prepare_entry(event)], after=delete)
         _log.info("ledger payload erased", erased_index=index, record_index=recorded)
         return recorded
+
+    def sign_note(self, text: str) -> str:
+        """`text` as a signed note by every signing key of the log (export manifests)."""
+        return note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
 
     # -- checkpoints and proofs ----------------------------------------------------------------
 
@@ -194,7 +213,7 @@ class Ledger:
             last = self.store.latest_checkpoint(conn)
             self._prove_root(conn, last, size, root)
             text = format_checkpoint(Checkpoint(self.origin, size, root))
-            signed = note.join_note(text, [k.signature_line(text) for k in self.signing_keys])
+            signed = self.sign_note(text)
             if last is None or last.size < size:  # one stored checkpoint per size: the first
                 prev = last.size if last is not None else None
                 self.store.insert_checkpoint(conn, size, root, signed, prev)

@@ -4,16 +4,25 @@ Depends only on `cryptography` and the standard library (a test enforces it), so
 it without trusting, or even installing, the operator's database stack.
 
 Steps (docs/audit.md walks through them):
-1. the listing holds only known files, and `checkpoint` and `entries.jsonl`;
-2. `checkpoint` is a C2SP signed note by a trusted key and a well-formed tlog-checkpoint;
-3. every `entries.jsonl` line is exactly the canonical line for its index, leaf and proof, indices
-   strictly increase, and each RFC 9162 inclusion proof leads to the signed root; with `full`, the
-   entries must be the complete log 0..size-1, and the root is recomputed from all leaves;
-4. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves;
-5. each `consistency.jsonl` line carries an older checkpoint signed by a trusted key and an RFC 9162
-   consistency proof from it to the bundle's checkpoint;
-6. `proofs/` holds exactly one c2sp.org/tlog-proof@v1 file per entry, each against the same
-   checkpoint and leading to the signed root.
+1. the listing holds only known files, and `checkpoint`, `manifest` and `entries.jsonl`;
+2. `checkpoint` is a C2SP signed note by a trusted key and a well-formed tlog-checkpoint naming the
+   expected origin (`--origin`, the pinned checkpoint's, or the name of every given key);
+3. `manifest` is signed by a trusted key and names the same checkpoint (`kvguard.audit.manifest`);
+4. every `entries.jsonl` line is exactly the canonical line for its index, leaf and proof, indices
+   strictly increase, and each RFC 9162 inclusion proof leads to the signed root; a complete bundle
+   (per the manifest) holds exactly entries 0..size-1; with `full` the root is also recomputed
+   from all leaves;
+5. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves;
+6. `payloads.jsonl` opens every exported payload commitment or proves its erasure
+   (`kvguard.audit.payloads`);
+7. each `consistency.jsonl` line carries an older checkpoint signed by a trusted key and an RFC 9162
+   consistency proof from it to the bundle's checkpoint; with a trusted (pinned) checkpoint, one of
+   them must start at it;
+8. `proofs/` holds exactly one c2sp.org/tlog-proof@v1 file per entry, each against the same
+   checkpoint and leading to the signed root;
+9. the entry count and every file's SHA-256 equal the manifest's, no listed file is missing and no
+   unlisted one present: a deleted, duplicated or reordered line, a deleted `consistency.jsonl` or
+   `proofs/` fails; a complete bundle must carry its consistency data.
 The first failure raises `VerificationError` naming the file, line and entry.
 """
 
@@ -25,13 +34,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.audit import bundle, merkle, note, offline_full
+from kvguard.audit import bundle, merkle, note, offline_full, payloads
 from kvguard.audit.checkpoint import (
     Checkpoint,
     b64decode_strict,
     parse_checkpoint,
     parse_tlog_proof,
 )
+from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, parse_manifest
 from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
@@ -46,6 +56,14 @@ class BundleReport:
     full: bool
     consistency_proofs: int
     tlog_proofs: int
+    complete: bool = False
+    payloads: int = 0
+    erased_payloads: int = 0
+    pinned_size: int | None = None
+
+
+class OriginNotPinnedError(VerificationError):
+    """No expected origin: neither `--origin`, a trusted checkpoint, nor a key named after it."""
 
 
 def verify_bundle(
@@ -56,55 +74,183 @@ def verify_bundle(
     progress: Progress | None = None,
     origin: str | None = None,
     parallel: bool = True,
+    trusted_checkpoint: str | None = None,
 ) -> BundleReport:
-    """Verify the bundle in `directory`; raise VerificationError at the first problem. With
-    `origin`, the checkpoint must also name that log (a key may sign for several logs). With
-    `parallel`, `full` checks large files in two processes (`kvguard.audit.offline_full`)."""
+    """Verify the bundle in `directory`; raise VerificationError at the first problem.
+
+    The checkpoint must name the expected origin (a key may sign for several logs): `origin`, else
+    the origin of `trusted_checkpoint`, else the name of every verifier key (the C2SP custom of
+    naming a log's key after its origin); otherwise OriginNotPinnedError. With
+    `trusted_checkpoint` (a signed checkpoint the auditor kept), the bundle must prove that its
+    log extends it. With `parallel`, `full` checks large files in two processes
+    (`kvguard.audit.offline_full`)."""
     d = Path(directory)
     verifiers = [note.parse_verifier_key(k) for k in verifier_keys]
     if not verifiers:
         raise VerificationError("no verifier key given")
+    pinned = None
+    if trusted_checkpoint is not None:
+        try:
+            pinned = parse_checkpoint(note.open_note(trusted_checkpoint, verifiers)[0])
+        except VerificationError as exc:
+            raise VerificationError(f"trusted checkpoint: {exc}") from None
     _check_listing(d)
     try:
-        report = _verify_files(d, verifiers, full, progress, parallel)
+        return _verify_files(
+            d,
+            verifiers,
+            full=full,
+            progress=progress,
+            parallel=parallel,
+            origin=origin,
+            pinned=pinned,
+        )
     except UnicodeDecodeError:
         raise VerificationError("a bundle file is not valid UTF-8") from None
     except OSError as exc:  # e.g. a proof file replaced by a folder
         raise VerificationError(f"cannot read {Path(exc.filename or '?').name}") from None
-    if origin is not None and report.origin != origin:
-        raise VerificationError(f"checkpoint: origin is {report.origin!r}, expected {origin!r}")
-    return report
+
+
+def expected_origin(
+    found: str, origin: str | None, pinned: Checkpoint | None, verifiers: Sequence[note.Verifier]
+) -> None:
+    """Raise unless the checkpoint's origin `found` is the one the auditor expects."""
+    if origin is None and pinned is not None:
+        origin = pinned.origin
+    if origin is None:
+        if all(v.name == found for v in verifiers):
+            return  # pinned by the key: every trusted key is named after this log
+        raise OriginNotPinnedError(
+            f"the checkpoint names origin {found!r}, which neither --origin, a trusted checkpoint "
+            "nor the key names pin: pass --origin with the log you expect"
+        )
+    if found != origin:
+        raise VerificationError(
+            f"checkpoint: origin is {found!r}, expected {origin!r} (a checkpoint of another log, "
+            "or the wrong --origin)"
+        )
 
 
 def _verify_files(
     d: Path,
     verifiers: list[note.Verifier],
+    *,
     full: bool,
     progress: Progress | None,
-    parallel: bool = False,
+    parallel: bool,
+    origin: str | None,
+    pinned: Checkpoint | None,
 ) -> BundleReport:
     signed = _read_text(d / bundle.CHECKPOINT)
     try:
         cp = parse_checkpoint(note.open_note(signed, verifiers)[0])
     except VerificationError as exc:
         raise VerificationError(f"checkpoint: {exc}") from None
-    leaf_hashes = _verify_entries(d, cp, full, progress, parallel)
-    consistency = _verify_consistency(d, cp, verifiers)
+    expected_origin(cp.origin, origin, pinned, verifiers)
+    m = _verify_manifest(d, cp, verifiers)
+    leaf_hashes = _verify_entries(
+        d, cp, full, progress=progress, parallel=parallel, complete=m.complete
+    )
+    if len(leaf_hashes) != m.entries:
+        raise VerificationError(
+            f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
+            "(lines deleted or added)"
+        )
+    present, erased = _verify_payloads(d, cp)
+    olds = _verify_consistency(d, cp, verifiers)
+    if pinned is not None:
+        _check_pinned(pinned, cp, olds)
     tlog = _verify_tlog_proofs(d, cp, signed, leaf_hashes)
-    return BundleReport(cp.origin, cp.size, len(leaf_hashes), full, consistency, tlog)
+    _check_digests(d, m, tlog)
+    return BundleReport(
+        cp.origin,
+        cp.size,
+        len(leaf_hashes),
+        full,
+        len(olds),
+        tlog,
+        m.complete,
+        present,
+        erased,
+        pinned.size if pinned is not None else None,
+    )
+
+
+def _verify_manifest(d: Path, cp: Checkpoint, verifiers: Sequence[note.Verifier]) -> Manifest:
+    try:
+        m = parse_manifest(note.open_note(_read_text(d / MANIFEST), verifiers)[0])
+    except VerificationError as exc:
+        raise VerificationError(f"manifest: {exc}") from None
+    if (m.origin, m.size, m.root) != (cp.origin, cp.size, cp.root):
+        raise VerificationError("manifest: names another checkpoint than the bundle's")
+    if m.complete and bundle.CONSISTENCY not in m.files:
+        raise VerificationError("manifest: a complete bundle must carry consistency.jsonl")
+    return m
+
+
+def _check_digests(d: Path, m: Manifest, tlog: int) -> None:
+    """Every file but `checkpoint` and `manifest` is listed with its SHA-256, and nothing listed
+    is missing (a deleted `consistency.jsonl` fails here); the proofs count matches."""
+    present = {
+        p.name for p in d.iterdir() if p.is_file() and p.name not in {bundle.CHECKPOINT, MANIFEST}
+    }
+    for name in sorted(present | set(m.files)):
+        if name not in m.files:
+            raise VerificationError(f"{name}: not listed in the manifest")
+        if name not in present:
+            raise VerificationError(f"{name}: listed in the manifest but missing from the bundle")
+        if file_digest(d / name) != m.files[name]:
+            raise VerificationError(f"{name}: SHA-256 differs from the manifest's")
+    if tlog != m.proofs:
+        raise VerificationError(
+            f"{bundle.PROOFS}/: {tlog} tlog-proof files, the manifest says {m.proofs}"
+        )
+
+
+def _check_pinned(pinned: Checkpoint, cp: Checkpoint, olds: list[Checkpoint]) -> None:
+    """The bundle's log must extend the checkpoint the auditor kept (issue 12, item 1)."""
+    where = f"trusted checkpoint (size {pinned.size})"
+    if pinned.origin != cp.origin:
+        raise VerificationError(
+            f"{where}: is of log {pinned.origin!r}, the bundle of {cp.origin!r}"
+        )
+    if pinned.size > cp.size:
+        raise VerificationError(
+            f"{where}: the bundle's checkpoint (size {cp.size}) is older than it; ask for a "
+            "newer export"
+        )
+    if pinned.size == cp.size:
+        if pinned.root != cp.root:
+            raise VerificationError(f"{where}: same size, different root: the log forked")
+        return
+    if pinned.size == 0:
+        return
+    same_size = [o for o in olds if o.size == pinned.size]
+    if any(o.root == pinned.root for o in same_size):
+        return
+    if same_size:
+        raise VerificationError(
+            f"{where}: the log signed another root at this size: the log forked or was rewritten"
+        )
+    raise VerificationError(
+        f"{where}: the bundle carries no consistency proof from it, so it does not show that "
+        "the log only grew since (the checkpoint is unknown to the log, or its row was removed)"
+    )
 
 
 def _check_listing(d: Path) -> None:
     if not d.is_dir():
         raise VerificationError(f"{d} is not a directory")
+    known = {*bundle.KNOWN_FILES, MANIFEST, payloads.PAYLOADS}
     for child in d.iterdir():
-        ok = child.name in bundle.KNOWN_FILES and child.is_file()
+        ok = child.name in known and child.is_file()
         ok = ok or (child.name == bundle.PROOFS and child.is_dir())
         if not ok:
             raise VerificationError(f"unexpected file in bundle: {child.name}")
-    for required in (bundle.CHECKPOINT, bundle.ENTRIES):
+    for required in (bundle.CHECKPOINT, MANIFEST, bundle.ENTRIES):
         if not (d / required).is_file():
-            raise VerificationError(f"bundle has no {required}")
+            hint = " (written by kvguard 0.2 and later; re-export)" if required == MANIFEST else ""
+            raise VerificationError(f"bundle has no {required}{hint}")
 
 
 def _read_text(path: Path) -> str:
@@ -119,13 +265,19 @@ def _lines(path: Path, stack: ExitStack) -> Iterator[str]:
 
 
 def _verify_entries(
-    d: Path, cp: Checkpoint, full: bool, progress: Progress | None, parallel: bool = False
+    d: Path,
+    cp: Checkpoint,
+    full: bool,
+    *,
+    progress: Progress | None,
+    parallel: bool = False,
+    complete: bool = False,
 ) -> dict[int, bytes]:
     """Check entries.jsonl (and the renderings). Returns leaf hashes by index."""
     if full:
         hashes = _verify_full(d, cp, progress, parallel)
     else:
-        hashes = _verify_proven_lines(d, cp, progress)
+        hashes = _verify_proven_lines(d, cp, progress, complete)
     with ExitStack() as stack:
         renderings = _open_renderings(d, stack)
         if renderings:
@@ -173,7 +325,7 @@ def _verify_full(
             f"--full needs the complete log: {len(leaf_hashes)} entries, checkpoint has {cp.size}"
         )
     if merkle.levels_root(tree.levels) != cp.root:
-        _verify_entries(d, cp, False, None)  # finds and names the first entry that fails
+        _verify_entries(d, cp, False, progress=None)  # finds and names the first entry that fails
         raise VerificationError("the entries do not reproduce the signed root")
     offline_full.check_lines(path, tree, _full_where, second_half)
     if progress is not None:
@@ -181,13 +333,21 @@ def _verify_full(
     return dict(enumerate(leaf_hashes))
 
 
-def _verify_proven_lines(d: Path, cp: Checkpoint, progress: Progress | None) -> dict[int, bytes]:
-    """Without `--full`: each line carries its own proof, checked against the signed root."""
+def _verify_proven_lines(
+    d: Path, cp: Checkpoint, progress: Progress | None, complete: bool = False
+) -> dict[int, bytes]:
+    """Without `--full`: each line carries its own proof, checked against the signed root; a
+    complete bundle must hold entry `i` on line `i + 1`, all `size` of them."""
     hashes: dict[int, bytes] = {}
     previous = -1
     with ExitStack() as stack:
         for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
             index, leaf, proof = _check_line_proof(line, _where(number), cp, previous)
+            if complete and index != number - 1:
+                raise VerificationError(
+                    f"{_where(number, index)}: a complete bundle holds entry {number - 1} here "
+                    "(a line was deleted or moved)"
+                )
             if line != bundle.entry_line(index, leaf, proof):
                 raise VerificationError(
                     f"{_where(number, index)}: line differs from the canonical entry"
@@ -196,9 +356,35 @@ def _verify_proven_lines(d: Path, cp: Checkpoint, progress: Progress | None) -> 
             previous = index
             if progress is not None and number % _PROGRESS_EVERY == 0:
                 progress(number, 0)
+    if complete and len(hashes) != cp.size:
+        raise VerificationError(
+            f"{bundle.ENTRIES}: a complete bundle holds all {cp.size} entries, this one "
+            f"{len(hashes)} (lines deleted at the end)"
+        )
     if progress is not None:
         progress(len(hashes), len(hashes))
     return hashes
+
+
+def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
+    """Every exported commitment opened or its erasure proven (`kvguard.audit.payloads`)."""
+    committed: dict[int, bytes] = {}
+    marker = b',"payload_commitment":"'
+    with open(d / bundle.ENTRIES, "rb") as f:
+        for line in f:
+            if marker in line:  # canonical lines (checked above): the leaf holds a commitment
+                obj = json.loads(line)
+                leaf = b64decode_strict(obj["leaf"], bundle.ENTRIES)
+                found = payloads.commitment_in_leaf(leaf)
+                if found is not None:
+                    committed[obj["index"]] = found
+    path = d / payloads.PAYLOADS
+    if not path.is_file():
+        if committed:
+            raise VerificationError(f"bundle has no {payloads.PAYLOADS} but entries commit to one")
+        return 0, 0
+    with ExitStack() as stack:
+        return payloads.check_payload_lines(_lines(path, stack), committed, cp)
 
 
 def _check_all_renderings(
@@ -262,11 +448,14 @@ def _check_renderings(
             )
 
 
-def _verify_consistency(d: Path, cp: Checkpoint, verifiers: Sequence[note.Verifier]) -> int:
+def _verify_consistency(
+    d: Path, cp: Checkpoint, verifiers: Sequence[note.Verifier]
+) -> list[Checkpoint]:
+    """The older checkpoints each `consistency.jsonl` line proves the bundle's log extends."""
     path = d / bundle.CONSISTENCY
     if not path.is_file():
-        return 0
-    count = 0
+        return []
+    olds: list[Checkpoint] = []
     for number, line in enumerate(_read_text(path).splitlines(keepends=True), start=1):
         where = f"{bundle.CONSISTENCY} line {number}"
         try:
@@ -281,8 +470,8 @@ def _verify_consistency(d: Path, cp: Checkpoint, verifiers: Sequence[note.Verifi
             merkle.verify_consistency(old.size, cp.size, old.root, cp.root, proof)
         except (ValueError, KeyError, TypeError, VerificationError) as exc:
             raise VerificationError(f"{where}: {exc}") from None
-        count += 1
-    return count
+        olds.append(old)
+    return olds
 
 
 def _verify_tlog_proofs(d: Path, cp: Checkpoint, signed: str, hashes: dict[int, bytes]) -> int:

@@ -24,7 +24,8 @@ from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.events import EventKind
-from kvguard.audit.leaf import check_commitment, decode_leaf, ts_micros
+from kvguard.audit.leaf import decode_leaf, ts_micros
+from kvguard.audit.payloads import check_commitment
 from kvguard.errors import VerificationError
 
 if TYPE_CHECKING:

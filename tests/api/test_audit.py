@@ -272,6 +272,8 @@ def test_streamed_export_passes_the_offline_verifier(
         bundle.CHECKPOINT,
         bundle.CONSISTENCY,
         bundle.ENTRIES,
+        "manifest",
+        "payloads.jsonl",
     ]
     assert len(_entries(bundle_dir)) == size_before
     # recorded before the stream started, naming the tree the bundle covers

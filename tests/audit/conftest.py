@@ -15,6 +15,9 @@ from tests.dbs import fresh_pg_database
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "conformance"
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+ORIGIN = (
+    "log.kvguard.test/audit"  # the `open_ledger` ledgers' origin (their key is named otherwise)
+)
 
 
 def conformance_dir(name: str) -> Path:
@@ -69,7 +72,7 @@ def open_ledger(key: SigningKey) -> Iterator[Callable[..., Ledger]]:
 
     def factory(url: str, **kwargs: object) -> Ledger:
         kwargs.setdefault("signing_key", key)
-        ledger = Ledger.open(url, origin="log.kvguard.test/audit", **kwargs)  # type: ignore[arg-type]
+        ledger = Ledger.open(url, origin=ORIGIN, **kwargs)  # type: ignore[arg-type]
         opened.append(ledger)
         return ledger
 

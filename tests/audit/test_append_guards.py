@@ -113,12 +113,14 @@ def test_postgres_app_role_cannot_brick_the_ledger(pg_url: str, open_ledger: Ope
             _attempt(ledger, BRICKING[name])
             _still_works(ledger, size)
             size += 3
-        with ledger.store.engine.connect() as conn:  # a leaf hash that is not the leaf's
-            with pytest.raises(sa.exc.DBAPIError, match="leaf hash"):
-                conn.exec_driver_sql(
-                    "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, ts_us) "
-                    f"SELECT {_HEAD}, '\\x00'::bytea, '\\x00'::bytea, 'block.alloc', 0"
-                )
+        with (  # a leaf hash that is not the leaf's
+            ledger.store.engine.connect() as conn,
+            pytest.raises(sa.exc.DBAPIError, match="leaf hash"),
+        ):
+            conn.exec_driver_sql(
+                "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, ts_us) "
+                f"SELECT {_HEAD}, '\\x00'::bytea, '\\x00'::bytea, 'block.alloc', 0"
+            )
         ledger.close()
         owned.close()
 

@@ -57,7 +57,9 @@ def _refused(engine: sa.Engine, statement: str, setup: str | None = None) -> Non
     with engine.connect() as conn:
         if setup:
             conn.exec_driver_sql(setup)
-        with pytest.raises(sa.exc.DBAPIError, match=r"forbidden|may only grow|head moves only|permission denied"):
+        with pytest.raises(
+            sa.exc.DBAPIError, match=r"forbidden|may only grow|head moves only|permission denied"
+        ):
             conn.exec_driver_sql(statement)
         conn.rollback()
 
@@ -91,7 +93,7 @@ def test_G5_postgres_app_role_can_append_but_not_rewrite(pg_url: str, open_ledge
         ledger.append_many([make_event(i) for i in range(5)])
         ledger.append(make_event(5, payload={"user": "dave"}))
         ledger.checkpoint()
-        ledger.erase_payload(5, reason="gdpr")
+        ledger.erase_payload(5, reason="data_subject_request")
         for statement in [
             *FORBIDDEN,
             *PG_ONLY,

@@ -20,7 +20,7 @@ from kvguard.audit.proof_runs import CHUNK_BITS
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 
-from .conftest import make_event
+from .conftest import ORIGIN, make_event
 
 Opener = Callable[..., Ledger]
 CHUNK = 1 << CHUNK_BITS
@@ -65,7 +65,7 @@ def test_streamed_bundle_equals_the_directory_export_and_verifies(
 ) -> None:
     stream = BundleStream(big, query)
     unpacked = _unpack(stream, tmp_path / "tar")
-    report = verify_bundle(unpacked, [key.verifier_key()], full=query.complete)
+    report = verify_bundle(unpacked, [key.verifier_key()], origin=ORIGIN, full=query.complete)
     assert report.tree_size == stream.tree_size == big.size
     assert report.consistency_proofs == 1
     # byte for byte what the directory exporter writes for the same checkpoint
@@ -94,7 +94,7 @@ def test_gzip_stream_unpacks_to_the_same_bundle(
     packed_stream = BundleStream(big, ExportQuery(scope_tags=["st-tenant2"]), gzip=True)
     assert packed_stream.media_type == "application/gzip"
     packed = _unpack(packed_stream, tmp_path / "b")
-    verify_bundle(packed, [key.verifier_key()])
+    verify_bundle(packed, [key.verifier_key()], origin=ORIGIN)
     for name in (bundle.CHECKPOINT, bundle.ENTRIES):
         assert (plain / name).read_bytes() == (packed / name).read_bytes()
 
@@ -105,10 +105,10 @@ def test_small_and_empty_exports(
     ledger = open_ledger(sqlite_url)
     ledger.append(make_event(0))
     one = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "one")
-    verify_bundle(one, [key.verifier_key()], full=True)
+    verify_bundle(one, [key.verifier_key()], origin=ORIGIN, full=True)
     none = _unpack(BundleStream(ledger, ExportQuery(scope_tags=[])), tmp_path / "none")
     assert (none / bundle.ENTRIES).read_bytes() == b""
-    verify_bundle(none, [key.verifier_key()])
+    verify_bundle(none, [key.verifier_key()], origin=ORIGIN)
 
 
 def test_a_doctored_leaf_stops_the_stream(big: Ledger) -> None:

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvguard.audit import leaf as lf
+from kvguard.audit import payloads
 from kvguard.errors import VerificationError
 
 from .conftest import make_event
@@ -97,11 +98,11 @@ def test_payload_stays_out_of_the_leaf_and_commitment_is_salted() -> None:
     assert a.payload[0] != b.payload[0]  # fresh salt each time
     assert a.leaf != b.leaf  # so equal payloads do not even show as equal commitments
     commitment = bytes.fromhex(json.loads(a.leaf)["payload_commitment"])
-    lf.check_commitment(commitment, a.payload[0], a.payload[1])
+    payloads.check_commitment(commitment, a.payload[0], a.payload[1])
     with pytest.raises(VerificationError):
-        lf.check_commitment(commitment, b.payload[0], a.payload[1])
+        payloads.check_commitment(commitment, b.payload[0], a.payload[1])
     with pytest.raises(VerificationError):
-        lf.check_commitment(commitment, a.payload[0], a.payload[1].replace(b"alice", b"bob"))
+        payloads.check_commitment(commitment, a.payload[0], a.payload[1].replace(b"alice", b"bob"))
 
 
 def test_commitment_must_match_payload_presence() -> None:

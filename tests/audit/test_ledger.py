@@ -103,7 +103,7 @@ def test_erasure_removes_the_payload_and_keeps_every_proof_valid(
     assert record.event.payload == {"user": "alice@example.com", "seat": 4}
     assert b"alice" not in record.leaf
 
-    erasure = ledger.erase_payload(personal, reason="gdpr-art17")
+    erasure = ledger.erase_payload(personal, reason="data_subject_request")
     assert erasure == 20
     after = ledger.query(after=personal - 1, limit=1).records[0]
     assert after.leaf == record.leaf and after.payload_erased and after.event.payload is None
@@ -117,7 +117,7 @@ def test_erasure_removes_the_payload_and_keeps_every_proof_valid(
     assert erase_event.details["erased_index"] == personal
     assert ledger.verify().erased == 1
     with pytest.raises(AuditError):
-        ledger.erase_payload(personal, reason="again")
+        ledger.erase_payload(personal, reason="data_subject_request")
     assert ledger.size == 21  # the failed erasure appended nothing...
     assert ledger.append(make_event(21)) == 21  # ...and left the in-memory frontier intact
     ledger.checkpoint()
@@ -205,7 +205,7 @@ def test_G6_ledger_logs_carry_no_payload_or_key_material(
         ledger = open_ledger(sqlite_url)
         ledger.append(make_event(0, payload={"user": "alice@example.com"}))
         ledger.checkpoint()
-        ledger.erase_payload(0, reason="gdpr")
+        ledger.erase_payload(0, reason="data_subject_request")
     finally:
         structlog.configure(**saved)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]

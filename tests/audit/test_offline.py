@@ -22,7 +22,7 @@ from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 
-from .conftest import T0, make_event
+from .conftest import ORIGIN, T0, make_event
 
 Opener = Callable[..., Ledger]
 
@@ -35,8 +35,11 @@ def _app() -> typer.Typer:
     return app
 
 
-def _verify(directory: Path, *keys: str, full: bool = False) -> tuple[int, str]:
+def _verify(
+    directory: Path, *keys: str, full: bool = False, origin: str | None = ORIGIN
+) -> tuple[int, str]:
     args = ["verify", str(directory), *[a for k in keys for a in ("--key", k)]]
+    args += ["--origin", origin] if origin else []
     result = CliRunner().invoke(_app(), [*args, *(["--full"] if full else [])])
     return result.exit_code, result.output
 
@@ -80,9 +83,11 @@ def test_complete_export_verifies_fully(
         "entries.csv",
         "entries.jsonl",
         "entries.ocsf.jsonl",
+        "manifest",
+        "payloads.jsonl",
         "proofs",
     ]
-    report = verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+    report = verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
     assert (report.entries, report.consistency_proofs, report.tlog_proofs) == (201, 1, 201)
     code, out = _verify(tmp_path / "b", key.verifier_key(), full=True)
     assert code == 0 and "valid: 201 entries" in out and "root recomputed" in out
@@ -149,10 +154,12 @@ def test_flipping_any_single_byte_of_an_export_is_detected(
         try:
             for full in (False, True):
                 with pytest.raises(VerificationError):
-                    verify_bundle(tmp_path / "b", [key.verifier_key()], full=full)
+                    verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=full)
         finally:
             path.write_bytes(data)
-    verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)  # restored: valid again
+    verify_bundle(
+        tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True
+    )  # restored: valid again
 
 
 def test_flipped_byte_in_a_large_export_names_the_entry(
@@ -222,6 +229,8 @@ def test_cli_keys_checkpoint_and_export(sqlite_url: str, tmp_path: Path) -> None
     )
     assert out.exit_code == 0, out.output
     assert len(list((tmp_path / "e" / "proofs").iterdir())) == 10
-    assert _verify(tmp_path / "e", vkey)[0] == 0
+    assert _verify(tmp_path / "e", vkey, origin="o/1")[0] == 0
+    code, out = _verify(tmp_path / "e", vkey, origin=None)  # key "log.kvguard.test", log "o/1"
+    assert code == 2 and "--origin" in out
     again = runner.invoke(_app(), ["keys", "signing-key", "x", "--out", str(tmp_path / "k")])
     assert again.exit_code == 2  # never overwrites a key

@@ -21,7 +21,7 @@ from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 
-from .conftest import make_event
+from .conftest import ORIGIN, make_event
 
 Opener = Callable[..., Ledger]
 
@@ -55,7 +55,9 @@ def _bundle(open_ledger: Opener, url: str, out: Path, n: int) -> Path:
 def _expect_invalid(directory: Path, key: SigningKey, match: str | None) -> None:
     for parallel in (True, False):
         with pytest.raises(VerificationError, match=match):
-            verify_bundle(directory, [key.verifier_key()], full=True, parallel=parallel)
+            verify_bundle(
+                directory, [key.verifier_key()], origin=ORIGIN, full=True, parallel=parallel
+            )
 
 
 @pytest.mark.usefixtures("two_parts")
@@ -65,7 +67,7 @@ def test_two_process_check_names_the_first_failing_entry_on_either_side(
     entries = _bundle(open_ledger, sqlite_url, tmp_path / "b", 301)
     parts = offline_full.split(entries, parallel=True)
     assert len(parts) == 2 and 0 < parts[0].stop == parts[1].start < entries.stat().st_size
-    verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+    verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
     original = entries.read_bytes()
     lines = original.splitlines(keepends=True)
     boundary = original[: parts[0].stop].count(b"\n")  # first line of the second part
@@ -80,7 +82,7 @@ def test_two_process_check_names_the_first_failing_entry_on_either_side(
         entries.write_bytes(b"".join(changed))
         _expect_invalid(tmp_path / "b", key, rf"line {first + 1} \(entry {first}\)")
     entries.write_bytes(original)
-    verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+    verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
 
 
 @pytest.mark.usefixtures("two_parts")
@@ -124,9 +126,9 @@ def test_two_process_check_detects_any_flipped_byte(
         flipped[offset] ^= 1 << rng.randrange(8)
         entries.write_bytes(bytes(flipped))
         with pytest.raises(VerificationError):
-            verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+            verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
     entries.write_bytes(data)
-    verify_bundle(tmp_path / "b", [key.verifier_key()], full=True)
+    verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
 
 
 def test_a_leaf_swapped_between_the_passes_is_caught(

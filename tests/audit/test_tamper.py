@@ -131,7 +131,9 @@ def tdb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TamperDb]:
         for i in range(3):
             ledger.append(make_event(start + 997 + i, payload={"user": f"user{start + i}"}))
         ledger.checkpoint()
-    ledger.erase_payload(999, reason="gdpr")  # one erasure record, so erasure is covered too
+    ledger.erase_payload(
+        999, reason="data_subject_request"
+    )  # one erasure record, so erasure is covered too
     ledger.checkpoint()
     ledger.close()
     db = TamperDb(work / "ledger.db", key_file, key, work)

@@ -1,0 +1,122 @@
+"""Command-line entry points of the witness, as Typer pieces for `kvguard.cli` to mount:
+
+- `witness_app`: `kvguard witness serve --key WITNESS_KEY_FILE --log ORIGIN=VKEY [--log ...]
+  --state STATE.db [--listen HOST:PORT]` runs a c2sp.org/tlog-witness (`kvguard.audit.witness`);
+- `witness_key_command`: `kvguard keys witness-key NAME --out PATH` creates a witness key (0600) and
+  prints its verifier key, which relying parties pass to `require_cosignatures`.
+
+`--log ORIGIN=VKEY` trusts the log verifier key VKEY for checkpoints whose origin line is ORIGIN; a
+bare `--log VKEY` uses the key's name as the origin (the common convention). Repeat `--log` for more
+logs, or for a second key of one log during a rotation. Exit codes: 0 ok, 1 failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from kvguard.audit import note
+from kvguard.audit.cosign import WitnessKey
+from kvguard.errors import KvguardError
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+witness_app = typer.Typer(
+    help="Transparency-log witness (c2sp.org/tlog-witness) for kvguard ledgers.",
+    no_args_is_help=True,
+)
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(code)
+
+
+def parse_log_option(value: str) -> tuple[str, note.Verifier]:
+    """`ORIGIN=VKEY` or a bare `VKEY` (origin = key name) -> (origin, verifier).
+
+    A vkey's name never contains `+` and its base64 may end in `=`, so `=` before the first `+`
+    separates an origin; origins containing `=` are not supported.
+    """
+    origin, sep, vkey = value.partition("=")
+    if not sep or "+" in origin:
+        origin, vkey = "", value
+    verifier = note.parse_verifier_key(vkey)
+    origin = origin or verifier.name
+    if "\n" in origin or not origin.strip():
+        raise ValueError("a log origin is one non-empty line")
+    return origin, verifier
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[IPv6]:PORT`; port 0 picks a free port (printed once listening)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen must be HOST:PORT, not {value!r}")
+    return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+
+
+def _stop(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)  # unwinds serve_forever so the socket and the state file are closed
+
+
+@witness_app.command("serve")
+def serve_command(
+    key: Annotated[Path, typer.Option("--key", help="Witness key file (0600)")],
+    log: Annotated[
+        list[str], typer.Option("--log", help="ORIGIN=VKEY of a log to witness (repeatable)")
+    ],
+    state: Annotated[Path, typer.Option("--state", help="Witness state file (SQLite, 0600)")],
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to bind")] = "127.0.0.1:8650",
+) -> None:
+    """Serve POST /add-checkpoint: cosign checkpoints that extend what this witness saw."""
+    from kvguard.audit.witness import Witness, WitnessState, serve  # noqa: PLC0415
+
+    try:
+        host, port = parse_listen(listen)
+        logs: dict[str, list[note.Verifier]] = {}
+        for value in log:
+            origin, verifier = parse_log_option(value)
+            logs.setdefault(origin, []).append(verifier)
+        witness_key = WitnessKey.load(key)
+    except (KvguardError, ValueError, OSError) as exc:
+        raise _fail(f"usage error: {exc}", EXIT_USAGE) from None
+    try:
+        witness_state = WitnessState(state)
+    except (KvguardError, sqlite3.Error, OSError) as exc:
+        raise _fail(f"error: cannot open witness state {state}: {exc}", EXIT_USAGE) from None
+    witness = Witness(witness_key, logs, witness_state)
+
+    def listening(bound_host: str, bound_port: int) -> None:
+        typer.echo(
+            f"witness {witness_key.name} listening on http://{bound_host}:{bound_port} "
+            f"for {len(logs)} log(s): {', '.join(sorted(logs))}"
+        )
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        serve(witness, host, port, on_listening=listening)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise _fail(f"error: cannot listen on {listen}: {exc}", EXIT_FAILED) from None
+    finally:
+        witness_state.close()
+
+
+def witness_key_command(
+    name: Annotated[str, typer.Argument(help="Witness name, e.g. witness.example.com/w1")],
+    out: Annotated[Path, typer.Option("--out", help="Private key file to create (mode 0600)")],
+) -> None:
+    """Create a witness cosigning key (0600); print its verifier key for relying parties."""
+    try:
+        key = WitnessKey.generate(name)
+        key.save(out)
+    except (KvguardError, ValueError, OSError) as exc:
+        raise _fail(f"error: {exc}", EXIT_USAGE) from None
+    typer.echo(key.verifier_key())
