@@ -61,7 +61,7 @@ def _sqlite() -> None:
         f"BEGIN {_abort('an entry is appended only at the head index')}; END",
         "CREATE TRIGGER ledger_entries_advance AFTER INSERT ON ledger_entries "
         "BEGIN UPDATE ledger_head SET size = NEW.idx + 1 WHERE id = 1; END",
-        "CREATE TRIGGER ledger_head_guard BEFORE UPDATE ON ledger_head "
+        "CREATE TRIGGER ledger_head_guard BEFORE UPDATE ON ledger_head "  # noqa: S608 - constants
         "WHEN NEW.id IS NOT OLD.id "
         "OR NEW.size IS NOT (SELECT COALESCE(MAX(idx), -1) + 1 FROM ledger_entries) "
         "OR NEW.checkpoint_size IS NOT (SELECT MAX(size) FROM ledger_checkpoints) "
