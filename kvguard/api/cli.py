@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -80,6 +81,15 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
             "are safe to share).",
         ),
     ] = 1,
+    witness: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="KVGUARD_LEDGER_WITNESSES",
+            help="A c2sp.org/tlog-witness that cosigns every checkpoint, as URL=VERIFIER_KEY "
+            "(repeat for several).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the compliance admin API (uvicorn). Secrets: KVGUARD_SIGNING_KEY_FILE and
     KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
@@ -89,10 +99,14 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
 
     from kvguard.api.app import create_app  # noqa: PLC0415
     from kvguard.api.services import CONFIG_ENV, Services  # noqa: PLC0415
+    from kvguard.audit.witness_client import WitnessEndpoint  # noqa: PLC0415
 
     try:
         config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
-    except KvguardError as exc:
+        config = replace(config, witnesses=tuple(witness or ()))
+        for w in config.witnesses:
+            WitnessEndpoint.parse(w)
+    except (KvguardError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     try:

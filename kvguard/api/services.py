@@ -29,6 +29,7 @@ from kvguard.api.auth import ApiKeys, FailureLimiter
 from kvguard.api.metrics import FleetCollector, new_registry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.control.commands import CommandQueue
 from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.engines import EngineRegistry
@@ -78,6 +79,8 @@ class ApiConfig:
     outbox_drain_s: float | None = OUTBOX_DRAIN_S
     # Requests handled at once per process (anyio worker threads; see create_app's lifespan).
     worker_threads: int = 8
+    # c2sp.org/tlog-witness endpoints ("URL=VKEY") that cosign every checkpoint.
+    witnesses: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         """The settings as JSON (paths and URL only: no secret is in them)."""
@@ -88,6 +91,7 @@ class ApiConfig:
         data = json.loads(text)
         for name in ("signing_key_file", "salt_keyring_file"):
             data[name] = Path(data[name])
+        data["witnesses"] = tuple(data.get("witnesses", ()))
         return cls(**data)
 
 
@@ -120,6 +124,7 @@ class Services:
             signing_key=SigningKey.load(config.signing_key_file),
             clock=lambda: datetime.fromtimestamp(clock(), UTC),
             checkpoint_interval=config.checkpoint_interval_s,
+            witnesses=[WitnessEndpoint.parse(w) for w in config.witnesses],
         )
         deriver = SaltDeriver(Keyring.load(config.salt_keyring_file))
         registry, append_seconds = new_registry()

@@ -14,7 +14,7 @@ The offline verification itself lives in `kvguard.audit.offline` and `kvguard.au
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NamedTuple
 
@@ -29,6 +29,7 @@ from kvguard.audit.cosign import parse_witness_verifier_key, require_cosignature
 from kvguard.audit.note import parse_verifier_key
 from kvguard.audit.offline import OriginNotPinnedError, expected_origin, verify_bundle
 from kvguard.audit.signing import SigningKey
+from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.errors import ConfigError, KvguardError, VerificationError
 
 if TYPE_CHECKING:
@@ -54,13 +55,41 @@ OriginOpt = Annotated[
 KeyFileOpt = Annotated[
     list[Path], typer.Option("--key", help="Signing key file (0600); repeat during a rotation")
 ]
+WitnessOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--witness",
+        envvar="KVGUARD_LEDGER_WITNESSES",
+        help="A c2sp.org/tlog-witness to cosign the checkpoint, as URL=VERIFIER_KEY (repeatable)",
+        show_default=False,
+    ),
+]
 
 
-def _open(db: str, origin: str, key_files: list[Path]) -> Ledger:
+def _open(db: str, origin: str, key_files: list[Path], witnesses: list[str] | None) -> Ledger:
     from kvguard.audit.ledger import Ledger  # noqa: PLC0415 - `kvguard verify` must not load SQL
 
+    try:
+        endpoints = [WitnessEndpoint.parse(w) for w in witnesses or ()]
+    except (ValueError, VerificationError) as exc:
+        raise _fail(f"usage error: --witness: {exc}", EXIT_USAGE) from None
     keys = [SigningKey.load(p) for p in key_files]
-    return Ledger.open(db, origin=origin, signing_key=keys)
+    return Ledger.open(db, origin=origin, signing_key=keys, witnesses=endpoints)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta | None:
+    """`90s`, `30m`, `24h`, `7d` or plain seconds; `0` means no limit (None)."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration like 90s, 30m, 24h or 7d") from None
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{text!r} is not a duration like 90s, 30m, 24h or 7d")
+    return timedelta(seconds=seconds) if seconds else None
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -69,16 +98,29 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 @audit_app.command("checkpoint")
-def checkpoint_command(db: DbOpt, origin: OriginOpt, key: KeyFileOpt) -> None:
-    """Sign a checkpoint of the current log and print it (a C2SP signed note)."""
+def checkpoint_command(
+    db: DbOpt,
+    origin: OriginOpt,
+    key: KeyFileOpt,
+    witness: WitnessOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Also save it to this file (for `--trusted-checkpoint`)"),
+    ] = None,
+) -> None:
+    """Sign a checkpoint of the current log and print it (a C2SP signed note, with the
+    cosignatures of the witnesses given)."""
     try:
-        ledger = _open(db, origin, key)
+        ledger = _open(db, origin, key, witness)
         try:
-            typer.echo(ledger.checkpoint(), nl=False)
+            signed = ledger.checkpoint()
         finally:
             ledger.close()
-    except KvguardError as exc:
+        if out is not None:
+            out.write_text(signed, encoding="utf-8")
+    except (KvguardError, OSError) as exc:
         raise _fail(f"error: {exc}", EXIT_INVALID) from None
+    typer.echo(signed, nl=False)
 
 
 @audit_app.command("export")
@@ -100,12 +142,14 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
     renderings: Annotated[
         bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")
     ] = True,
+    witness: WitnessOpt = None,
 ) -> None:
-    """Export entries with inclusion proofs against a freshly signed checkpoint."""
+    """Export entries with inclusion proofs against a freshly signed (and, with --witness,
+    cosigned) checkpoint."""
     since = since.replace(tzinfo=since.tzinfo or UTC) if since else None
     until = until.replace(tzinfo=until.tzinfo or UTC) if until else None
     try:
-        ledger = _open(db, origin, key)
+        ledger = _open(db, origin, key, witness)
         try:
             summary = ledger.export(
                 out,
@@ -123,12 +167,28 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
 
 
 @audit_app.command("verify-db")
-def verify_db_command(db: DbOpt, origin: OriginOpt, key: KeyFileOpt) -> None:
+def verify_db_command(
+    db: DbOpt,
+    origin: OriginOpt,
+    key: KeyFileOpt,
+    max_unsigned_age: Annotated[
+        str,
+        typer.Option(
+            envvar="KVGUARD_LEDGER_MAX_UNSIGNED_AGE",
+            help="Fail when an entry older than this (e.g. 90s, 30m, 24h, 7d; 0: never) is "
+            "covered by no checkpoint",
+        ),
+    ] = "24h",
+) -> None:
     """Recompute the whole ledger from the database (`Ledger.verify`)."""
     try:
-        ledger = _open(db, origin, key)
+        age = parse_duration(max_unsigned_age)
+    except ValueError as exc:
+        raise _fail(f"usage error: --max-unsigned-age: {exc}", EXIT_USAGE) from None
+    try:
+        ledger = _open(db, origin, key, None)
         try:
-            report = ledger.verify()
+            report = ledger.verify(max_unsigned_age=age)
         finally:
             ledger.close()
     except VerificationError as exc:

@@ -19,7 +19,7 @@ reported, never signed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from kvguard.audit.signing import SigningKey
 from kvguard.audit.store import CheckpointRow, LedgerStore
 from kvguard.audit.timemarks import TimeMarks
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
+from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint, request_cosignatures
+from kvguard.audit.witness_client import Status as WitnessStatus
 from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 from kvguard.logging import get_logger
@@ -73,6 +75,9 @@ class Ledger:
         self._writer = writer
         self._periodic: PeriodicTask | None = None
         self.time_marks = TimeMarks()  # per-chunk ts bounds for time-range queries (cached)
+        self.witnesses: list[WitnessEndpoint] = []
+        self._witness_sizes: dict[str, int] = {}  # witness name -> size it last cosigned
+        self.last_cosigning: CosignOutcome | None = None
 
     @classmethod
     def open(
@@ -87,11 +92,14 @@ class Ledger:
         batch_size: int = 1_000,
         batch_interval: float = 0.05,
         checkpoint_interval: float | None = None,
+        witnesses: Sequence[WitnessEndpoint] = (),
     ) -> Ledger:
         """Open (creating or upgrading the schema) the ledger at `url`.
 
         `signing_key` may be several keys during a rotation: each checkpoint then carries one
         signature line per key. `checkpoint_interval` (seconds) starts periodic checkpoints.
+        `witnesses`: c2sp.org/tlog-witness endpoints every checkpoint is submitted to; the note
+        `checkpoint()` returns carries the cosignatures they gave.
         """
         if not origin or "\n" in origin:
             raise AuditError("a ledger origin is one non-empty line (C2SP tlog-checkpoint)")
@@ -114,6 +122,7 @@ class Ledger:
             overflow=Overflow(overflow),
         )
         ledger = cls(store, origin=origin, signing_keys=keys, clock=clock, writer=writer)
+        ledger.witnesses = list(witnesses)
         holder.append(ledger)
         if checkpoint_interval is not None:
             ledger._periodic = PeriodicTask(
@@ -206,7 +215,30 @@ class Ledger:
         return [k.verifier() for k in self.signing_keys]
 
     def checkpoint(self) -> str:
-        """Sign and store a checkpoint of the current tree; returns the signed note text."""
+        """Sign and store a checkpoint of the current tree, then have the configured witnesses
+        cosign it; returns the signed note text (with the cosignatures obtained)."""
+        signed = self._sign_checkpoint()
+        return self._cosign(signed) if self.witnesses else signed
+
+    def _cosign(self, signed: str) -> str:
+        """Submit `signed` to every witness (outside any transaction: HTTP may be slow). A witness
+        that is down or refuses does not fail the checkpoint; a refusal is logged as an error,
+        because a witness refuses only a checkpoint that contradicts one it cosigned (a fork)."""
+        outcome = request_cosignatures(
+            self.witnesses, signed, self.consistency_proof, self._witness_sizes
+        )
+        self._witness_sizes.update(outcome.known_sizes())
+        self.last_cosigning = outcome
+        for name, result in outcome.witnesses.items():
+            if result.status is WitnessStatus.CONFLICT:
+                _log.error(
+                    "ledger checkpoint refused by a witness", witness=name, reason=result.reason
+                )
+            elif result.status is not WitnessStatus.OK:
+                _log.warning("ledger checkpoint not cosigned", witness=name, reason=result.reason)
+        return outcome.note
+
+    def _sign_checkpoint(self) -> str:
         with write_transaction(self.store.engine) as conn:
             size = self.store.lock_head(conn)
             root = self.store.root(size, conn)
@@ -315,8 +347,15 @@ class Ledger:
         `renderings`, `consistency` (see `kvguard.audit.export.export_bundle`)."""
         return export_bundle(self, Path(path), **options)
 
-    def verify(self, extra_verifiers: Sequence[str] = ()) -> VerifyReport:
+    def verify(
+        self, extra_verifiers: Sequence[str] = (), *, max_unsigned_age: timedelta | None = None
+    ) -> VerifyReport:
         """Recompute everything from the database (see `kvguard.audit.verify_db`); raises
         VerificationError naming the first failing entry. `extra_verifiers`: verifier key strings
-        of retired signing keys whose checkpoints should still be accepted."""
-        return verify_ledger(self, extra_verifiers)
+        of retired signing keys whose checkpoints should still be accepted. `max_unsigned_age`:
+        fail when an entry older than that is covered by no checkpoint."""
+        return verify_ledger(self, extra_verifiers, max_unsigned_age=max_unsigned_age)
+
+    def now(self) -> datetime:
+        """The ledger's clock (injected: tests pass their own)."""
+        return self._clock()

@@ -9,13 +9,17 @@ Checked, in one consistent read snapshot:
 3. every payload opens its leaf's commitment; a missing payload has a `payload.erase` record;
 4. every checkpoint is signed by a trusted key, names this origin, matches its row (its size is its
    key), chains to the one before it (the head names the last), and its root is the recomputed
-   root of that prefix of the log.
+   root of that prefix of the log;
+5. with `max_unsigned_age`, no entry older than that lies beyond the latest checkpoint: entries no
+   checkpoint covers are protected by the database alone (a ledger with no checkpoint at all
+   passed before; issue 12, item 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
@@ -24,7 +28,7 @@ from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.events import EventKind
-from kvguard.audit.leaf import decode_leaf, ts_micros
+from kvguard.audit.leaf import decode_leaf, format_micros, ts_micros
 from kvguard.audit.payloads import check_commitment
 from kvguard.errors import VerificationError
 
@@ -51,7 +55,13 @@ class _Scan:
     erased: set[int]
 
 
-def verify_ledger(ledger: Ledger, extra_verifiers: Sequence[str] = ()) -> VerifyReport:
+def verify_ledger(
+    ledger: Ledger,
+    extra_verifiers: Sequence[str] = (),
+    *,
+    max_unsigned_age: timedelta | None = None,
+    now: datetime | None = None,
+) -> VerifyReport:
     verifiers = ledger.verifiers() + [note.parse_verifier_key(v) for v in extra_verifiers]
     with ledger.store.engine.connect() as plain:
         conn = plain  # one snapshot for every check: REPEATABLE READ on PostgreSQL
@@ -65,6 +75,8 @@ def verify_ledger(ledger: Ledger, extra_verifiers: Sequence[str] = ()) -> Verify
             _check_hashes(conn, levels, size)
             payloads = _check_payloads(conn, scan)
             count = _check_checkpoints(conn, levels, size, ledger.origin, verifiers)
+            if max_unsigned_age is not None:
+                _check_unsigned_age(conn, size, max_unsigned_age, now or ledger.now())
     return VerifyReport(
         size, merkle.levels_prefix_root(levels, size), count, payloads, len(scan.erased)
     )
@@ -147,6 +159,20 @@ def _check_payloads(conn: sa.Connection, scan: _Scan) -> int:
     for idx in sorted(set(scan.commitments) - present - scan.erased):
         raise VerificationError(f"entry {idx}: payload deleted without a payload.erase record")
     return len(present)
+
+
+def _check_unsigned_age(conn: sa.Connection, size: int, age: timedelta, now: datetime) -> None:
+    signed = conn.execute(sa.select(t.head.c.checkpoint_size)).scalar_one_or_none() or 0
+    if signed >= size:
+        return
+    e = t.entries.c
+    oldest = conn.execute(sa.select(sa.func.min(e.ts_us)).where(e.idx >= signed)).scalar_one()
+    if oldest is not None and oldest < ts_micros(now - age):
+        raise VerificationError(
+            f"entries {signed}..{size - 1} are covered by no checkpoint and the oldest is older "
+            f"than {age} (at {format_micros(int(oldest))}): sign checkpoints regularly "
+            "(checkpoint_interval) and publish them to auditors or witnesses"
+        )
 
 
 def _check_checkpoints(

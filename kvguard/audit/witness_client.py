@@ -63,6 +63,15 @@ class WitnessEndpoint:
     def name(self) -> str:
         return self.verifier.name
 
+    @classmethod
+    def parse(cls, text: str) -> WitnessEndpoint:
+        """`URL=VKEY` (a command-line option): split at the first `=` (a URL here holds none;
+        a verifier key's base64 may end in one)."""
+        url, sep, vkey = text.partition("=")
+        if not sep or not url or not vkey:
+            raise ValueError(f"a witness is URL=VERIFIER_KEY, not {text!r}")
+        return cls(url, vkey)
+
 
 @dataclass(frozen=True)
 class WitnessOutcome:
