@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
-import os
-import socket
 import sqlite3
 import stat
 import subprocess
@@ -33,12 +31,10 @@ from kvguard.audit.cosign import (
     parse_witness_verifier_key,
     require_cosignatures,
 )
-from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.witness import (
     SIZE_CONTENT_TYPE,
-    LogState,
     Witness,
     WitnessEndpoint,
     WitnessState,
@@ -49,9 +45,9 @@ from kvguard.audit.witness_client import Status
 from kvguard.cli import app
 from kvguard.errors import ConfigError, SecretFileError, VerificationError
 
-from .conftest import make_event
+from .conftest import ORIGIN, make_event
+from .witness_helpers import WitnessProcess, free_port, rewrite_history
 
-ORIGIN = "log.kvguard.test/audit"
 NOW = 1_780_000_000
 Opener = Callable[..., Ledger]
 
@@ -443,91 +439,11 @@ def test_client_retries_from_the_witness_size_after_409(
 # -- end to end: two `kvguard witness serve` processes ---------------------------------------------
 
 
-def _kvguard() -> list[str]:
-    exe = Path(sys.executable).with_name("kvguard")
-    return (
-        [str(exe)]
-        if exe.exists()
-        else [sys.executable, "-c", "from kvguard.cli import main; main()"]
-    )
-
-
-class _WitnessProcess:
-    def __init__(self, tmp: Path, name: str, log_vkey: str) -> None:
-        key_file = tmp / f"{name}.key"
-        created = CliRunner().invoke(
-            app, ["keys", "witness-key", f"{name}.kvguard.test", "--out", str(key_file)]
-        )
-        assert created.exit_code == 0, created.output
-        self.vkey = created.output.strip()
-        self.state = tmp / f"{name}.db"
-        args = ["witness", "serve", "--key", str(key_file), "--log", f"{ORIGIN}={log_vkey}"]
-        args += ["--state", str(self.state), "--listen", "127.0.0.1:0"]
-        env = {**os.environ, "KVGUARD_LOG_LEVEL": "WARNING"}
-        self.log = tmp / f"{name}.log"
-        with self.log.open("w") as log:  # a file, not a pipe: a full pipe would block the server
-            self.proc = subprocess.Popen(
-                [*_kvguard(), *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env
-            )
-
-    def url(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert " listening on " in line, self.log.read_text()
-        return line.split(" listening on ")[1].split(" ")[0]
-
-    def latest(self) -> LogState | None:
-        state = WitnessState(self.state)
-        try:
-            return state.latest(ORIGIN)
-        finally:
-            state.close()
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rewrite_history(db: Path, index: int) -> None:
-    """What an attacker with DDL rights does: lift the append-only triggers, replace one leaf,
-    recompute every stored hash so the tree is self-consistent, forget the checkpoints, restore."""
-    conn = sqlite3.connect(db, isolation_level=None)
-    conn.execute("BEGIN IMMEDIATE")
-    triggers = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'").fetchall()
-    for name, _ in triggers:
-        conn.execute(f'DROP TRIGGER "{name}"')
-    leaf = prepare_entry(make_event(10_000, details={"note": "rewritten"})).leaf
-    conn.execute(
-        "UPDATE ledger_entries SET leaf = ?, leaf_hash = ? WHERE idx = ?",
-        (leaf, merkle.leaf_hash(leaf), index),
-    )
-    conn.execute("DELETE FROM ledger_hashes")
-    frontier = merkle.Frontier(0, [])
-    for (leaf_hash,) in conn.execute(
-        "SELECT leaf_hash FROM ledger_entries ORDER BY idx"
-    ).fetchall():
-        conn.executemany(
-            "INSERT INTO ledger_hashes (id, hash) VALUES (?, ?)", frontier.append(leaf_hash)
-        )
-    conn.execute("DELETE FROM ledger_checkpoints")
-    conn.execute("UPDATE ledger_head SET checkpoint_size = NULL")
-    for _, sql in triggers:
-        conn.execute(sql)
-    conn.execute("COMMIT")
-    conn.close()
-
-
 def test_end_to_end_two_witnesses_cosign_and_refuse_a_rewritten_ledger(
     tmp_path: Path, key: SigningKey
 ) -> None:
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    witnesses = [_WitnessProcess(tmp_path, n, key.verifier_key()) for n in ("w1", "w2")]
+    witnesses = [WitnessProcess(tmp_path, n, key.verifier_key()) for n in ("w1", "w2")]
     try:
         endpoints = [WitnessEndpoint(w.url(), w.vkey) for w in witnesses]
         vkeys = [w.vkey for w in witnesses]
@@ -547,7 +463,7 @@ def test_end_to_end_two_witnesses_cosign_and_refuse_a_rewritten_ledger(
         witnessed = [w.latest() for w in witnesses]
         assert [s.size if s else None for s in witnessed] == [33, 33]
 
-        _rewrite_history(tmp_path / "ledger.db", 7)
+        rewrite_history(tmp_path / "ledger.db", 7)
         forged = Ledger.open(url, origin=ORIGIN, signing_key=key)
         try:
             same_size = forged.checkpoint()  # the ledger signs the rewritten history
@@ -585,7 +501,7 @@ def test_a_witness_that_is_down_is_an_error_outcome_not_an_exception(
     down = WitnessKey.generate("down.kvguard.test")
     endpoints = [
         WitnessEndpoint(served, wkey.verifier_key()),
-        WitnessEndpoint(f"http://127.0.0.1:{_free_port()}", down.verifier_key()),
+        WitnessEndpoint(f"http://127.0.0.1:{free_port()}", down.verifier_key()),
     ]
     outcome = request_cosignatures(endpoints, _grow(ledger, 3), ledger.consistency_proof, timeout=2)
     assert outcome.witnesses[down.name].status is Status.ERROR
