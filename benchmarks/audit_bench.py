@@ -1,11 +1,12 @@
 """Audit ledger benchmarks (issue 3, item 11). Results go to docs/benchmarks.md.
 
     .venv/bin/python benchmarks/audit_bench.py [--proof-entries 1000000] [--pg URL]
-        [--only append append-pg submit proofs verify]
+        [--only append append-ratio append-pg submit proofs verify] [--rounds 3]
 
 Measures, each with the durability setting it used:
 1. durable `append_many` throughput on SQLite (WAL, synchronous=FULL) and PostgreSQL
    (synchronous_commit=on, COPY in one transaction per batch);
+1b. the same appends against raw durable inserts of the same rows (`append-ratio`, issue 12 item 8);
 2. `submit` latency (the engine hot path) and the group-committed throughput behind it;
 3. inclusion and consistency proof time at `--proof-entries` entries (default 1M), with the number of
    stored hashes each proof reads, and that read count computed for 10M (extrapolation: reads, not
@@ -21,6 +22,7 @@ import os
 import platform
 import random
 import shutil
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -31,8 +33,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from kvguard.audit import merkle
+from kvguard.audit import merkle, schema
 from kvguard.audit.events import AuditEvent
+from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
@@ -77,6 +80,90 @@ def bench_append(url: str, total: int, batch: int, key: SigningKey) -> tuple[flo
         return append_rates(ledger, total, batch)
     finally:
         ledger.close()
+
+
+def raw_rows(batch: int) -> dict[str, list[tuple[object, ...]]]:
+    """The rows one `append_many(events(batch))` at index 0 writes, per table, precomputed."""
+    frontier = merkle.Frontier(0, [])
+    rows: dict[str, list[tuple[object, ...]]] = {
+        "ledger_entries": [],
+        "ledger_entry_blocks": [],
+        "ledger_hashes": [],
+    }
+    for i, p in enumerate(prepare_entry(e) for e in events(batch)):
+        rows["ledger_entries"].append(
+            (i, p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us)
+        )
+        rows["ledger_entry_blocks"] += [(b, i) for b in dict.fromkeys(p.block_ids)]
+        rows["ledger_hashes"] += frontier.append(p.leaf_hash)
+    return rows
+
+
+def raw_insert_rate(path: Path, total: int, batch: int, *, multi_row: bool = False) -> float:
+    """Events/s of plain durable inserts of the ledger's rows (same tables and indexes, no
+    triggers, WAL + synchronous=FULL, one transaction per batch): `executemany`, or with
+    `multi_row` `INSERT ... VALUES (...), (...)` statements of up to 999 parameters (the faster
+    way, which the ledger itself uses). Later batches shift the indices (keys stay unique)."""
+    engine = sa.create_engine(f"sqlite:///{path}")
+    schema.metadata.create_all(engine)
+    engine.dispose()
+    rows = raw_rows(batch)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA cache_size=-65536")
+    start = time.perf_counter()
+    for round_ in range(total // batch):
+        shift = round_ * batch
+        conn.execute("BEGIN")
+        for table, shifted in (
+            ("ledger_entries", [(r[0] + shift, *r[1:]) for r in rows["ledger_entries"]]),  # type: ignore[operator]
+            ("ledger_entry_blocks", [(b, i + shift) for b, i in rows["ledger_entry_blocks"]]),  # type: ignore[operator]
+            # hash keys differ by batch too: offset the index part
+            ("ledger_hashes", [(k + round_ * (1 << 40), h) for k, h in rows["ledger_hashes"]]),  # type: ignore[operator]
+        ):
+            _raw_insert(conn, table, shifted, multi_row)
+        conn.execute("COMMIT")
+    rate = total / (time.perf_counter() - start)
+    conn.close()
+    return rate
+
+
+def _raw_insert(
+    conn: sqlite3.Connection, table: str, rows: list[tuple[object, ...]], multi_row: bool
+) -> None:
+    width = len(rows[0])
+    one = "(" + ", ".join("?" * width) + ")"
+    if not multi_row:
+        conn.executemany(f"INSERT INTO {table} VALUES {one}", rows)
+        return
+    per = 999 // width
+    for at in range(0, len(rows), per):
+        chunk = rows[at : at + per]
+        flat = [v for row in chunk for v in row]
+        conn.execute(f"INSERT INTO {table} VALUES {', '.join([one] * len(chunk))}", flat)
+
+
+def bench_append_ratio(
+    work: Path, total: int, batch: int, key: SigningKey, rounds: int
+) -> dict[str, float]:
+    """Ledger appends against raw inserts of the same rows, alternating, fresh files each round;
+    medians and the ratio of medians (issue 12, item 8: >= 0.30)."""
+    ledger_rates, many_rates, raw_rates = [], [], []
+    for r in range(rounds):
+        ledger_rates.append(bench_append(f"sqlite:///{work / f'r{r}.db'}", total, batch, key)[0])
+        many_rates.append(raw_insert_rate(work / f"many{r}.db", total, batch))
+        multi = raw_insert_rate(work / f"raw{r}.db", total, batch, multi_row=True)
+        raw_rates.append(max(multi, many_rates[-1]))  # the faster raw way of this round
+    ledger_rate, raw_rate = statistics.median(ledger_rates), statistics.median(raw_rates)
+    return {
+        "ledger_events_per_s": ledger_rate,
+        "raw_executemany_events_per_s": statistics.median(many_rates),
+        "raw_fastest_events_per_s": raw_rate,
+        "ratio": ledger_rate / raw_rate,
+        "ratio_min": min(a / b for a, b in zip(ledger_rates, raw_rates, strict=True)),
+        "ratio_max": max(a / b for a, b in zip(ledger_rates, raw_rates, strict=True)),
+    }
 
 
 def bench_submit(url: str, total: int, key: SigningKey) -> dict[str, float]:
@@ -202,6 +289,14 @@ def _run_append(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
     )
 
 
+def _run_append_ratio(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
+    out = bench_append_ratio(work, args.append_entries, args.batch, key, args.rounds)
+    print(
+        f"append vs raw inserts (sqlite, batch {args.batch}, {args.rounds} alternating rounds): "
+        + ", ".join(f"{k}={v:,.3f}" for k, v in out.items())
+    )
+
+
 def _run_append_pg(args: argparse.Namespace, key: SigningKey, _work: Path) -> None:
     pg_url, drop = pg_database(args.pg)
     try:
@@ -231,6 +326,7 @@ def _run_verify(args: argparse.Namespace, key: SigningKey, work: Path) -> None:
 
 _PARTS: dict[str, Callable[[argparse.Namespace, SigningKey, Path], None]] = {
     "append": _run_append,
+    "append-ratio": _run_append_ratio,
     "append-pg": _run_append_pg,
     "submit": _run_submit,
     "proofs": _run_proofs,
@@ -242,6 +338,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--append-entries", type=int, default=200_000)
     parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (append-ratio)")
     parser.add_argument("--submit-entries", type=int, default=100_000)
     parser.add_argument("--proof-entries", type=int, default=1_000_000)
     parser.add_argument("--verify-entries", type=int, default=200_000)

@@ -265,7 +265,12 @@ class Ledger:
         old_size, old_root = 0, merkle.EMPTY_ROOT
         if last is not None:
             cp = parse_checkpoint(note.split_note(last.note)[0])
-            if (cp.origin, cp.size, cp.root) != (self.origin, last.size, last.root):
+            if cp.origin != self.origin:
+                raise VerificationError(
+                    f"the stored checkpoints are of origin {cp.origin!r}, this ledger was opened "
+                    f"as {self.origin!r} (the wrong origin?): refusing to sign"
+                )
+            if (cp.size, cp.root) != (last.size, last.root):
                 raise VerificationError("the stored latest checkpoint does not match its own note")
             old_size, old_root = last.size, last.root
         if old_size > size:

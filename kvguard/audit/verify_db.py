@@ -3,8 +3,8 @@ verification procedure, raising `VerificationError` at the first discrepancy.
 
 Checked, in one consistent read snapshot:
 1. entries are gapless 0..size-1 (size from the head row), each leaf is canonical, its stored leaf
-   hash is RFC 6962's, and every queryable copy (kind, scope tag, request id, time, block links)
-   matches the leaf;
+   hash is RFC 6962's, and every queryable copy (kind, scope tag, request id, time, block links,
+   command links) matches the leaf;
 2. every stored subtree hash equals the recomputed one, and none is missing or extra;
 3. every payload opens its leaf's commitment; a missing payload has a `payload.erase` record;
 4. every checkpoint is signed by a trusted key, names this origin, matches its row (its size is its
@@ -28,7 +28,7 @@ from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.events import EventKind
-from kvguard.audit.leaf import decode_leaf, format_micros, ts_micros
+from kvguard.audit.leaf import command_links, decode_leaf, format_micros, ts_micros
 from kvguard.audit.payloads import check_commitment
 from kvguard.errors import VerificationError
 
@@ -52,6 +52,7 @@ class _Scan:
     leaf_hashes: list[bytes]
     commitments: dict[int, bytes]
     blocks: set[tuple[int, int]]
+    commands: set[tuple[int, int]]
     erased: set[int]
 
 
@@ -71,6 +72,7 @@ def verify_ledger(
             size = ledger.store.size(conn)
             scan = _check_entries(conn, size)
             _check_blocks(conn, scan.blocks)
+            _check_commands(conn, scan.commands)
             levels = merkle.tree_levels(scan.leaf_hashes)
             _check_hashes(conn, levels, size)
             payloads = _check_payloads(conn, scan)
@@ -85,7 +87,7 @@ def verify_ledger(
 def _check_entries(conn: sa.Connection, size: int) -> _Scan:
     e = t.entries.c
     stmt = sa.select(e.idx, e.leaf, e.leaf_hash, e.kind, e.scope_tag, e.request_id, e.ts_us)
-    scan = _Scan([], {}, set(), set())
+    scan = _Scan([], {}, set(), set(), set())
     expected = 0
     for idx, raw_leaf, stored_hash, kind, scope_tag, request_id, ts_us in conn.execute(
         stmt.order_by(e.idx).execution_options(yield_per=_CHUNK)
@@ -104,6 +106,7 @@ def _check_entries(conn: sa.Connection, size: int) -> _Scan:
             raise VerificationError(f"entry {idx}: index columns do not match the leaf")
         scan.leaf_hashes.append(merkle.leaf_hash(leaf))
         scan.blocks.update((b, idx) for b in event.block_ids)
+        scan.commands.update((c, idx) for c in command_links(event.kind, event.details))
         if commitment is not None:
             scan.commitments[idx] = commitment
         if event.kind == EventKind.PAYLOAD_ERASE:
@@ -111,8 +114,13 @@ def _check_entries(conn: sa.Connection, size: int) -> _Scan:
             if isinstance(erased, int) and not isinstance(erased, bool):
                 scan.erased.add(erased)
         expected += 1
-    if expected != size:
+    if expected < size:
         raise VerificationError(f"entry {expected}: missing (the head row says {size} entries)")
+    if expected > size:
+        raise VerificationError(
+            f"entries {size}..{expected - 1}: {expected - size} extra row(s) beyond the "
+            f"{size} entries the head row counts (inserted behind the append path's back)"
+        )
     return scan
 
 
@@ -122,6 +130,14 @@ def _check_blocks(conn: sa.Connection, expected: set[tuple[int, int]]) -> None:
     if stored != expected:
         first = min(stored ^ expected, key=lambda pair: pair[1])
         raise VerificationError(f"entry {first[1]}: block links do not match the leaf")
+
+
+def _check_commands(conn: sa.Connection, expected: set[tuple[int, int]]) -> None:
+    c = t.entry_commands.c
+    stored = {(int(x), int(i)) for x, i in conn.execute(sa.select(c.command_id, c.idx))}
+    if stored != expected:
+        first = min(stored ^ expected, key=lambda pair: pair[1])
+        raise VerificationError(f"entry {first[1]}: command links do not match the leaf")
 
 
 def _check_hashes(conn: sa.Connection, levels: list[list[bytes]], size: int) -> None:
@@ -204,7 +220,12 @@ def _check_checkpoints(
             cp = parse_checkpoint(text)
         except VerificationError as exc:
             raise VerificationError(f"{where}: {exc}") from None
-        if (cp.origin, cp.size, cp.root) != (origin, cp_size, bytes(cp_root)):
+        if cp.origin != origin:
+            raise VerificationError(
+                f"{where}: signed for origin {cp.origin!r}, not {origin!r} (the wrong --origin, "
+                "or a checkpoint of another log)"
+            )
+        if (cp.size, cp.root) != (cp_size, bytes(cp_root)):
             raise VerificationError(f"{where}: row does not match its signed note")
         if cp.size > size:
             raise VerificationError(

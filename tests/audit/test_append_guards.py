@@ -9,13 +9,17 @@ kvguard still appends, checkpoints and verifies. On PostgreSQL as the app role t
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.roles import app_role_grants
+from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 from tests.dbs import pg_roles
 
@@ -72,13 +76,31 @@ def _still_works(ledger: Ledger, size: int) -> None:
     assert ledger.verify().size == size + 3
 
 
-@pytest.mark.parametrize("name", sorted(BRICKING))
+# SQLite checks per row: block and command links (several per entry) are not checked there; the
+# append path inserts them with INSERT OR IGNORE, so a planted one cannot collide (migration 0004).
+_SQLITE_PLANTABLE = {"block link ahead", "command link ahead"}
+
+
+@pytest.mark.parametrize("name", sorted(set(BRICKING) - _SQLITE_PLANTABLE))
 def test_sqlite_refuses_each_bricking_statement(
     name: str, sqlite_url: str, open_ledger: Opener
 ) -> None:
     ledger = _filled(open_ledger, sqlite_url)
     _attempt(ledger, BRICKING[name])
     _still_works(ledger, 10)
+
+
+@pytest.mark.parametrize("name", sorted(_SQLITE_PLANTABLE))
+def test_sqlite_links_planted_ahead_cannot_stop_appends_and_are_reported(
+    name: str, sqlite_url: str, open_ledger: Opener
+) -> None:
+    ledger = _filled(open_ledger, sqlite_url)
+    with ledger.store.engine.begin() as conn:
+        conn.exec_driver_sql(BRICKING[name].replace("SELECT 7,", "SELECT 50,"))
+    ledger.append_many([make_event(i) for i in range(10, 13)])
+    ledger.checkpoint()
+    with pytest.raises(VerificationError, match=r"entry 10: (block|command) links do not match"):
+        ledger.verify()
 
 
 def test_an_insert_at_the_head_is_an_append_and_later_appends_go_on(
@@ -152,3 +174,30 @@ def test_postgres_upgrade_takes_head_updates_from_roles_granted_before_0004(
         _still_works(ledger, 10)
         ledger.close()
         owned.close()
+
+
+def test_errors_tell_a_wrong_origin_and_an_extra_row_from_tampering(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    ledger = _filled(open_ledger, sqlite_url)
+    ledger.checkpoint()
+    wrong = Ledger.open(sqlite_url, origin="log.kvguard.test/other", signing_key=key)
+    try:
+        with pytest.raises(VerificationError, match=r"not 'log\.kvguard\.test/other' \(the wrong"):
+            wrong.verify()
+        with pytest.raises(VerificationError, match=r"opened as 'log\.kvguard\.test/other'"):
+            wrong.checkpoint()
+    finally:
+        wrong.close()
+    raw = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    raw.execute("DROP TRIGGER ledger_entries_at_head")  # someone with DDL rights
+    raw.execute("DROP TRIGGER ledger_entries_advance")
+    p = prepare_entry(make_event(99, block_ids=[]))
+    raw.execute(
+        "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, scope_tag, request_id, ts_us) "
+        "SELECT size, ?, ?, ?, ?, ?, ? FROM ledger_head",
+        (p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us),
+    )
+    raw.close()
+    with pytest.raises(VerificationError, match=r"entries 10\.\.10: 1 extra row\(s\) beyond"):
+        ledger.verify()

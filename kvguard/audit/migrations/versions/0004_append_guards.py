@@ -10,7 +10,9 @@ fail, and the append-only triggers then blocked the repair. Now, in the database
   also be RFC 6962's hash of its leaf (SQLite has no SHA-256 function; `verify-db` checks it);
 - block links, command links and payloads are inserted only for entries already in the log, and a
   stored subtree hash only for a subtree the log has completed (nothing can be planted ahead of the
-  head to collide with a later append);
+  head to collide with a later append; on SQLite, where triggers run per row, block and command
+  links are not checked but the append path inserts them with `INSERT OR IGNORE`, so a planted
+  link cannot collide either and `verify()` reports it);
 - a checkpoint row is inserted only at a size within the log, above the latest checkpoint and
   chained to it (`prev_size`), and inserting it moves `checkpoint_size` (a trigger again);
 - the head row accepts no other change: its `size` must equal the number of entries and its
@@ -43,6 +45,10 @@ branch_labels = None
 depends_on = None
 
 _LINKED: Final = ("ledger_entry_blocks", "ledger_entry_commands", "ledger_payloads")
+# SQLite checks per row, and block and command links are several per entry: there the append path
+# inserts them with `INSERT OR IGNORE` instead (a link planted ahead cannot collide with the
+# append; `verify()` names it as a link that no leaf holds). Payloads are few: checked.
+_SQLITE_LINKED: Final = ("ledger_payloads",)
 _KEY_BITS: Final = 48  # `merkle.stored_hash_key`: level << 48 | index
 _INDEX_MASK: Final = (1 << _KEY_BITS) - 1
 
@@ -61,10 +67,15 @@ def _sqlite() -> None:
         f"BEGIN {_abort('an entry is appended only at the head index')}; END",
         "CREATE TRIGGER ledger_entries_advance AFTER INSERT ON ledger_entries "
         "BEGIN UPDATE ledger_head SET size = NEW.idx + 1 WHERE id = 1; END",
-        "CREATE TRIGGER ledger_head_guard BEFORE UPDATE ON ledger_head "  # noqa: S608 - constants
+        # One guard per column, so that the per-entry head advance evaluates one subquery.
+        "CREATE TRIGGER ledger_head_size_guard BEFORE UPDATE OF size ON ledger_head "  # noqa: S608
+        "WHEN NEW.size IS NOT (SELECT COALESCE(MAX(idx), -1) + 1 FROM ledger_entries) "
+        f"BEGIN {_abort('the head moves only with appended entries')}; END",
+        "CREATE TRIGGER ledger_head_checkpoint_guard BEFORE UPDATE OF checkpoint_size "  # noqa: S608
+        "ON ledger_head WHEN NEW.checkpoint_size IS NOT (SELECT MAX(size) FROM ledger_checkpoints) "
+        f"BEGIN {_abort('the head moves its checkpoint only with a stored checkpoint')}; END",
+        "CREATE TRIGGER ledger_head_id_guard BEFORE UPDATE OF id ON ledger_head "
         "WHEN NEW.id IS NOT OLD.id "
-        "OR NEW.size IS NOT (SELECT COALESCE(MAX(idx), -1) + 1 FROM ledger_entries) "
-        "OR NEW.checkpoint_size IS NOT (SELECT MAX(size) FROM ledger_checkpoints) "
         f"BEGIN {_abort('the head moves only with appended entries and checkpoints')}; END",
         f"CREATE TRIGGER ledger_hashes_complete BEFORE INSERT ON ledger_hashes "
         f"WHEN (NEW.id >> {_KEY_BITS}) < 1 OR (NEW.id >> {_KEY_BITS}) > {_KEY_BITS} "
@@ -81,7 +92,7 @@ def _sqlite() -> None:
         f"CREATE TRIGGER {table}_of_entries BEFORE INSERT ON {table} "
         f"WHEN NEW.idx >= {head} "
         f"BEGIN {_abort(f'a row of {table} must belong to an appended entry')}; END"
-        for table in _LINKED
+        for table in _SQLITE_LINKED
     ]
     for statement in statements:
         op.execute(statement)
