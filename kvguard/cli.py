@@ -28,6 +28,7 @@ from kvguard.errors import KvguardError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
 from kvguard.policy.cli import policy_app
+from kvguard.settings import Settings
 
 app = typer.Typer(
     name="kvguard",
@@ -77,13 +78,20 @@ def _main(
 
 @keys_app.command("salt-keyring")
 def salt_keyring(
-    out: Annotated[Path, typer.Option(help="Keyring file to create (mode 0600).")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Keyring file to create (mode 0600); default: salt.keys in KVGUARD_DATA_DIR",
+            show_default=False,
+        ),
+    ] = None,
     rotate: Annotated[
         str | None,
         typer.Option(help="Add a new active key with this id to the existing keyring at --out."),
     ] = None,
 ) -> None:
     """Create a salt keyring, or rotate it (new salts use the new key; cached blocks stop matching)."""
+    out = out or Settings().secret_path("salt.keys")
     try:
         if rotate is None:
             ring = Keyring.generate("k1")
@@ -91,9 +99,9 @@ def salt_keyring(
         else:
             ring = Keyring.load(out).rotated(rotate)
             ring.save(out, overwrite=True)
-    except KvguardError as exc:
+    except KvguardError as exc:  # an existing file, an unreadable one: usage / environment
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     typer.echo(f"{out}: keys {', '.join(ring.kids)}; active {ring.active}")
 
 

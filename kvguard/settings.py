@@ -51,6 +51,13 @@ class Settings(BaseSettings):
             return self.db_url
         return f"sqlite:///{(self.data_dir / 'kvguard.db').resolve()}"
 
+    def secret_path(self, name: str) -> Path:
+        """Where a key command writes `name` when no `--out` is given: the data directory (created
+        0700), never the working tree (issue 13, item 2). The names match what `kvguard serve`
+        generates in dev mode and reads through `KVGUARD_*_FILE`."""
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return self.data_dir / name
+
     def secret_files(self, origin: str, *, command: str) -> tuple[Path, Path]:
         """(salt keyring file, checkpoint signing key file) for a server process. In dev mode the
         missing ones are generated under the data directory (0600); otherwise both must be set, and

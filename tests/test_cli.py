@@ -35,7 +35,7 @@ def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
     out = tmp_path / "salt.keys"
     runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
     result = runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
-    assert result.exit_code == 1 and "already exists" in result.output
+    assert result.exit_code == 2 and "already exists" in result.output  # usage error
 
 
 def test_tenant_key_create_list_revoke(tmp_path) -> None:

@@ -151,7 +151,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
         "notes": _notes(report, shown["blocks_active_deferred"]),
         "evidence": evidence,
         "verify": {
-            "command": f"kvguard verify <this file> --key <verifier key of {origin}>",
+            "command": f"kvguard verify <this file> --key <verifier key of {origin}> --origin {origin}",
             "trust": "The verifier key is not in the certificate: get it from the log operator.",
         },
     }

@@ -143,6 +143,14 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")
     ] = True,
     witness: WitnessOpt = None,
+    payloads: Annotated[
+        bool,
+        typer.Option(
+            "--payloads",
+            help="Include the erasable payloads (personal data) so the verifier opens their "
+            "commitments; by default the bundle only states they are present",
+        ),
+    ] = False,
 ) -> None:
     """Export entries with inclusion proofs against a freshly signed (and, with --witness,
     cosigned) checkpoint."""
@@ -158,6 +166,7 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
                 until=until,
                 tlog_proofs=tlog_proofs,
                 renderings=renderings,
+                include_payloads=payloads,
             )
         finally:
             ledger.close()
@@ -203,14 +212,29 @@ def signing_key_command(
     name: Annotated[
         str, typer.Argument(help="Key name, e.g. the log origin host: log.example.com")
     ],
-    out: Annotated[Path, typer.Option("--out", help="Private key file to create (mode 0600)")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Private key file to create (mode 0600); default: ledger-signing.key in "
+            "KVGUARD_DATA_DIR",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Create a checkpoint signing key; print its verifier key for auditors."""
+    """Create a checkpoint signing key; print its verifier key for auditors (the file's path goes
+    to stderr)."""
+    from kvguard.settings import Settings  # noqa: PLC0415 - `kvguard verify` stays light
+
+    default = out is None
+    out = out or Settings().secret_path("ledger-signing.key")
     try:
         key = SigningKey.generate(name)
         key.save(out)
     except (KvguardError, ValueError) as exc:
         raise _fail(f"error: {exc}", EXIT_USAGE) from None
+    if default:  # say where it went (stderr: stdout stays the verifier key alone)
+        typer.echo(f"signing key written to {out} (0600)", err=True)
     typer.echo(key.verifier_key())
 
 
@@ -398,8 +422,8 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool) -> str:
     typer.echo(
         f"valid: {report.entries} entries ({selection}) against checkpoint of origin "
         f"{report.origin!r} size {report.tree_size}; {report.consistency_proofs} consistency "
-        f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present, "
-        f"{report.erased_payloads} erased{pinned}{witnessed}"
+        f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present "
+        f"({report.opened_payloads} opened), {report.erased_payloads} erased{pinned}{witnessed}"
         f"{'; root recomputed' if full else ''}"
     )
     return checkpoint

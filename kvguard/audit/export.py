@@ -59,9 +59,11 @@ def export_bundle(
     tlog_proofs: bool = False,
     renderings: bool = True,
     consistency: bool = True,
+    include_payloads: bool = False,
 ) -> ExportSummary:
     """Write a bundle of the matching entries to the new or empty directory `out`. A complete
-    export always carries its consistency proofs (`consistency` applies to filtered ones)."""
+    export always carries its consistency proofs (`consistency` applies to filtered ones).
+    `include_payloads`: the erasable payloads themselves (personal data), not only their state."""
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"export directory {out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +95,7 @@ def export_bundle(
             count += 1
         if consistency or complete:
             _write_consistency(ledger, conn, out, cp)
-        lines = payload_lines(ledger, conn, committed, cp)
+        lines = payload_lines(ledger, conn, committed, cp, include=include_payloads)
         (out / payloads.PAYLOADS).write_text("".join(lines), encoding="utf-8", newline="")
     manifest = Manifest(
         ledger.origin,
@@ -109,11 +111,17 @@ def export_bundle(
 
 
 def payload_lines(
-    ledger: Ledger, conn: sa.Connection, committed: Sequence[tuple[int, bytes]], cp: Checkpoint
+    ledger: Ledger,
+    conn: sa.Connection,
+    committed: Sequence[tuple[int, bytes]],
+    cp: Checkpoint,
+    *,
+    include: bool = False,
 ) -> list[str]:
-    """`payloads.jsonl` lines for the exported entries with a commitment (index order): the stored
-    payload, or the `payload.erase` entry naming it with its inclusion proof. A commitment with
-    neither is a payload deleted behind the log's back: VerificationError, nothing exported."""
+    """`payloads.jsonl` lines for the exported entries with a commitment (index order): present
+    (checked against the stored payload; with `include`, the payload itself), or the
+    `payload.erase` entry naming it with its inclusion proof. A commitment with neither is a
+    payload deleted behind the log's back: VerificationError, nothing exported."""
     if not committed:
         return []
     p = t.payloads.c
@@ -132,7 +140,7 @@ def payload_lines(
         if index in stored:
             salt, body = stored[index]
             payloads.check_commitment(commitment, salt, body)
-            out.append(payloads.present_line(index, salt, body))
+            out.append(payloads.present_line(index, *((salt, body) if include else ())))
             continue
         if index not in erasures:
             raise VerificationError(

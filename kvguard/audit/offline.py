@@ -13,8 +13,8 @@ Steps (docs/audit.md walks through them):
    (per the manifest) holds exactly entries 0..size-1; with `full` the root is also recomputed
    from all leaves;
 5. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves;
-6. `payloads.jsonl` opens every exported payload commitment or proves its erasure
-   (`kvguard.audit.payloads`);
+6. `payloads.jsonl` accounts for every exported payload commitment: present (opened when the bundle
+   carries the payload) or erased, with the erasure entry's proof (`kvguard.audit.payloads`);
 7. each `consistency.jsonl` line carries an older checkpoint signed by a trusted key and an RFC 9162
    consistency proof from it to the bundle's checkpoint; with a trusted (pinned) checkpoint, one of
    them must start at it;
@@ -58,6 +58,7 @@ class BundleReport:
     tlog_proofs: int
     complete: bool = False
     payloads: int = 0
+    opened_payloads: int = 0
     erased_payloads: int = 0
     pinned_size: int | None = None
 
@@ -156,7 +157,7 @@ def _verify_files(
             f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
             "(lines deleted or added)"
         )
-    present, erased = _verify_payloads(d, cp)
+    present, opened, erased = _verify_payloads(d, cp)
     olds = _verify_consistency(d, cp, verifiers)
     if pinned is not None:
         _check_pinned(pinned, cp, olds)
@@ -171,6 +172,7 @@ def _verify_files(
         tlog,
         m.complete,
         present,
+        opened,
         erased,
         pinned.size if pinned is not None else None,
     )
@@ -366,7 +368,7 @@ def _verify_proven_lines(
     return hashes
 
 
-def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
+def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, int]:
     """Every exported commitment opened or its erasure proven (`kvguard.audit.payloads`)."""
     committed: dict[int, bytes] = {}
     marker = b',"payload_commitment":"'
@@ -382,7 +384,7 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
     if not path.is_file():
         if committed:
             raise VerificationError(f"bundle has no {payloads.PAYLOADS} but entries commit to one")
-        return 0, 0
+        return 0, 0, 0
     with ExitStack() as stack:
         return payloads.check_payload_lines(_lines(path, stack), committed, cp)
 

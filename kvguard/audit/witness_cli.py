@@ -111,12 +111,25 @@ def serve_command(
 
 def witness_key_command(
     name: Annotated[str, typer.Argument(help="Witness name, e.g. witness.example.com/w1")],
-    out: Annotated[Path, typer.Option("--out", help="Private key file to create (mode 0600)")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Private key file to create (mode 0600); default: witness.key in KVGUARD_DATA_DIR",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Create a witness cosigning key (0600); print its verifier key for relying parties."""
+    from kvguard.settings import Settings  # noqa: PLC0415
+
+    default = out is None
+    out = out or Settings().secret_path("witness.key")
     try:
         key = WitnessKey.generate(name)
         key.save(out)
     except (KvguardError, ValueError, OSError) as exc:
         raise _fail(f"error: {exc}", EXIT_USAGE) from None
+    if default:  # say where it went (stderr: stdout stays the verifier key alone)
+        typer.echo(f"witness key written to {out} (0600)", err=True)
     typer.echo(key.verifier_key())

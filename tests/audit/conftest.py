@@ -13,7 +13,7 @@ from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
 from tests.dbs import fresh_pg_database
 
-CONFORMANCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "conformance"
+CONFORMANCE = Path(__file__).resolve().parents[1] / "conformance"  # provenance: its README.md
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 ORIGIN = (
     "log.kvguard.test/audit"  # the `open_ledger` ledgers' origin (their key is named otherwise)
@@ -21,10 +21,9 @@ ORIGIN = (
 
 
 def conformance_dir(name: str) -> Path:
-    """The shared conformance folder `name`, or skip with a clear message where it is absent."""
-    path = (CONFORMANCE / name).resolve()
-    if not path.is_dir():
-        pytest.skip(f"conformance vectors not found at {path}")
+    """The conformance folder `name` carried in tests/conformance/ (never skipped)."""
+    path = CONFORMANCE / name
+    assert path.is_dir(), f"conformance vectors missing at {path}"
     return path
 
 

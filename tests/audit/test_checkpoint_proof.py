@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from kvguard.audit import merkle
 from kvguard.audit import schema as t
+from kvguard.audit.export import consistency_lines
 from kvguard.audit.ledger import Ledger
 from kvguard.errors import LogRewrittenError, VerificationError
 
@@ -88,3 +89,20 @@ def test_checkpoints_after_clean_appends_still_sign(tmp_path: Path, open_ledger:
         ledger.checkpoint()
     assert _checkpoints(ledger) == [1, 2, 5, 13, 64, 65, 100]
     assert ledger.verify().checkpoints == 7
+
+
+def test_export_checks_each_consistency_proof_before_writing_it(
+    tmp_path: Path, open_ledger: Opener
+) -> None:
+    """Issue 12, item 5: a proof that does not lead to the new root is a rewritten log, reported
+    by the exporter, never written for the auditor to read as a fork."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.append_many([make_event(i) for i in range(5)])
+    ledger.checkpoint()
+    ledger.append_many([make_event(i) for i in range(5, 9)])
+    ledger.checkpoint()
+    with ledger.store.engine.connect() as conn:
+        good = consistency_lines(ledger, conn, 9, ledger.root(9))
+        assert len(good) == 1
+        with pytest.raises(LogRewrittenError, match="no longer extends its checkpoint of size 5"):
+            consistency_lines(ledger, conn, 9, b"\x11" * 32)

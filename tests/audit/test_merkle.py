@@ -1,4 +1,4 @@
-"""RFC 6962 hashing and RFC 9162 proofs: every shared conformance vector, both directions, plus
+"""RFC 6962 hashing and RFC 9162 proofs: every conformance vector (tests/conformance/), both directions, plus
 properties over generated trees."""
 
 from __future__ import annotations
@@ -33,21 +33,15 @@ def _case_id(path: Path) -> str:
 
 
 def _inclusion_files() -> list[Path]:
-    try:
-        return _cases("inclusion")
-    except pytest.skip.Exception:
-        return []
+    return _cases("inclusion")
 
 
 def _consistency_files() -> list[Path]:
-    try:
-        return _cases("consistency")
-    except pytest.skip.Exception:
-        return []
+    return _cases("consistency")
 
 
 def test_vectors_are_present() -> None:
-    conformance_dir("merkle")  # skips with a clear message where the shared folder is absent
+    conformance_dir("merkle")  # carried in tests/conformance/: a bare clone runs them too
     assert len(_inclusion_files()) > 50
     assert len(_consistency_files()) > 50
 
