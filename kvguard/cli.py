@@ -67,13 +67,26 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     log_level: Annotated[
-        str, typer.Option(envvar="KVGUARD_LOG_LEVEL", help="Log level.")
-    ] = "WARNING",
+        str | None,
+        typer.Option(
+            envvar="KVGUARD_LOG_LEVEL",
+            help="Log level (default: INFO for servers, WARNING for one-shot commands).",
+            show_default=False,
+        ),
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    configure_logging(log_level)
+    if log_level is not None and log_level.upper() not in _LEVELS:
+        typer.echo(
+            f"usage error: log level {log_level!r} is not one of {', '.join(_LEVELS)}", err=True
+        )
+        raise typer.Exit(2)
+    configure_logging(log_level or "WARNING", explicit=log_level is not None)
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @keys_app.command("salt-keyring")

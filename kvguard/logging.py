@@ -169,13 +169,23 @@ class _CurrentStderr:
         return sys.stderr.isatty()
 
 
+_configured: dict[str, Any] = {}  # what configure_logging chose, for capture_stdlib_logging
+
+
 def configure_logging(
-    level: str = "INFO", *, json_output: bool | None = None, stream: TextIO | None = None
+    level: str = "INFO",
+    *,
+    json_output: bool | None = None,
+    stream: TextIO | None = None,
+    explicit: bool = True,
 ) -> None:
-    """Configure structlog for this process. `json_output=None` picks JSON unless stderr is a TTY."""
+    """Configure structlog for this process. `json_output=None` picks JSON unless stderr is a TTY.
+    `explicit=False`: the level is a command's default, which a server raises to INFO
+    (`capture_stdlib_logging`)."""
     out: Any = stream if stream is not None else _CurrentStderr()
     if json_output is None:
         json_output = not out.isatty()
+    _configured.update(level=level, json_output=json_output, out=out, explicit=explicit)
     structlog.configure(
         processors=_processors(json_output),
         wrapper_class=structlog.make_filtering_bound_logger(
@@ -184,6 +194,64 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
+
+
+STDLIB_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "alembic", "sqlalchemy", "asyncio")
+# Libraries whose INFO lines are not for operators: SQLAlchemy's INFO is the SQL echo (statements
+# with their parameters), so it stays at WARNING whatever the server's level.
+_QUIET = frozenset({"sqlalchemy", "asyncio"})
+
+
+def capture_stdlib_logging(names: Iterable[str] = STDLIB_LOGGERS) -> None:
+    """Route the standard-library loggers a kvguard server process runs (uvicorn's, Alembic's,
+    SQLAlchemy's) through the same redaction and renderer as kvguard's own lines: JSON off a TTY,
+    one object per line (issue 13, item 6). For server commands only: kvguard imported as a
+    library (inside a vLLM engine) leaves the host's logging alone. Pass uvicorn `log_config=None`
+    so that it installs no handlers of its own. A server logs at INFO (one access line per
+    request) unless a level was given (`--log-level` / `KVGUARD_LOG_LEVEL`)."""
+    if not _configured.get("explicit", False):
+        configure_logging("INFO", json_output=_configured.get("json_output"), explicit=False)
+    json_output, out = _configured["json_output"], _configured["out"]
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json_output
+        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            _component_from_logger,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.ExtraAdder(),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+            if json_output
+            else structlog.processors.format_exc_info,
+            redact,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    level = logging.getLevelNamesMapping()[str(_configured["level"]).upper()]
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+        logger.setLevel(max(level, logging.WARNING) if name in _QUIET else level)
+
+
+def _component_from_logger(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> Any:
+    record = event_dict.get("_record")
+    if record is not None:
+        event_dict.setdefault("component", record.name)
+    return event_dict
 
 
 def get_logger(name: str) -> Any:

@@ -13,7 +13,7 @@ import binascii
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvguard.errors import ConfigError, FailClosedError
@@ -42,8 +42,7 @@ class Settings(BaseSettings):
     salt_key: SecretStr | None = None
     signing_key_file: Path | None = None
     policy_file: Path | None = None
-    log_level: str = Field(default="INFO", pattern=r"^(?i:debug|info|warning|error|critical)$")
-    log_json: bool | None = None
+    # Logging is the CLI's (`--log-level` / KVGUARD_LOG_LEVEL, kvguard.cli): one variable, read once.
 
     def database_url(self) -> str:
         """The configured database URL, or an embedded SQLite file under the data directory."""

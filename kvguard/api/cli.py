@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvguard.errors import KvguardError
+from kvguard.logging import capture_stdlib_logging
 
 if TYPE_CHECKING:
     from kvguard.api.auth import ApiKeys
@@ -119,6 +120,7 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         typer.echo(f"error: cannot open database {url}: {type(exc).__name__}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
+    capture_stdlib_logging()  # uvicorn's own lines: structlog JSON with kvguard's redaction
     if workers > 1:
         # Checked above in this process (secrets, database, migrations); each worker opens its
         # own services from the same settings.
@@ -150,6 +152,7 @@ def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
         "proxy_headers": bool(trusted_proxies),
         "forwarded_allow_ips": ",".join(trusted_proxies),
         "access_log": False,  # kvguard.api.app.AccessLog writes one line per request
+        "log_config": None,  # keep the handlers capture_stdlib_logging installed
     }
 
 
