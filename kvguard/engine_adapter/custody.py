@@ -2,8 +2,9 @@
 
 Engine-agnostic and pure (no tensors, no I/O, time passed in). An adapter reports what the engine did
 (allocated, hit the prefix cache, finished a request) and custody answers with what kvguard must do:
-blocks to quarantine and zeroize (G2), blocks to clear before a new owner's forward pass (G3), and
-ledger events (G5). Policy questions go to `kvguard.policy` through the `PolicyView` callable, so
+blocks to quarantine and zeroize (G2), blocks to clear before a new owner's forward pass (G3),
+ledger events (G5), and, for the metrics, how old cached blocks were when reused or retired
+(`take_cache_ages`). Policy questions go to `kvguard.policy` through the `PolicyView` callable, so
 custody holds no business rule of its own.
 
 Ownership chain (SGLang-style): the engine owns block *ids* and its free queue; custody owns the
@@ -21,6 +22,8 @@ from kvguard.engine_adapter.records import (
     BlockId,
     BlockRecord,
     BlockStatus,
+    CacheAge,
+    CacheExit,
     CustodyEvent,
     EventKind,
     PoolSummary,
@@ -69,6 +72,8 @@ class Custody:
         # Handover blocks -> the owner whose bytes they held (scope, tag): the clear is its evidence.
         self._handover_from: dict[BlockId, tuple[Scope | None, str | None]] = {}
         self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
+        # Ages of cached blocks reused or leaving the cache, for the metrics; the owner drains them.
+        self._cache_ages: list[CacheAge] = []
         # Active and cached blocks per (tenant, state), kept by `_set`: quotas read them in O(1).
         self._counted: dict[BlockId, tuple[str, BlockStatus]] = {}
         self._held: Counter[tuple[str, BlockStatus]] = Counter()
@@ -151,6 +156,12 @@ class Custody:
         events, self._events = self._events, []
         return events
 
+    def take_cache_ages(self) -> list[CacheAge]:
+        """Drain the cache ages recorded since the last call (prefix hits, evictions, expiries,
+        purges of cached blocks): the cache-age histogram's observations."""
+        ages, self._cache_ages = self._cache_ages, []
+        return ages
+
     def take_plan(self) -> StepPlan:
         """Drain the blocks that must be zeroized before the next forward pass."""
         plan = StepPlan(
@@ -232,7 +243,9 @@ class Custody:
             if rec.status is BlockStatus.QUARANTINED:
                 raise CustodyError(f"prefix hit on quarantined block {bid}; refused")
         for bid in ids:
-            self._take(self._blocks[bid], req, RequestId(request_id), now)
+            rec = self._blocks[bid]
+            self._cache_ages.append(CacheAge(CacheExit.REUSED, now - rec.created_at))
+            self._take(rec, req, RequestId(request_id), now)
         if ids:
             self._emit(
                 EventKind.REUSE, now, req.scope, request_id, ids, {"tokens_matched": tokens_matched}
@@ -340,6 +353,7 @@ class Custody:
             if rec.owner is None:
                 continue
             if expired(self._policy(rec.owner.tenant_id), self._state(rec), now):
+                self._cache_ages.append(CacheAge(CacheExit.EXPIRED, now - rec.created_at))
                 self._quarantine(rec, now)
                 out.append(rec.block_id)
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
@@ -355,6 +369,7 @@ class Custody:
             if rec.owner is None or not selector.matches(rec.owner):
                 continue
             if rec.status is BlockStatus.CACHED:
+                self._cache_ages.append(CacheAge(CacheExit.PURGED, now - rec.created_at))
                 self._quarantine(rec, now)
                 out.append(rec.block_id)
             elif rec.status is BlockStatus.ACTIVE:
@@ -538,6 +553,7 @@ class Custody:
     def _engine_evicted(self, rec: BlockRecord, now: float) -> None:
         """The engine's LRU took a cached block for a new allocation: its cached life is over. The
         `block.evict` entries are batched per owner when events are next taken (once per step)."""
+        self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
         self._evicted.append(BlockRecord(rec.block_id, owner_tag=rec.owner_tag, created_at=now))
         self._tenant_dec(rec)
         self._set(rec, BlockStatus.FREE)

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import NewType
 
 from kvguard.control.commands import PurgeKind, PurgeSelector
+from kvguard.control.engine_metrics import CacheExit
 from kvguard.isolation.scope import Scope
 
 BlockId = NewType("BlockId", int)
@@ -44,7 +45,8 @@ class EventKind(StrEnum):
     QUOTA_DEFER = "quota.defer"
 
 
-__all__ = ["PurgeKind", "PurgeSelector"]  # the command vocabulary, re-exported for custody code
+# The command vocabulary and the cache-age reasons of the metrics, re-exported for custody code.
+__all__ = ["CacheExit", "PurgeKind", "PurgeSelector"]
 
 PURGE_EVENT_KINDS: dict[PurgeKind, EventKind] = {
     PurgeKind.SESSION: EventKind.SESSION_PURGE,
@@ -90,6 +92,15 @@ class CustodyEvent:
     request_id: str | None
     block_ids: tuple[int, ...]
     details: dict[str, str | int | float | bool | None]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAge:
+    """How old a cached block's bytes were (seconds since allocation) when a prefix hit reused them or
+    their cached life ended, and which of those it was. Observability only: no block id, no owner."""
+
+    reason: CacheExit
+    age_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,12 @@ def _report(env: ApiEnv, engine_id: str, *, now: float, stats: dict[str, dict[st
         )
         for tenant, values in stats.items()
     ]
-    totals = {"blocks_free": 40, "blocks_cached": 20, "orphaned_blocks": 0, "cleanup_s_max": 0.004}
+    totals = {
+        "blocks_free": 40,
+        "blocks_cached": 20,
+        "orphaned_blocks": 0,
+        "cleanup_max_seconds": 0.004,
+    }
     registry.heartbeat(engine_id, now=now, totals=totals, tenants=rows)
 
 
@@ -108,6 +113,8 @@ def test_metrics_are_labelled_by_tag_never_by_tenant_id(env: ApiEnv) -> None:
     tag = env.services.deriver.tenant_tag("acme")
     assert f'kvguard_tenant_blocks_cached{{engine="eng-a",tenant_tag="{tag}"}} 12.0' in body
     assert 'kvguard_engine_blocks_free{engine="eng-b"} 40.0' in body
+    assert 'kvguard_engine_cleanup_max_seconds{engine="eng-b"} 0.004' in body
+    assert f'kvguard_tenant_prompt_tokens_total{{engine="eng-a",tenant_tag="{tag}"}} 400.0' in body
     assert "kvguard_ledger_entries 1.0" in body
     assert "kvguard_ledger_append_seconds_count 1.0" in body
     for tenant in ("acme", "globex", "initech"):

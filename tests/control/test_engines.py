@@ -32,7 +32,7 @@ def test_heartbeat_round_trip_replaces_tenant_rows_and_keeps_tags(registry) -> N
     registry.heartbeat(
         "e1",
         now=102.0,
-        totals={"requests": 7, "cleanup_s_sum": 0.25},
+        totals={"requests": 7, "cleanup_seconds.sum": 0.25},
         tenants=[
             _stats("e1", "a", blocks_cached=3, prefix_hit_tokens=64, oldest_cached_at=101.5),
             _stats("e1", "b", blocks_active=1, bytes_zeroized=4096, blocks_zeroized=2),
@@ -40,7 +40,7 @@ def test_heartbeat_round_trip_replaces_tenant_rows_and_keeps_tags(registry) -> N
         new_tags=[("st_a1", "a"), ("st_b1", "b")],
     )
     (info,) = registry.engines()
-    assert info.totals == {"requests": 7, "cleanup_s_sum": 0.25}
+    assert info.totals == {"requests": 7, "cleanup_seconds.sum": 0.25}
     assert info.last_seen == info.stats_at == 102.0
     (a,) = registry.tenant_stats("a")
     assert (a.blocks_cached, a.prefix_hit_tokens, a.oldest_cached_at) == (3, 64, 101.5)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.engine_adapter.records import BlockStatus, EventKind, PurgeKind, PurgeSelector
+from kvguard.engine_adapter.records import (
+    BlockStatus,
+    CacheAge,
+    CacheExit,
+    EventKind,
+    PurgeKind,
+    PurgeSelector,
+)
 from kvguard.errors import CustodyError
 from kvguard.policy import Retention, Reuse, TenantPolicy, Zeroize, ZeroizeOn
 from tests.engine_adapter.conftest import DERIVER, scope_for
@@ -272,3 +279,27 @@ def test_engine_evictions_are_one_entry_per_owner_per_step(make_custody) -> None
         DERIVER.scope_tag(scope_for("b")),
     }
     c.check_invariants()
+
+
+def test_cache_ages_are_taken_at_reuse_eviction_expiry_and_purge(make_custody) -> None:
+    """The cache-age histogram's observations (issue 13): seconds since the block's bytes were
+    written, whenever a prefix hit reuses them or their cached life ends; nothing else."""
+    c = make_custody(num_blocks=8, default=TenantPolicy(retention=Retention(ttl_s=100, idle_s=100)))
+    run_request(c, "r1", scope_for("a"), [0, 1, 2], 0.0)  # cached, written at 0
+    run_request(c, "r2", scope_for("b"), [3], 0.0)
+    assert c.take_cache_ages() == []  # caching a block is no observation
+    c.begin("r3", scope_for("a"), use_cache=True)
+    c.reuse("r3", [0], 10.0, tokens_matched=16)
+    c.finish("r3", 11.0)
+    c.begin("r4", scope_for("c"), use_cache=True)
+    c.allocate("r4", [1], 20.0)  # the engine's LRU
+    c.purge(PurgeSelector(PurgeKind.TENANT, "b"), 30.0)
+    assert c.sweep(100.5) == (0, 2)  # ttl_s 100
+    assert sorted(c.take_cache_ages(), key=lambda a: a.age_s) == [
+        CacheAge(CacheExit.REUSED, 10.0),
+        CacheAge(CacheExit.EVICTED, 20.0),
+        CacheAge(CacheExit.PURGED, 30.0),
+        CacheAge(CacheExit.EXPIRED, 100.5),
+        CacheAge(CacheExit.EXPIRED, 100.5),
+    ]
+    assert c.take_cache_ages() == []  # drained

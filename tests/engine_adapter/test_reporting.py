@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 import structlog
 
@@ -65,13 +66,52 @@ def test_zeroized_blocks_bytes_and_cleanup_latency_per_owner(sqlite_url, make_cu
     reporter.zeroized(c, (5,), {"bytes_cleared": 4096, "block_count": 1}, handover=True, now=3.0)
     assert reporter.blocks_zeroized == {"a": 2, "b": 1}
     assert reporter.bytes_zeroized == {"a": 8192, "b": 4096}
-    assert reporter.sums == {"zeroize_wall_time_us_sum": 30.0, "cleanup_s_sum": 1.0}
-    assert reporter.counts["cleanup_count"] == 2 and reporter.cleanup_max_s == 0.5
+    cleanup, wall = reporter.histograms["cleanup_seconds"], reporter.histograms["zeroize_seconds"]
+    assert (cleanup.count, cleanup.sum, reporter.cleanup_max_s) == (2, 1.0, 0.5)  # release only
+    assert (wall.count, wall.sum) == (1, pytest.approx(30e-6))  # microseconds in, seconds out
+    assert reporter.histograms["zeroize_device_seconds"].count == 0  # None: no CUDA events
     assert reporter.heartbeat(4.0, c.summary(), {"ledger_submitted": 3})
     (engine,) = reporter.registry.engines()
     assert engine.totals["bytes_zeroized"] == 12288 and engine.totals["ledger_submitted"] == 3
     assert engine.totals["blocks_free"] == 15  # block 5 is still active for tenant c
-    assert engine.totals["zeroize_wall_time_us_count"] == 1
+    assert engine.totals["zeroize_seconds.count"] == 1
+    assert engine.totals["zeroize_seconds.le=2.5e-05"] == 0
+    assert engine.totals["zeroize_seconds.le=5e-05"] == 1
+    assert engine.totals["cleanup_seconds.le=0.25"] == 0
+    assert engine.totals["cleanup_seconds.le=0.5"] == 2
+    assert engine.totals["cleanup_max_seconds"] == 0.5
+    # Block 5's cached life ended when the engine gave it to c: its age went into the histogram.
+    reporter.cache_ages(c.take_cache_ages())
+    evicted = reporter.histograms["cache_block_age_seconds.evicted"]
+    assert (evicted.count, evicted.sum) == (1, pytest.approx(0.2))
     reporter.close(5.0, c.summary(), {})
     (engine,) = reporter.registry.engines()
     assert engine.stopped_at == 5.0
+
+
+def test_every_histogram_series_is_in_the_first_heartbeat(sqlite_url, make_custody) -> None:
+    """No traffic yet: the totals already hold every histogram series, all zero (issue 13)."""
+    reporter = _reporter(sqlite_url)
+    assert reporter.heartbeat(1.0, make_custody().summary(), {})
+    (engine,) = reporter.registry.engines()
+    for series in (
+        "cleanup_seconds",
+        "zeroize_seconds",
+        "zeroize_device_seconds",
+        *(f"cache_block_age_seconds.{r}" for r in ("reused", "evicted", "expired", "purged")),
+    ):
+        assert engine.totals[f"{series}.count"] == 0 and engine.totals[f"{series}.sum"] == 0
+        assert {v for k, v in engine.totals.items() if k.startswith(f"{series}.le=")} == {0}
+    assert engine.totals["evictions"] == 0 and engine.totals["bytes_zeroized"] == 0
+
+
+def test_a_non_finite_zeroize_time_never_blocks_heartbeats(sqlite_url, make_custody) -> None:
+    reporter = _reporter(sqlite_url)
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=False)
+    c.allocate("r1", [0], 0.0)
+    c.finish("r1", 1.0)
+    details = {"bytes_cleared": 4096, "block_count": 1, "wall_time_us": float("nan")}
+    reporter.zeroized(c, (0,), details, handover=False, now=1.5)
+    assert reporter.histograms["zeroize_seconds"].count == 0  # dropped, not stored as NaN
+    assert reporter.heartbeat(2.0, c.summary(), {})  # the totals stay finite

@@ -312,3 +312,26 @@ def test_a_database_outage_never_stops_the_scheduler(make_guard: Any, monkeypatc
     f.clock.now += 5
     guard.poll()
     assert 1 in queue.acks
+
+
+def test_prefix_hits_and_purges_feed_the_cache_age_histogram(make_guard: Any) -> None:
+    """Custody's cache ages reach the reporter with the step's events (issue 13)."""
+    guard, f = make_guard()
+    a = request("a", BLOCK)
+    guard.on_new_request(a)
+    guard.build_step(schedule(new=[(a, [1], 0)]))
+    f.pool.blocks[1].block_hash = "h1"
+    guard.request_finished(a)  # block 1 cached, written at 1000
+    f.clock.now += 7
+    again = request("a", BLOCK + 1)
+    guard.on_new_request(again)
+    guard.build_step(schedule(new=[(again, [1, 2], BLOCK)]))
+    guard.request_finished(again)
+    reused = guard.reporter.histograms["cache_block_age_seconds.reused"]
+    assert (reused.count, reused.sum) == (1, 7.0)
+    guard.request_purge(PurgeSelector(PurgeKind.TENANT, "a"))
+    f.clock.now += 3
+    guard.apply_now()
+    guard.build_step(schedule())
+    purged = guard.reporter.histograms["cache_block_age_seconds.purged"]
+    assert (purged.count, purged.sum) == (1, 10.0)

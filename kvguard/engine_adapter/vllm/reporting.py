@@ -1,9 +1,11 @@
 """Cache statistics of one engine, and its heartbeats to the engine registry (`kvguard.control.engines`).
 
 `EngineReporter` counts, per tenant, the prompt tokens and prefix-hit tokens the scheduler saw and the
-blocks (and bytes) of the tenant's data that the worker zeroized, plus engine-wide latency sums:
-zeroization time as measured by the worker, and cleanup time, from a block entering quarantine to
-the worker reporting it clear. Every `HEARTBEAT_S` the scheduler thread calls `heartbeat` with a
+blocks (and bytes) of the tenant's data that the worker zeroized, plus engine-wide histograms
+(`kvguard.control.engine_metrics`, which also names every figure for Prometheus): zeroization time
+per call as measured by the worker, cleanup time, from a block entering quarantine to the worker
+reporting it clear, and the age of cached blocks when a prefix hit reuses them or their cached life
+ends. Every `HEARTBEAT_S` the scheduler thread calls `heartbeat` with a
 custody summary; the registry row, the per-tenant rows and the scope tags first seen since the last
 heartbeat are written in one transaction.
 
@@ -19,6 +21,7 @@ the registry is the engine link's.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -26,9 +29,18 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 
+from kvguard.control.engine_metrics import (
+    CACHE_AGE,
+    CLEANUP,
+    ENGINE_HISTOGRAMS,
+    ZEROIZE,
+    ZEROIZE_DEVICE,
+    BucketCounts,
+    HistogramSpec,
+)
 from kvguard.control.engines import EngineRegistry, TenantCacheStats
 from kvguard.engine_adapter.custody import Custody
-from kvguard.engine_adapter.records import CustodyEvent, EventKind, PoolSummary
+from kvguard.engine_adapter.records import CacheAge, CustodyEvent, EventKind, PoolSummary
 from kvguard.logging import get_logger
 
 HEARTBEAT_S: Final = 2.0
@@ -72,8 +84,12 @@ class EngineReporter:
         self.blocks_zeroized: Counter[str] = Counter()
         self.bytes_zeroized: Counter[str] = Counter()
         self.stats: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)  # kept by the scheduler
-        self.counts: Counter[str] = Counter()  # engine-wide counts kept here
-        self.sums: dict[str, float] = {}  # engine-wide latency sums
+        self.counts: Counter[str] = Counter(evictions=0, bytes_zeroized=0)  # engine-wide, kept here
+        self.histograms: dict[str, BucketCounts] = {
+            spec.series_key(labels): BucketCounts(spec.buckets)
+            for spec in ENGINE_HISTOGRAMS
+            for labels in spec.series()
+        }
         self.cleanup_max_s = 0.0
         self.heartbeats = 0
 
@@ -102,6 +118,10 @@ class EngineReporter:
             if event.kind is EventKind.EVICT:
                 self.counts["evictions"] += len(event.block_ids)
 
+    def cache_ages(self, ages: Iterable[CacheAge]) -> None:
+        for age in ages:
+            self._observe(CACHE_AGE, age.age_s, (age.reason.value,))
+
     def zeroized(
         self,
         custody: Custody,
@@ -127,20 +147,19 @@ class EngineReporter:
                 self.blocks_zeroized[tenant] += 1
                 self.bytes_zeroized[tenant] += per_block or 0
         self.counts["bytes_zeroized"] += (per_block or 0) * len(ids)
-        for name in ("wall_time_us", "device_time_us"):
-            value = details.get(name)
+        for name, spec in (("wall_time_us", ZEROIZE), ("device_time_us", ZEROIZE_DEVICE)):
+            value = details.get(name)  # the evidence's microseconds; Prometheus wants seconds
             if isinstance(value, int | float) and not isinstance(value, bool):
-                self._add(f"zeroize_{name}_sum", float(value))
-                self.counts[f"zeroize_{name}_count"] += 1
+                self._observe(spec, float(value) / 1e6)
 
     def _cleanup(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
-        self._add("cleanup_s_sum", seconds)
-        self.counts["cleanup_count"] += 1
+        self._observe(CLEANUP, seconds)
         self.cleanup_max_s = max(self.cleanup_max_s, seconds)
 
-    def _add(self, name: str, value: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + value
+    def _observe(self, spec: HistogramSpec, value: float, labels: tuple[str, ...] = ()) -> None:
+        if math.isfinite(value):  # a NaN would make every later heartbeat fail (`_totals_json`)
+            self.histograms[spec.series_key(labels)].observe(max(0.0, value))
 
     # --- heartbeats ---------------------------------------------------------------------------
 
@@ -192,11 +211,14 @@ class EngineReporter:
     def _totals(
         self, summary: PoolSummary, counters: Mapping[str, int | float]
     ) -> dict[str, int | float]:
+        histograms: dict[str, float] = {}
+        for key, counts in self.histograms.items():
+            histograms.update(counts.totals(key))
         return {
             **self.stats,
             **counters,
             **self.counts,
-            **self.sums,
+            **histograms,
             "prompt_tokens": self.prompt_tokens.total(),
             "prefix_hit_tokens": self.prefix_hit_tokens.total(),
             "blocks_free": summary.free,
@@ -204,7 +226,7 @@ class EngineReporter:
             "blocks_cached": summary.cached,
             "blocks_quarantined": summary.quarantined,
             "orphaned_blocks": summary.residue,
-            "cleanup_s_max": self.cleanup_max_s,
+            "cleanup_max_seconds": self.cleanup_max_s,
         }
 
     def _tenant_rows(self, summary: PoolSummary) -> list[TenantCacheStats]:

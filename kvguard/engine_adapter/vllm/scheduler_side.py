@@ -513,6 +513,7 @@ class SchedulerGuard:
 
     def _forward(self, events: list[CustodyEvent]) -> None:
         self.reporter.observe(events)
+        self.reporter.cache_ages(self._c.take_cache_ages())
         with self.timer.phase("ledger_submit"):
             self.bridge.forward(events)
 
