@@ -26,6 +26,7 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	scripts/ensure-postgres.sh
+	VENV=$(VENV) scripts/install-browser.sh
 	$(BIN)/pytest
 
 test: lint typecheck pytest

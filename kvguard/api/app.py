@@ -3,9 +3,10 @@
 `create_app(services)` serves already-opened `Services` (tests, embedding); `kvguard serve` opens them
 from `ApiConfig` and closes them at shutdown. Middleware, outermost first: `AccessLog` (one canonical
 line per request: method, route, status, principal key id, duration; never headers or bodies),
-`errors.ErrorGuard` (answers what no handler took, never re-raises), `limits.RequestGate` (body
-limit, NUL check and authentication before the body is read), then FastAPI's exception handlers
-(`errors.install`) and routes.
+`errors.ErrorGuard` (answers what no handler took, never re-raises), the dashboard's session layer
+(`dashboard.install`: under `/dashboard` only, it turns the session cookie into the bearer header
+the gate checks), `limits.RequestGate` (body limit, NUL check and authentication before the body
+is read), then FastAPI's exception handlers (`errors.install`) and routes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard import __version__
-from kvguard.api import errors
+from kvguard.api import dashboard, errors
 from kvguard.api.auth import Principal
 from kvguard.api.limits import PRINCIPAL_STATE, RequestGate
 from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
@@ -109,6 +110,7 @@ def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAP
         max_body_bytes=services.config.max_body_bytes,
         public_paths=PUBLIC_PATHS | {path for path in docs if path},
     )
+    dashboard.install(app)  # /dashboard: its session middleware goes outside RequestGate
     app.add_middleware(errors.ErrorGuard)
     app.add_middleware(AccessLog)
     return app

@@ -1,0 +1,127 @@
+"""The dashboard's actions: create and disable a tenant, store a policy version, start a purge, revoke an
+inference key, sign a checkpoint. Each is a form post that calls the JSON API's own route function
+with the `Action` that `kvguard.api.deps.audited` gave it (the same roles, tenant scoping and
+`admin.action` ledger entry as the API call), then redirects to the page showing the result
+(post/redirect/get).
+
+Every route here is behind `csrf.read_form` (router-wide: module docstring of
+`kvguard.api.dashboard.csrf`). Form fields become the API's own request models; a field that fails
+their validation is a 422 naming the field (`form.tenant_id: ...`), never echoing the value.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import RedirectResponse
+from pydantic import BaseModel, ValidationError
+
+from kvguard.api.dashboard import csrf
+from kvguard.api.dashboard.csrf import FormDep
+from kvguard.api.dashboard.render import PREFIX
+from kvguard.api.deps import ADMINS, TENANT_WRITERS, Action, audited
+from kvguard.api.purge_schemas import PurgeCreate
+from kvguard.api.routes import audit, inference_keys, policies, purges, tenants
+from kvguard.policy import parse_policy
+from kvguard.policy.loading import Format
+
+router = APIRouter(prefix=PREFIX, include_in_schema=False, dependencies=[Depends(csrf.read_form)])
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _model(model: type[Model], **fields: Any) -> Model:
+    """`model` validated from form fields; its errors as the API reports a body's (422)."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        errors = [
+            {"type": e["type"], "loc": ("form", *e["loc"]), "msg": e["msg"]} for e in exc.errors()
+        ]
+        raise RequestValidationError(errors) from None
+
+
+def _see(path: str, notice: str) -> RedirectResponse:
+    return RedirectResponse(f"{PREFIX}{quote(path)}?notice={notice}", status_code=303)
+
+
+def _int_or_none(value: str) -> int | str | None:
+    value = value.strip()
+    return None if not value else int(value) if value.isdigit() else value
+
+
+@router.post("/tenants")
+def create_tenant(
+    form: FormDep, action: Annotated[Action, audited("tenant.create", *ADMINS)]
+) -> RedirectResponse:
+    body = _model(
+        tenants.TenantCreate,
+        tenant_id=form.get("tenant_id", "").strip(),
+        display_name=form.get("display_name", "").strip(),
+    )
+    created = tenants.create_tenant(body, action)
+    return _see(f"/tenants/{created.tenant_id}", "tenant-created")
+
+
+@router.post("/tenants/{tenant_id}/disable")
+def disable_tenant(
+    tenant_id: policies.TenantIdPath,
+    form: FormDep,
+    action: Annotated[Action, audited("tenant.disable", *ADMINS)],
+) -> RedirectResponse:
+    body = _model(tenants.DisableRequest, reason=form.get("reason", "").strip())
+    result = tenants.disable_tenant(tenant_id, body, action)
+    return _see(f"/purges/{result.purge_job_id}", "tenant-disabled")
+
+
+@router.post("/tenants/{tenant_id}/inference-keys/{key_id}/revoke")
+def revoke_inference_key(
+    tenant_id: policies.TenantIdPath,
+    key_id: inference_keys.KeyIdPath,
+    _form: FormDep,
+    action: Annotated[Action, audited("inference_key.revoke", *TENANT_WRITERS)],
+) -> RedirectResponse:
+    inference_keys.revoke_inference_key(tenant_id, key_id, action)
+    return _see(f"/tenants/{tenant_id}", "key-revoked")
+
+
+@router.post("/policies")
+def store_policy(
+    form: FormDep, action: Annotated[Action, audited("policy.put", *ADMINS)]
+) -> RedirectResponse:
+    """A whole policy document, as YAML or JSON (JSON is read as JSON, so its errors say so)."""
+    text = form.get("policy", "")
+    fmt: Format = "json" if text.lstrip().startswith("{") else "yaml"
+    body = _model(
+        policies.PolicyPut,
+        policy=parse_policy(text, "form.policy", fmt=fmt),  # 422 naming each bad field
+        reason=form.get("reason", "").strip(),
+        expected_version=_int_or_none(form.get("expected_version", "")),
+    )
+    stored = policies.put_policy(body, action, Response())
+    return _see(f"/policies/{stored.version}", "policy-stored")
+
+
+@router.post("/purges")
+def start_purge(
+    form: FormDep, action: Annotated[Action, audited("purge.create", *TENANT_WRITERS)]
+) -> RedirectResponse:
+    body = _model(
+        PurgeCreate,
+        kind=form.get("kind", ""),
+        value=form.get("value", "").strip(),
+        tenant_id=form.get("tenant_id", "").strip() or None,
+    )
+    created = purges.create_purge(body, action)
+    return _see(f"/purges/{created.job_id}", "purge-started")
+
+
+@router.post("/ledger/checkpoints")
+def sign_checkpoint(
+    _form: FormDep, action: Annotated[Action, audited("audit.checkpoint", *ADMINS)]
+) -> RedirectResponse:
+    audit.sign_checkpoint(action)
+    return _see("/ledger", "checkpoint-signed")
