@@ -69,7 +69,6 @@ class ServeConfig:
         env = {
             "KVGUARD_DB_URL": self.db_url,
             "KVGUARD_SALT_KEYRING_FILE": str(self.options.salt_keyring_file),
-            "KVGUARD_POLICY_URL": self.db_url,
         }
         if self.options.policy_file is not None:
             env["KVGUARD_POLICY_FILE"] = str(self.options.policy_file)

@@ -20,10 +20,11 @@ vLLM before it serves), never from a second default; a LoRA adapter named in the
 enters the scope with a digest of its files (`adapters.AdapterDigests`). Without that state (the
 middleware embedded in another app) the `model` and `cache` arguments must be given.
 
-Environment: `KVGUARD_SALT_KEYRING_FILE`, `KVGUARD_DB_URL` (tenant registry), `KVGUARD_POLICY_FILE`,
-and `KVGUARD_POLICY_URL` (the policy store the admin API writes): with it, the middleware follows the
-store's current version, re-read at most once a second (`POLICY_REFRESH_S`), so a tenant the admin
-disables gets 403 within about a second. When the store cannot be read, requests get 503 until it can
+Environment: `KVGUARD_SALT_KEYRING_FILE`, `KVGUARD_DB_URL` (tenant keys and the policy store the
+admin API writes, one database) and `KVGUARD_POLICY_FILE`: the middleware follows the store's
+current version, re-read at most once a second (`POLICY_REFRESH_S`), so a tenant the admin
+disables gets 403 within about a second; while the store holds no version, the file (or the
+defaults) is in force. When the store cannot be read, requests get 503 until it can
 (G7: no admission on a policy that may be stale).
 """
 
@@ -99,14 +100,14 @@ class KVGuardMiddleware:
     ) -> None:
         env = os.environ
         self.app = app
+        db_url = env.get("KVGUARD_DB_URL")
         self.keys = keys or TenantKeys.open(_required_env("KVGUARD_DB_URL"))
         self.deriver = deriver or SaltDeriver(
             Keyring.load(_required_env("KVGUARD_SALT_KEYRING_FILE"))
         )
         policy_file = env.get("KVGUARD_POLICY_FILE")
         self.policies = policies or (load_policy_file(policy_file) if policy_file else PolicySet())
-        policy_url = env.get("KVGUARD_POLICY_URL")
-        self.policy_store = policy_store or (PolicyStore.open(policy_url) if policy_url else None)
+        self.policy_store = policy_store or (PolicyStore.open(db_url) if db_url else None)
         self.policy_version: int | None = None
         self._clock = clock
         self._policy_read_at = float("-inf")
