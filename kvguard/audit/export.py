@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 
 ProofFn = Callable[[int, bytes], list[bytes]]
+Progress = Callable[[int, int], None]  # (entries written, total or 0 when a filter hides it)
+
+_PROGRESS_EVERY = 5_000  # entries between progress calls: keeps the callback off the per-entry path
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,12 @@ def export_bundle(
     renderings: bool = True,
     consistency: bool = True,
     include_payloads: bool = False,
+    progress: Progress | None = None,
 ) -> ExportSummary:
     """Write a bundle of the matching entries to the new or empty directory `out`. A complete
     export always carries its consistency proofs (`consistency` applies to filtered ones).
-    `include_payloads`: the erasable payloads themselves (personal data), not only their state."""
+    `include_payloads`: the erasable payloads themselves (personal data), not only their state.
+    `progress(done, total)` is called every few thousand entries (`kvguard audit export`)."""
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"export directory {out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -93,10 +98,14 @@ def export_bundle(
             if commitment is not None:
                 committed.append((index, commitment))
             count += 1
+            if progress is not None and count % _PROGRESS_EVERY == 0:
+                progress(count, cp.size if complete else 0)
         if consistency or complete:
             _write_consistency(ledger, conn, out, cp)
         lines = payload_lines(ledger, conn, committed, cp, include=include_payloads)
         (out / payloads.PAYLOADS).write_text("".join(lines), encoding="utf-8", newline="")
+    if progress is not None:
+        progress(count, count)
     manifest = Manifest(
         ledger.origin,
         cp.size,

@@ -349,17 +349,25 @@ class Ledger:
 
     def export(self, path: str | Path, **options: Any) -> ExportSummary:
         """Write an export bundle: options `scope_tag`, `since`, `until`, `kinds`, `tlog_proofs`,
-        `renderings`, `consistency` (see `kvguard.audit.export.export_bundle`)."""
+        `renderings`, `consistency`, `include_payloads`, `progress` (see
+        `kvguard.audit.export.export_bundle`)."""
         return export_bundle(self, Path(path), **options)
 
     def verify(
-        self, extra_verifiers: Sequence[str] = (), *, max_unsigned_age: timedelta | None = None
+        self,
+        extra_verifiers: Sequence[str] = (),
+        *,
+        max_unsigned_age: timedelta | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> VerifyReport:
         """Recompute everything from the database (see `kvguard.audit.verify_db`); raises
         VerificationError naming the first failing entry. `extra_verifiers`: verifier key strings
         of retired signing keys whose checkpoints should still be accepted. `max_unsigned_age`:
-        fail when an entry older than that is covered by no checkpoint."""
-        return verify_ledger(self, extra_verifiers, max_unsigned_age=max_unsigned_age)
+        fail when an entry older than that is covered by no checkpoint. `progress(done, total)`:
+        called every few thousand entries scanned."""
+        return verify_ledger(
+            self, extra_verifiers, max_unsigned_age=max_unsigned_age, progress=progress
+        )
 
     def now(self) -> datetime:
         """The ledger's clock (injected: tests pass their own)."""

@@ -24,14 +24,19 @@ def alembic_config() -> Config:
     return cfg
 
 
-def is_current(engine: sa.Engine) -> bool:
-    """True when the database is already at the newest ledger revision (a cheap read)."""
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+def current_revision(engine: sa.Engine) -> str | None:
+    """The ledger revision the database is at (None: no ledger tables yet)."""
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
         current = ctx.get_current_revision()
         conn.rollback()
-    return current == head
+    return current
+
+
+def is_current(engine: sa.Engine) -> bool:
+    """True when the database is already at the newest ledger revision (a cheap read)."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    return current_revision(engine) == head
 
 
 def upgrade(engine: sa.Engine) -> None:

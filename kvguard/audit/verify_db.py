@@ -17,7 +17,7 @@ Checked, in one consistent read snapshot:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
 
 _CHUNK = 5_000
+Progress = Callable[[int, int], None]  # (entries scanned, entries in the log)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def verify_ledger(
     *,
     max_unsigned_age: timedelta | None = None,
     now: datetime | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     verifiers = ledger.verifiers() + [note.parse_verifier_key(v) for v in extra_verifiers]
     with ledger.store.engine.connect() as plain:
@@ -70,7 +72,7 @@ def verify_ledger(
             conn = plain.execution_options(isolation_level="REPEATABLE READ")
         with conn.begin():
             size = ledger.store.size(conn)
-            scan = _check_entries(conn, size)
+            scan = _check_entries(conn, size, progress)
             _check_blocks(conn, scan.blocks)
             _check_commands(conn, scan.commands)
             levels = merkle.tree_levels(scan.leaf_hashes)
@@ -84,7 +86,7 @@ def verify_ledger(
     )
 
 
-def _check_entries(conn: sa.Connection, size: int) -> _Scan:
+def _check_entries(conn: sa.Connection, size: int, progress: Progress | None = None) -> _Scan:
     e = t.entries.c
     stmt = sa.select(e.idx, e.leaf, e.leaf_hash, e.kind, e.scope_tag, e.request_id, e.ts_us)
     scan = _Scan([], {}, set(), set(), set())
@@ -114,6 +116,8 @@ def _check_entries(conn: sa.Connection, size: int) -> _Scan:
             if isinstance(erased, int) and not isinstance(erased, bool):
                 scan.erased.add(erased)
         expected += 1
+        if progress is not None and expected % _CHUNK == 0:
+            progress(expected, size)
     if expected < size:
         raise VerificationError(f"entry {expected}: missing (the head row says {size} entries)")
     if expected > size:

@@ -7,7 +7,9 @@
 
 `--log ORIGIN=VKEY` trusts the log verifier key VKEY for checkpoints whose origin line is ORIGIN; a
 bare `--log VKEY` uses the key's name as the origin (the common convention). Repeat `--log` for more
-logs, or for a second key of one log during a rotation. Exit codes: 0 ok, 1 failed, 2 usage error.
+logs, or for a second key of one log during a rotation. Exit codes (`kvguard.cli_output`, docs/cli.md):
+0 ok, 2 usage or environment (a bad option, an unreadable key or state file, an address it cannot
+listen on).
 """
 
 from __future__ import annotations
@@ -22,19 +24,13 @@ import typer
 
 from kvguard.audit import note
 from kvguard.audit.cosign import WitnessKey
+from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, reporting
 from kvguard.errors import KvguardError
-
-EXIT_FAILED, EXIT_USAGE = 1, 2
 
 witness_app = typer.Typer(
     help="Transparency-log witness (c2sp.org/tlog-witness) for kvguard ledgers.",
     no_args_is_help=True,
 )
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    typer.echo(message, err=True)
-    return typer.Exit(code)
 
 
 def parse_log_option(value: str) -> tuple[str, note.Verifier]:
@@ -74,7 +70,9 @@ def serve_command(
     state: Annotated[Path, typer.Option("--state", help="Witness state file (SQLite, 0600)")],
     listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to bind")] = "127.0.0.1:8650",
 ) -> None:
-    """Serve POST /add-checkpoint: cosign checkpoints that extend what this witness saw."""
+    """Serve POST /add-checkpoint: cosign checkpoints that extend what this witness saw.
+
+    Exit 0 when stopped; 2 usage or environment (key, state file, listen address)."""
     from kvguard.audit.witness import Witness, WitnessState, serve  # noqa: PLC0415
 
     try:
@@ -85,11 +83,11 @@ def serve_command(
             logs.setdefault(origin, []).append(verifier)
         witness_key = WitnessKey.load(key)
     except (KvguardError, ValueError, OSError) as exc:
-        raise _fail(f"usage error: {exc}", EXIT_USAGE) from None
+        raise fail(str(exc), EXIT_USAGE, label="usage error") from None
     try:
         witness_state = WitnessState(state)
     except (KvguardError, sqlite3.Error, OSError) as exc:
-        raise _fail(f"error: cannot open witness state {state}: {exc}", EXIT_USAGE) from None
+        raise fail(f"cannot open witness state {state}: {exc}", EXIT_USAGE) from None
     witness = Witness(witness_key, logs, witness_state)
 
     def listening(bound_host: str, bound_port: int) -> None:
@@ -104,7 +102,7 @@ def serve_command(
     except KeyboardInterrupt:
         pass
     except OSError as exc:
-        raise _fail(f"error: cannot listen on {listen}: {exc}", EXIT_FAILED) from None
+        raise fail(f"cannot listen on {listen}: {exc}", EXIT_USAGE) from None
     finally:
         witness_state.close()
 
@@ -119,17 +117,19 @@ def witness_key_command(
             show_default=False,
         ),
     ] = None,
+    json_output: JsonOpt = False,
 ) -> None:
-    """Create a witness cosigning key (0600); print its verifier key for relying parties."""
+    """Create a witness cosigning key (0600) and print its verifier key.
+
+    Exit 0 ok; 2 the name is invalid or the file exists (never overwritten)."""
     from kvguard.settings import Settings  # noqa: PLC0415
 
     default = out is None
-    out = out or Settings().secret_path("witness.key")
-    try:
+    with reporting(json_output, usage=(ValueError,)):
+        out = out or Settings().secret_path("witness.key")
         key = WitnessKey.generate(name)
         key.save(out)
-    except (KvguardError, ValueError, OSError) as exc:
-        raise _fail(f"error: {exc}", EXIT_USAGE) from None
     if default:  # say where it went (stderr: stdout stays the verifier key alone)
         typer.echo(f"witness key written to {out} (0600)", err=True)
-    typer.echo(key.verifier_key())
+    result = {"name": key.name, "path": out, "verifier_key": key.verifier_key()}
+    emit(result, json_output, key.verifier_key())

@@ -36,7 +36,8 @@ def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
         (["--role", "root"], 2, "--role must be one of"),
         (["--role", "tenant_admin"], 2, "needs --tenant"),
         (["--role", "admin", "--tenant", "acme"], 2, "needs --tenant"),
-        (["--role", "admin", "--db", "sqlite:////nonexistent/dir/x.db"], 1, "cannot open database"),
+        # an environment error (docs/cli.md): 2, was 1 before issue 13, item 5
+        (["--role", "admin", "--db", "sqlite:////nonexistent/dir/x.db"], 2, "cannot open database"),
     ],
 )
 def test_keys_create_refuses_bad_input(
@@ -62,7 +63,7 @@ def test_serve_refuses_to_start_without_secrets(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     result = runner.invoke(app, ["serve", "--port", "1"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # missing secrets: an environment error (docs/cli.md)
     assert "KVGUARD_SALT_KEYRING_FILE" in result.output
 
 
@@ -73,6 +74,6 @@ def test_serve_says_which_database_it_cannot_open(
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     url = "postgresql+psycopg://kvguard:s3cret-pw@127.0.0.1:1/nowhere"
     result = runner.invoke(app, ["serve", "--db", url, "--port", "1"])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # an environment error (docs/cli.md)
     assert "cannot open database" in result.output and "OperationalError" in result.output
     assert "s3cret-pw" not in result.output and "Traceback" not in result.output

@@ -154,6 +154,26 @@ def test_tampering_is_caught(issued: tuple[ApiEnv, Cert, str], tmp_path: Path, n
     assert code == 1 and out.startswith("INVALID:"), out
 
 
+def test_certificate_result_as_json(issued: tuple[ApiEnv, Cert, str], tmp_path: Path) -> None:
+    """`--json`: one object on stdout, for a valid certificate and for a tampered one (exit 1)."""
+    _env, cert, vkey = issued
+    app = typer.Typer()
+    app.command()(verify_command)
+    result = CliRunner().invoke(app, [str(_write(tmp_path, cert)), "--key", vkey, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["valid"], report["kind"], report["job_id"]) == (True, "certificate", 1)
+    assert (report["blocks_cleared"], report["engines"], report["cosigned_by"]) == (4, 2, [])
+    assert {"origin", "tree_size", "entries", "saved_checkpoint"} <= set(report)
+    bad = copy.deepcopy(cert)
+    _set("media.kv_cache_blocks.cleared", 5)(bad)
+    result = CliRunner().invoke(app, [str(_write(tmp_path, bad)), "--key", vkey, "--json"])
+    assert result.exit_code == 1, result.output
+    failed = json.loads(result.stdout)
+    assert (failed["valid"], failed["kind"], failed["exit_code"]) == (False, "certificate", 1)
+    assert "cleared" in failed["error"] and result.stderr.startswith("INVALID:")
+
+
 def _without_engine(cert: Cert, engine_id: str) -> Cert:
     """`cert` less one engine, every other claim recomputed so that only the request can tell."""
     bad = copy.deepcopy(cert)

@@ -1,0 +1,175 @@
+"""How every `kvguard` command reports: its result, its errors, its exit status, its progress.
+
+One table of exit statuses (issue 13, item 5; documented in docs/cli.md):
+
+- 0 (`EXIT_OK`): done, or the thing checked is valid;
+- 1 (`EXIT_INVALID`): the command ran and the answer is no: a verification failed, a policy is
+  invalid, the database shows tampering, the log was rewritten, the named tenant or key does not
+  exist, the engines did not acknowledge in time;
+- 2 (`EXIT_USAGE`): the command could not do its work: a bad option, a missing or unreadable file or
+  key, a database it cannot open, a file it refuses to overwrite, a missing dependency.
+
+With `--json`, stdout carries exactly one JSON object (sorted keys): the result, or on a non-zero
+exit `{"error": ..., "exit_code": N}` plus whatever result fields the command had (a failed check
+keeps `"valid": false`). Human messages go to stderr. Progress bars go to stderr, only when stderr is
+a terminal and never with `--json`.
+
+This module owns the formats, never what a command does; it never prints a secret of its own
+accord (the one secret a command prints on purpose, a newly created key, is in its result).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kvguard.errors import (
+    AppendOnlyViolationError,
+    ConflictError,
+    KvguardError,
+    NotFoundError,
+    PolicyValidationError,
+    VerificationError,
+)
+
+EXIT_OK: Final = 0
+EXIT_INVALID: Final = 1
+EXIT_USAGE: Final = 2
+
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Print the result (or the error) as one JSON object on stdout."),
+]
+
+ProgressFn = Callable[[int, int], None]
+
+# The errors that mean "the answer is no" (exit 1); every other expected error is a usage or
+# environment problem (exit 2).
+_INVALID: Final = (
+    VerificationError,
+    AppendOnlyViolationError,
+    PolicyValidationError,
+    NotFoundError,
+    ConflictError,
+)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The table's status for an error a command reports."""
+    return EXIT_INVALID if isinstance(exc, _INVALID) else EXIT_USAGE
+
+
+def emit(result: Mapping[str, Any], json_output: bool, human: str) -> None:
+    """Print a command's result: the JSON object with `--json`, else the human text (stdout)."""
+    if json_output:
+        typer.echo(_dumps(result))
+    elif human:
+        typer.echo(human.removesuffix("\n"))
+
+
+def fail(
+    message: str,
+    code: int,
+    json_output: bool = False,
+    *,
+    label: str = "error",
+    result: Mapping[str, Any] | None = None,
+) -> typer.Exit:
+    """Report a non-zero outcome: `label: message` on stderr and, with `--json`, the result fields
+    with `error` and `exit_code` on stdout. Returns the `typer.Exit` for the caller to raise."""
+    typer.echo(f"{label}: {message}", err=True)
+    if json_output:
+        typer.echo(_dumps({**(result or {}), "error": message, "exit_code": code}))
+    return typer.Exit(code)
+
+
+@contextmanager
+def reporting(
+    json_output: bool,
+    *,
+    db_url: str | None = None,
+    usage: tuple[type[Exception], ...] = (),
+    invalid: Mapping[str, Any] | None = None,
+) -> Iterator[None]:
+    """Turn the errors a command expects into the table's status: kvguard's own errors by
+    `exit_code_for`, an OSError or one of `usage` as 2, a database error as 2 (its type only: a
+    driver's message may quote connection details). Anything else is a bug and propagates.
+    `invalid`: result fields of the JSON error object when the answer is no (`{"valid": False}`)."""
+    expected: tuple[type[Exception], ...] = (KvguardError, OSError, *usage)
+    try:
+        yield
+    except expected as exc:
+        code = exit_code_for(exc)
+        label = "INVALID" if isinstance(exc, VerificationError) else "error"
+        result = invalid if code == EXIT_INVALID else None
+        raise fail(str(exc), code, json_output, label=label, result=result) from None
+    except Exception as exc:
+        if not _is_database_error(exc):
+            raise
+        where = f" {safe_url(db_url)}" if db_url else ""
+        message = f"cannot open database{where}: {type(exc).__name__}"
+        raise fail(message, EXIT_USAGE, json_output) from None
+
+
+def safe_url(url: str) -> str:
+    """A database URL fit to print: the password masked."""
+    from sqlalchemy.engine import make_url  # noqa: PLC0415 - `kvguard verify` must not load SQL
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(malformed URL)"
+
+
+@contextmanager
+def progress(description: str, unit: str, *, json_output: bool) -> Iterator[ProgressFn]:
+    """A progress bar on stderr for long work; yields `update(done, total)` (total 0: unknown).
+    Shown only when stderr is a terminal and `--json` is off: logs, pipes and CI stay clean."""
+    console = Console(stderr=True)
+    shown = not json_output and _is_tty(sys.stderr)
+    columns = (
+        TextColumn(description),
+        BarColumn(),
+        TextColumn(f"{{task.completed}} {unit}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, disable=not shown) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total or None)
+
+        yield update
+
+
+def _is_tty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    # Checked without importing SQLAlchemy: if it is not loaded, no error can be one of its own.
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    return sa_exc is not None and isinstance(exc, sa_exc.SQLAlchemyError)
+
+
+def _dumps(result: Mapping[str, Any]) -> str:
+    return json.dumps(result, indent=2, sort_keys=True, default=_plain)
+
+
+def _plain(value: object) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -1,0 +1,286 @@
+"""Control-plane commands for `kvguard.cli` to mount: `kvguard purge`, `kvguard keys tenant-key
+create|revoke|list` (inference keys of `kvguard engine serve`) and `kvguard db migrate|grants`.
+
+Every command takes `--json` and follows the exit-code table of `kvguard.cli_output` (docs/cli.md):
+0 ok; 1 the tenant or key named does not exist (or is disabled), or no engine acknowledged a purge
+within `--wait`; 2 usage or environment (a bad option, a database it cannot open or migrate).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvguard.cli_output import (
+    EXIT_INVALID,
+    EXIT_USAGE,
+    JsonOpt,
+    emit,
+    fail,
+    progress,
+    reporting,
+    safe_url,
+)
+
+if TYPE_CHECKING:
+    from kvguard.control.commands import CommandQueue, PurgeSelector
+    from kvguard.control.keys import TenantKeys
+
+tenant_key_app = typer.Typer(
+    help="Inference API keys for tenants of `kvguard engine serve`.", no_args_is_help=True
+)
+db_app = typer.Typer(help="The database: migrations and PostgreSQL grants.", no_args_is_help=True)
+
+TenantDbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="KVGUARD_DB_URL",
+        help="Tenant registry database URL (default: SQLite under KVGUARD_DATA_DIR).",
+        show_default=False,
+    ),
+]
+
+
+def resolve_db_url(db: str | None) -> str:
+    """`--db`, or the embedded SQLite default under KVGUARD_DATA_DIR (created)."""
+    from kvguard.settings import Settings  # noqa: PLC0415
+
+    if db:
+        return db
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the embedded default lives there
+    return settings.database_url()
+
+
+def _submit_recorded_purge(queue: CommandQueue, selector: PurgeSelector, by: str) -> int:
+    """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
+    the admin API, or the next `kvguard` process that opens the ledger, delivers it)."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
+    tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
+    return int(
+        record_operator_change(
+            queue.engine,
+            lambda conn: queue.submit_purge(selector, requested_by=by, conn=conn),
+            lambda job_id: operator_event(
+                "purge.create",
+                by=by,
+                tenant_id=tenant,
+                job_id=job_id,
+                purge_kind=selector.kind.value,
+            ),
+        )
+    )
+
+
+def _selector(
+    tenant: str | None, chosen: list[tuple[str, str]], json_output: bool
+) -> PurgeSelector:
+    from kvguard.control.commands import PurgeKind, PurgeSelector  # noqa: PLC0415
+
+    if len(chosen) > 1 or (not chosen and not tenant):
+        message = "give exactly one of --tenant, --session (with --tenant), --model, --adapter"
+        raise fail(message, EXIT_USAGE, json_output)
+    if chosen:
+        kind, value = chosen[0]
+        return PurgeSelector(PurgeKind(kind), value, tenant if kind == "session" else None)
+    return PurgeSelector(PurgeKind.TENANT, str(tenant))
+
+
+def _wait_for_acks(queue: CommandQueue, command_id: int, wait: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + wait
+    while wait and time.monotonic() < deadline:
+        acks = queue.acks(command_id)
+        if acks:
+            return acks
+        time.sleep(0.2)
+    return []
+
+
+def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
+    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Database the engines poll.")],
+    tenant: Annotated[
+        str | None, typer.Option(help="Purge this tenant (or the session's tenant).")
+    ] = None,
+    session: Annotated[str | None, typer.Option(help="Purge one session (needs --tenant).")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Purge everything computed by this model id.")
+    ] = None,
+    adapter: Annotated[
+        str | None, typer.Option(help="Purge everything computed with this adapter id.")
+    ] = None,
+    by: Annotated[str, typer.Option(help="Who asks (recorded with the command).")] = "cli",
+    wait: Annotated[float, typer.Option(help="Seconds to wait for engine acknowledgements.")] = 0.0,
+    json_output: JsonOpt = False,
+) -> None:
+    """Queue a purge for every engine on the database; cached blocks are quarantined and zeroized.
+
+    Exit 0 queued (with --wait: and acknowledged); 1 no engine acknowledged within --wait; 2 usage
+    or environment (selector options, database)."""
+    from kvguard.control.commands import CommandQueue  # noqa: PLC0415
+
+    chosen = [
+        (k, v) for k, v in (("session", session), ("model", model), ("adapter", adapter)) if v
+    ]
+    selector = _selector(tenant, chosen, json_output)
+    with reporting(json_output, db_url=db):
+        queue = CommandQueue.open(db)
+        command_id = _submit_recorded_purge(queue, selector, by)
+        acks = _wait_for_acks(queue, command_id, wait)
+    result = {
+        "command_id": command_id,
+        "selector": {
+            "kind": selector.kind.value,
+            "value": selector.value,
+            "tenant_id": selector.tenant_id,
+        },
+        "acks": acks,
+    }
+    if wait and not acks:
+        message = "no engine acknowledged the purge yet (engines poll when they are busy)"
+        if not json_output:
+            typer.echo(f"purge command {command_id} queued")
+        raise fail(message, EXIT_INVALID, json_output, result=result)
+    lines = [f"purge command {command_id} queued"] + [
+        f"engine {ack['engine_id']}: {ack['blocks_quarantined']} blocks quarantined" for ack in acks
+    ]
+    emit(result, json_output, "\n".join(lines))
+
+
+def _tenant_keys(url: str) -> TenantKeys:
+    from kvguard.control.keys import TenantKeys  # noqa: PLC0415
+
+    return TenantKeys.open(url)
+
+
+def _resolved(db: str | None, json_output: bool) -> str:
+    with reporting(json_output):
+        return resolve_db_url(db)
+
+
+@tenant_key_app.command("create")
+def tenant_key_create(
+    tenant: Annotated[str, typer.Argument(help="A registered tenant id the key maps to.")],
+    db: TenantDbOption = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Issue an inference API key for a registered tenant (shown once; only its hash is kept).
+
+    Exit 0 ok; 1 the tenant is not registered or is disabled; 2 usage or environment."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
+    url = _resolved(db, json_output)
+    with reporting(json_output, db_url=url):
+        keys = _tenant_keys(url)
+        issued = record_operator_change(
+            keys.engine,
+            lambda conn: keys.issue(tenant, conn=conn),
+            lambda i: operator_event("inference_key.create", tenant_id=tenant, key_id=i.key_id),
+        )
+    human = f"key id {issued.key_id} for tenant {issued.tenant_id} (store it now, it is not kept):"
+    result = {
+        "key_id": issued.key_id,
+        "tenant_id": issued.tenant_id,
+        "api_key": issued.api_key,  # printed once on purpose, as the plain output does
+    }
+    emit(result, json_output, f"{human}\n{issued.api_key}")
+
+
+@tenant_key_app.command("revoke")
+def tenant_key_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id (12 hex digits after kvg_).")],
+    db: TenantDbOption = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Revoke a tenant key; the server refuses it from the next request.
+
+    Exit 0 ok; 1 no such key; 2 usage or environment."""
+    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+
+    url = _resolved(db, json_output)
+    with reporting(json_output, db_url=url):
+        keys = _tenant_keys(url)
+        info = record_operator_change(
+            keys.engine,
+            lambda conn: keys.revoke(key_id, conn=conn),
+            lambda revoked: operator_event(
+                "inference_key.revoke", tenant_id=revoked.tenant_id, key_id=key_id
+            ),
+        )
+    result = {"key_id": key_id, "tenant_id": info.tenant_id, "revoked": True}
+    emit(result, json_output, f"tenant key {key_id} revoked")
+
+
+@tenant_key_app.command("list")
+def tenant_key_list(
+    db: TenantDbOption = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """List tenant keys (id, tenant, created, revoked); never the keys themselves.
+
+    Exit 0 ok; 2 usage or environment."""
+    url = _resolved(db, json_output)
+    with reporting(json_output, db_url=url):
+        rows = _tenant_keys(url).list(tenant)
+    lines = [
+        f"{r.key_id}  {r.tenant_id}  {r.created_iso}  {'revoked' if r.revoked else 'active'}"
+        for r in rows
+    ]
+    emit({"keys": [r.as_dict() for r in rows]}, json_output, "\n".join(lines))
+
+
+@db_app.command("migrate")
+def db_migrate(
+    db: Annotated[str | None, typer.Option(help="Database URL (run as the owner role).")] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Create or upgrade every kvguard table (control plane and ledger) to this release's schema.
+
+    Exit 0 ok; 2 usage or environment (a database it cannot open or migrate)."""
+    from kvguard.audit import migrate as ledger  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+    from kvguard.control import db as control  # noqa: PLC0415
+
+    url = _resolved(db, json_output)
+    with reporting(json_output, db_url=url):
+        engine = create_engine(url)
+        try:
+            with progress("migrating", "schemas", json_output=json_output) as update:
+                ledger_before = ledger.current_revision(engine)
+                ledger.upgrade(engine)
+                update(1, 2)
+                control_before = control.current_revision(engine)
+                control.upgrade(engine)
+                update(2, 2)
+            ledger_after = ledger.current_revision(engine)
+            control_after = control.current_revision(engine)
+        finally:
+            engine.dispose()
+    result = {
+        "database": safe_url(url),
+        "ledger": {"before": ledger_before, "after": ledger_after},
+        "control": {"before": control_before, "after": control_after},
+    }
+    human = f"control schema at {control_after}; ledger schema up to date"
+    emit(result, json_output, human)
+
+
+@db_app.command("grants")
+def db_grants(
+    app_role: Annotated[str, typer.Argument(help="The PostgreSQL role serving processes use.")],
+    json_output: JsonOpt = False,
+) -> None:
+    """Print the SQL (run it as the owner role) that gives APP_ROLE what the serving processes need.
+
+    The API, engines and front ends get the ledger append-only and the control tables per
+    docs/operations.md. Exit 0 ok; 2 an invalid role name."""
+    from kvguard.control.roles import all_grants  # noqa: PLC0415
+
+    with reporting(json_output, usage=(ValueError,)):
+        statements = all_grants(app_role)
+    result = {"role": app_role, "statements": statements}
+    emit(result, json_output, "\n".join(f"{statement};" for statement in statements))
