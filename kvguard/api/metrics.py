@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -28,6 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvguard.audit import schema as ledger_schema
+from kvguard.audit.events import EventKind
 from kvguard.control.engine_metrics import (
     ENGINE_FIGURES,
     ENGINE_HISTOGRAMS,
@@ -88,6 +91,30 @@ class FleetCollector(Collector):
         yield from _engine_figures(live)
         yield from _engine_histograms(live)
         yield from self._tenant_metrics([e.engine_id for e in live], now)
+        yield self._quota_rejections()
+
+    def _quota_rejections(self) -> Metric:
+        """`quota.reject` ledger entries per tenant tag (front ends record them: `frontquota`),
+        every registered tenant present from the start. A read of the `(kind, idx)` index."""
+        counts = dict.fromkeys(self._tenant_tags(), 0)
+        e = ledger_schema.entries.c
+        stmt = (
+            sa.select(e.scope_tag, sa.func.count())
+            .where(e.kind == EventKind.QUOTA_REJECT.value)
+            .group_by(e.scope_tag)
+        )
+        with self._services.ledger.store.engine.connect() as conn:
+            for tag, count in conn.execute(stmt):
+                if tag is not None:
+                    counts[str(tag)] = counts.get(str(tag), 0) + int(count)
+        family = CounterMetricFamily(
+            "kvguard_tenant_quota_rejections",
+            "Requests the front end refused because the tenant's quota was full",
+            labels=["tenant_tag"],
+        )
+        for tag in sorted(counts):
+            family.add_metric([tag], counts[tag])
+        return family
 
     def _tenant_metrics(self, live: list[str], now: float) -> Iterator[Metric]:
         rows = self._services.engines.tenant_stats(engine_ids=live) if live else []

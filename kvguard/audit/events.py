@@ -56,6 +56,7 @@ class EventKind(StrEnum):
     PAYLOAD_ERASE = "payload.erase"
     CUSTODY_REPAIR = "custody.repair"
     QUOTA_DEFER = "quota.defer"
+    QUOTA_REJECT = "quota.reject"
 
 
 def _words(name: str) -> list[str]:

@@ -70,6 +70,15 @@ class AuditLevel(StrEnum):
     FULL = "full"
 
 
+class QuotaFull(StrEnum):
+    """What happens to a request that would take its tenant's running work past `quota.max_blocks`:
+    it waits in the engine's queue until the tenant's own requests leave room, or the front end
+    refuses it at once (429) so the client can back off or shed load (issue 10, item 6)."""
+
+    WAIT = "wait"
+    REJECT = "reject"
+
+
 class LedgerUnavailable(StrEnum):
     """What admission does when the ledger cannot take entries (G7): refuse, or hold requests back."""
 

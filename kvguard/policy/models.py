@@ -26,6 +26,7 @@ from kvguard.policy.enums import (
     AuditLevel,
     Classification,
     LedgerUnavailable,
+    QuotaFull,
     Reuse,
     Verify,
     ZeroizeOn,
@@ -55,9 +56,11 @@ class Retention(_Frozen):
 
 
 class Quota(_Frozen):
-    """How many blocks (active + cached) the tenant may hold; None means no per-tenant cap."""
+    """How many blocks (active + cached) the tenant may hold; None means no per-tenant cap.
+    `when_full`: a request its running work would take past the cap waits, or is refused (429)."""
 
     max_blocks: int | None = Field(default=None, ge=1, lt=1 << 40)
+    when_full: QuotaFull = QuotaFull.WAIT
 
 
 class Zeroize(_Frozen):

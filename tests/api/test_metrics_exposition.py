@@ -262,3 +262,23 @@ def test_two_engines_and_a_stale_one_stay_clean(env: ApiEnv) -> None:
         for e in ("e1", "e2")
         for t in tags
     } == {0.0}
+
+
+def test_quota_rejections_are_counted_per_tenant_from_the_ledger(env: ApiEnv) -> None:
+    """Issue 10, item 6: front ends record `quota.reject` entries; /metrics counts them per tenant
+    tag, every registered tenant present at 0."""
+    from kvguard.engine_adapter.vllm.frontquota import refusal_event  # noqa: PLC0415
+
+    tags = {t: env.services.deriver.tenant_tag(t) for t in TENANTS}
+    got = values(_scrape(env))
+    for tag in tags.values():
+        assert got[("kvguard_tenant_quota_rejections_total", _labels(tenant_tag=tag))] == 0.0
+    first = TENANTS[0]
+    for _ in range(2):
+        env.services.ledger.append(refusal_event(tags[first], needed=2, held=3, cap=4))
+    text = _scrape(env)
+    _assert_clean(text)
+    got = values(text)
+    assert got[("kvguard_tenant_quota_rejections_total", _labels(tenant_tag=tags[first]))] == 2.0
+    for tenant in TENANTS[1:]:
+        assert got[("kvguard_tenant_quota_rejections_total", _labels(tenant_tag=tags[tenant]))] == 0

@@ -32,8 +32,12 @@ default:
 tenants:
   disabled-co:
     enabled: false
+  tight:
+    quota:
+      max_blocks: 4
+      when_full: reject
 """
-TENANTS = ("acme", "globex", "disabled-co", "rev", "initech")
+TENANTS = ("acme", "globex", "disabled-co", "rev", "initech", "tight")
 
 
 @dataclass

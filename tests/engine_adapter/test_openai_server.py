@@ -248,3 +248,45 @@ def test_lora_adapter_reloaded_with_new_weights_never_reuses(server, keys) -> No
     served_mod.write_lora(server.workdir / "lora", seed=2)  # same name and path, new weights
     assert cached(served_mod.LORA_NAME) == 0
     assert cached(served_mod.LORA_NAME) > 0
+
+
+def test_a_tenant_whose_quota_says_reject_gets_429_while_its_requests_fill_it(server) -> None:
+    """Issue 10, item 6: `quota.when_full: reject`, 4 blocks of 128 tokens. A 300-token prompt with
+    100 tokens out holds all 4 while it streams; a second request meanwhile is refused at once
+    (429 naming the figures) and recorded; once the first ends, the same request runs."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    c = _client(server, server.keys().issue("tight").api_key)
+    stream = c.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=100,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(stream))  # admitted and streaming: its blocks are held
+    assert first.choices
+    with pytest.raises(openai.RateLimitError) as refused:
+        c.completions.create(model=server.model, prompt=SHORT, max_tokens=8)
+    assert "hold 4 of its 4 KV blocks" in str(refused.value)
+    assert refused.value.response.headers["retry-after"] == "1"
+    with pytest.raises(openai.BadRequestError, match="can never run"):  # 5 blocks > 4
+        c.completions.create(model=server.model, prompt=PROMPT, max_tokens=400)
+    for _chunk in stream:
+        pass
+    done = c.completions.create(model=server.model, prompt=SHORT, max_tokens=8)
+    assert done.usage.completion_tokens > 0
+    engine = sa.create_engine(server.db_url)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                rows = conn.exec_driver_sql(
+                    "SELECT count(*) FROM ledger_entries WHERE kind = 'quota.reject'"
+                ).scalar_one()
+            if rows:
+                break
+            time.sleep(0.2)
+        assert rows == 1
+    finally:
+        engine.dispose()

@@ -69,6 +69,9 @@ class ServeConfig:
         env = {
             "KVGUARD_DB_URL": self.db_url,
             "KVGUARD_SALT_KEYRING_FILE": str(self.options.salt_keyring_file),
+            # the ledger quota refusals are recorded in (`frontquota`)
+            "KVGUARD_SIGNING_KEY_FILE": str(self.options.signing_key_file),
+            "KVGUARD_LEDGER_ORIGIN": self.options.ledger_origin,
         }
         if self.options.policy_file is not None:
             env["KVGUARD_POLICY_FILE"] = str(self.options.policy_file)

@@ -40,8 +40,10 @@ from typing import Any, Final
 import anyio.to_thread
 from sqlalchemy.exc import SQLAlchemyError
 
+from kvguard.audit.ledger import Ledger
 from kvguard.control.keys import TenantKeys
 from kvguard.engine_adapter.vllm.adapters import AdapterDigests
+from kvguard.engine_adapter.vllm.frontquota import FrontQuota, QuotaRefusalError, Reservation
 from kvguard.engine_adapter.vllm.routes import RouteClass, classify
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
 from kvguard.errors import ConfigError, KvguardError, PolicyError
@@ -49,7 +51,7 @@ from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.logging import get_logger
-from kvguard.policy import PolicySet, Usage, admit, load_policy_file
+from kvguard.policy import PolicySet, QuotaFull, Usage, admit, load_policy_file
 from kvguard.policy.store import PolicyStore
 
 Message = MutableMapping[str, Any]
@@ -96,6 +98,7 @@ class KVGuardMiddleware:
         model: ModelRef | None = None,
         cache: CacheConfig | None = None,
         policy_store: PolicyStore | None = None,
+        ledger: Ledger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         env = os.environ
@@ -116,6 +119,7 @@ class KVGuardMiddleware:
             tokenizer = TokenizerRef(id=model.id, revision=model.revision)
             self._engine = EngineView(model, tokenizer, cache)
         self._adapters = AdapterDigests()
+        self._quota = FrontQuota(self.deriver, ledger)  # quota.when_full: reject
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -167,13 +171,20 @@ class KVGuardMiddleware:
         headers: dict[bytes, bytes],
     ) -> None:
         try:
-            rewritten = await self._admit_and_rewrite(scope, receive, tenant, headers)
+            rewritten, held = await self._admit_and_rewrite(scope, receive, tenant, headers)
         except _RefusedError as refusal:
             await _reply(send, refusal.status, refusal.message)
             return
+        except QuotaRefusalError as refusal:
+            await _reply(send, refusal.status, refusal.message, refusal.retry_after)
+            return
         except _ClientGoneError:
             return  # nothing reached the engine; there is nobody to answer
-        await self.app(_with_length(scope, len(rewritten)), _replay(rewritten, receive), send)
+        try:
+            await self.app(_with_length(scope, len(rewritten)), _replay(rewritten, receive), send)
+        finally:  # the response is sent, or the client is gone: the blocks are no longer held
+            if held is not None:
+                self._quota.release(held)
 
     async def _admit_and_rewrite(
         self,
@@ -181,8 +192,9 @@ class KVGuardMiddleware:
         receive: Receive,
         tenant: str,
         headers: dict[bytes, bytes],
-    ) -> bytes:
-        """The body the engine gets; `_RefusedError` with the status to answer otherwise."""
+    ) -> tuple[bytes, Reservation | None]:
+        """The body the engine gets and the quota blocks held for it (`when_full: reject`);
+        `_RefusedError` / `QuotaRefusalError` with the status to answer otherwise."""
         engine = self._engine_view(scope)
         if engine is None:
             raise _RefusedError(503, "kvguard cannot read the engine configuration")
@@ -206,8 +218,15 @@ class KVGuardMiddleware:
         decision = admit(self.policies, request_scope, Usage())
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
-        self._check_quota(tenant, doc, engine.cache.block_size)
-        return self._rewrite(doc, Envelope(decision.scope, decision.use_cache))
+        quota = self.policies.policy_for(tenant).quota
+        held = None
+        if quota.max_blocks is not None and quota.when_full is QuotaFull.REJECT:
+            held = await self._quota.hold(
+                scope, tenant, doc, cap=quota.max_blocks, block_size=engine.cache.block_size
+            )
+        else:
+            self._check_quota(tenant, doc, engine.cache.block_size)
+        return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), held
 
     def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int) -> None:
         """A request whose output alone needs more blocks than the tenant's quota can never fit:
@@ -371,16 +390,13 @@ def _with_length(scope: MutableMapping[str, Any], length: int) -> MutableMapping
     return {**scope, "headers": headers}
 
 
-async def _reply(send: Send, status: int, message: str) -> None:
+async def _reply(send: Send, status: int, message: str, retry_after: int | None = None) -> None:
     body = json.dumps({"error": {"message": message, "code": status}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

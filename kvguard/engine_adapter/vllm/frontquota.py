@@ -1,0 +1,233 @@
+"""Quota refusals at the front end: policy `quota.when_full: reject` (issue 10, item 6).
+
+With `when_full: wait` (the default) a request that would take its tenant's running work past
+`quota.max_blocks` waits in vLLM's queue until the tenant's own requests leave room (the connector,
+`scheduler_side.may_schedule`). The engine cannot refuse a request vLLM has queued (an exception
+there stops the engine core), so a tenant that wants a fast, clear refusal instead sets
+`when_full: reject`, and the front end refuses before the engine sees the request:
+
+- it counts the blocks the request needs, `ceil((prompt tokens + max_tokens) / block size)` per
+  sequence, the prompt tokenized by vLLM's own tokenization service (`app.state.
+  serving_tokenization`: the same chat template and tokenizer the engine will use), `max_tokens`
+  defaulting to what vLLM fills in (the model's length less the prompt);
+- it holds, per tenant, the blocks of that tenant's requests in flight through this front end (from
+  admission until the response has been sent or the client has gone), an upper bound of what they
+  can occupy in the engine: prefix hits and early stops only make the real figure smaller;
+- a request that can never fit (more blocks than the whole quota) is `400`; one that would take the
+  tenant's requests in flight past the quota is `429` with `Retry-After`, naming the figures, and a
+  `quota.reject` ledger entry under the tenant's tag (so its own export shows it); the admin API
+  counts them in `kvguard_tenant_quota_rejections_total`.
+
+One front end process sees its own requests only: with several API server processes in front of one
+engine, each holds a tenant to the quota on its own (set the quota per process accordingly); the
+engine still holds every tenant to it by making requests wait.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from kvguard.audit.events import AuditEvent, EventKind
+from kvguard.audit.ledger import Ledger
+from kvguard.audit.signing import SigningKey
+from kvguard.errors import KvguardError
+from kvguard.isolation.salts import SaltDeriver
+from kvguard.logging import get_logger
+
+_log = get_logger("vllm.quota")
+RETRY_AFTER_S: Final = 1
+_CHAT_FIELDS: Final = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+
+
+class QuotaRefusalError(Exception):
+    """The front end answers `status` with `message`; the engine never sees the request."""
+
+    def __init__(self, status: int, message: str, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    tenant: str
+    blocks: int
+
+
+class InFlight:
+    """Blocks each tenant's admitted requests may use, held until their response ends. Runs on the
+    event loop only (no await between the check and the hold), so no lock is needed."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def take(self, tenant: str, blocks: int, cap: int) -> Reservation | None:
+        """Hold `blocks` for `tenant` if that keeps it within `cap`; None (nothing held) if not."""
+        if self.held(tenant) + blocks > cap:
+            return None
+        self._held[tenant] = self.held(tenant) + blocks
+        return Reservation(tenant, blocks)
+
+    def release(self, reservation: Reservation) -> None:
+        left = self.held(reservation.tenant) - reservation.blocks
+        if left > 0:
+            self._held[reservation.tenant] = left
+        else:
+            self._held.pop(reservation.tenant, None)
+
+
+async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens over every prompt of the request, the model's maximum length; 0 when
+    unknown). Tokenized by vLLM's own service; a body it cannot tokenize counts 0 here (vLLM then
+    answers the client's error itself)."""
+    state = getattr(scope.get("app"), "state", None)
+    serving = getattr(state, "serving_tokenization", None)
+    config = getattr(state, "vllm_config", None)
+    max_len = int(getattr(getattr(config, "model_config", None), "max_model_len", 0) or 0)
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and _is_token_ids(prompt):
+        return len(prompt), max_len
+    if isinstance(prompt, list) and all(_is_token_ids(p) for p in prompt):
+        return sum(len(p) for p in prompt), max_len
+    if serving is None:
+        return 0, max_len
+    from fastapi import Request  # noqa: PLC0415 - vLLM's server brings FastAPI
+    from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: PLC0415
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+    )
+
+    try:
+        if "messages" in doc:
+            fields = {k: doc[k] for k in _CHAT_FIELDS if k in doc}
+            requests: list[Any] = [TokenizeChatRequest.model_validate(fields)]
+        else:
+            texts = prompt if isinstance(prompt, list) else [prompt]
+            requests = [
+                TokenizeCompletionRequest.model_validate({"model": doc.get("model"), "prompt": t})
+                for t in texts
+            ]
+        total = 0
+        for request in requests:
+            answer = await serving.create_tokenize(request, Request(dict(scope)))
+            count = getattr(answer, "count", None)
+            if not isinstance(count, int):
+                return 0, max_len  # an error response: vLLM will say what is wrong
+            total += count
+            max_len = int(getattr(answer, "max_model_len", max_len) or max_len)
+    except (ValueError, TypeError):
+        return 0, max_len
+    return total, max_len
+
+
+def blocks_needed(doc: dict[str, Any], prompt: int, max_len: int, block_size: int) -> int:
+    """Blocks for every sequence of the request: (prompt + output) rounded up, times `n`."""
+    output = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    if isinstance(output, bool) or not isinstance(output, int) or output <= 0:
+        output = max(max_len - prompt, 1) if max_len else 1  # what vLLM fills in
+    n = doc.get("n")
+    sequences = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return math.ceil((prompt + output) / block_size) * sequences
+
+
+class FrontQuota:
+    """The middleware's quota keeper for tenants with `when_full: reject` (module docstring)."""
+
+    def __init__(self, deriver: SaltDeriver, ledger: Ledger | None = None) -> None:
+        self._deriver = deriver
+        self._ledger = ledger if ledger is not None else ledger_from_environment()
+        self.in_flight = InFlight()
+
+    async def hold(
+        self,
+        scope: MutableMapping[str, Any],
+        tenant: str,
+        doc: dict[str, Any],
+        *,
+        cap: int,
+        block_size: int,
+    ) -> Reservation:
+        """Hold the request's blocks against its tenant's quota, or refuse it: 400 if it can
+        never fit, 429 while the tenant's requests in flight leave no room (a `quota.reject`
+        entry)."""
+        prompt, max_len = await prompt_tokens(scope, doc)
+        needed = blocks_needed(doc, prompt, max_len, block_size)
+        if needed > cap:
+            raise QuotaRefusalError(
+                400,
+                f"this request needs {needed} KV blocks of {block_size} tokens (prompt and "
+                f"max_tokens); this tenant's quota is {cap} blocks: it can never run",
+            )
+        held = self.in_flight.take(tenant, needed, cap)
+        if held is not None:
+            return held
+        in_flight = self.in_flight.held(tenant)
+        self._record(tenant, needed, in_flight, cap)
+        raise QuotaRefusalError(
+            429,
+            f"quota exceeded: this tenant's requests in flight hold {in_flight} of its {cap} KV "
+            f"blocks and this request needs {needed}; retry when one finishes",
+            retry_after=RETRY_AFTER_S,
+        )
+
+    def release(self, reservation: Reservation) -> None:
+        self.in_flight.release(reservation)
+
+    def _record(self, tenant: str, needed: int, held: int, cap: int) -> None:
+        _log.info("request refused: tenant quota full", blocks_requested=needed, blocks_quota=cap)
+        if self._ledger is None:
+            return
+        event = refusal_event(self._deriver.tenant_tag(tenant), needed=needed, held=held, cap=cap)
+        try:
+            self._ledger.submit(event)
+        except KvguardError as exc:  # a full ledger queue: the refusal stands, the log says why
+            _log.warning("quota refusal not recorded", error=type(exc).__name__)
+
+
+def ledger_from_environment() -> Ledger | None:
+    """The ledger refusals are recorded in: `kvguard engine serve` passes the database, the signing
+    key file and the origin; mounted elsewhere without them, refusals are only logged."""
+    url, key_file = os.environ.get("KVGUARD_DB_URL"), os.environ.get("KVGUARD_SIGNING_KEY_FILE")
+    if not url or not key_file:
+        return None
+    origin = os.environ.get("KVGUARD_LEDGER_ORIGIN", "kvguard.local/ledger")
+    return Ledger.open(url, origin=origin, signing_key=SigningKey.load(key_file))
+
+
+def refusal_event(
+    tenant_tag: str, *, needed: int, held: int, cap: int, now: Callable[[], datetime] | None = None
+) -> AuditEvent:
+    """The `quota.reject` ledger entry (figures only: no prompt, no key, G6)."""
+    return AuditEvent(
+        kind=EventKind.QUOTA_REJECT,
+        scope_tag=tenant_tag,
+        ts=(now or _utc_now)(),
+        details={"blocks_requested": needed, "blocks_in_flight": held, "blocks_quota": cap},
+    )
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _is_token_ids(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    )

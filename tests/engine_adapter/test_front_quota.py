@@ -1,0 +1,137 @@
+"""Issue 10, item 6: `quota.when_full: reject`. The middleware counts the blocks a request needs
+(prompt + max_tokens, per sequence), holds them against the tenant's quota while the request is in
+flight, and refuses what would pass it: 429 with Retry-After and the figures, a `quota.reject`
+ledger entry under the tenant's tag; 400 for a request that can never fit. Tenants with
+`when_full: wait` (the default) and other tenants are untouched. (Against the real vLLM server:
+tests/engine_adapter/test_openai_server.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from kvguard.audit.ledger import Ledger
+from kvguard.audit.signing import SigningKey
+from kvguard.control.keys import TenantKeys
+from kvguard.control.tenants import TenantRegistry
+from kvguard.engine_adapter.vllm.frontquota import InFlight, blocks_needed
+from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
+from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver
+from kvguard.policy import PolicySet
+
+POLICY = {
+    "tenants": {
+        "acme": {"quota": {"max_blocks": 4, "when_full": "reject"}},
+        "globex": {"quota": {"max_blocks": 4}},  # when_full: wait (the engine makes it wait)
+    }
+}
+
+
+class Held:
+    """Stands in for vLLM's app: a request marked `hold` stays in flight until released; one
+    marked `fail` fails."""
+
+    def __init__(self) -> None:
+        self.release = anyio.Event()
+        self.reached: list[dict] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        message = await receive()
+        self.reached.append(json.loads(message.get("body") or b"{}"))
+        if self.reached[-1].get("fail"):
+            raise RuntimeError("the engine failed this request")
+        if self.reached[-1].get("hold"):
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def app(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    keys = TenantKeys.open(url)
+    registry = TenantRegistry(keys._engine)
+    for tenant in ("acme", "globex"):
+        registry.create(tenant, display_name=tenant, created_by="test")
+    deriver = SaltDeriver(Keyring.generate())
+    ledger = Ledger.open(url, origin="kvguard.test/ledger", signing_key=SigningKey.generate("t"))
+    held = Held()
+    middleware = KVGuardMiddleware(
+        held,
+        keys=keys,
+        deriver=deriver,
+        policies=PolicySet.model_validate(POLICY),
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        ledger=ledger,
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://k")
+    yield {t: keys.issue(t).api_key for t in ("acme", "globex")}, held, client, ledger, deriver
+    ledger.close()
+
+
+async def _post(client, key, body):
+    return await client.post(
+        "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}
+    )
+
+
+def test_blocks_needed_counts_prompt_output_and_sequences() -> None:
+    assert blocks_needed({"max_tokens": 50}, 40, 0, 32) == 3
+    assert blocks_needed({"max_tokens": 50, "n": 2}, 40, 0, 32) == 6
+    assert blocks_needed({}, 40, 2048, 32) == 64  # vLLM fills max_tokens up to the model length
+    flight = InFlight()
+    first = flight.take("a", 3, 4)
+    assert first is not None and flight.take("a", 2, 4) is None and flight.held("a") == 3
+    flight.release(first)
+    assert flight.held("a") == 0
+
+
+@pytest.mark.anyio
+async def test_a_full_quota_refuses_with_429_records_it_and_frees_when_requests_end(app) -> None:
+    keys, held, client, ledger, deriver = app
+    async with anyio.create_task_group() as tg:
+        results: dict[str, httpx.Response] = {}
+
+        async def first() -> None:  # 40 + 50 tokens: 3 blocks of 32, held while in flight
+            results["first"] = await _post(
+                client, keys["acme"], {"prompt": [7] * 40, "max_tokens": 50, "hold": True}
+            )
+
+        tg.start_soon(first)
+        while not held.reached:
+            await anyio.sleep(0.01)
+        refused = await _post(client, keys["acme"], {"prompt": [7] * 10, "max_tokens": 30})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        message = refused.json()["error"]["message"]
+        assert "hold 3 of its 4 KV blocks" in message and "needs 2" in message
+        # another tenant, and a tenant whose policy says wait, are untouched
+        other = await _post(client, keys["globex"], {"prompt": [7] * 10, "max_tokens": 30})
+        assert other.status_code == 200
+        held.release.set()
+    assert results["first"].status_code == 200
+    again = await _post(client, keys["acme"], {"prompt": [7] * 10, "max_tokens": 30})
+    assert again.status_code == 200  # the first request's blocks were released
+    assert len(held.reached) == 3  # the refused request never reached the engine
+    ledger.flush()
+    entries = ledger.query(kinds=["quota.reject"]).records
+    assert len(entries) == 1
+    event = entries[0].event
+    assert event.scope_tag == deriver.tenant_tag("acme")
+    assert event.details == {"blocks_requested": 2, "blocks_in_flight": 3, "blocks_quota": 4}
+
+
+@pytest.mark.anyio
+async def test_a_request_that_can_never_fit_is_400_and_a_failed_one_frees_its_blocks(app) -> None:
+    keys, held, client, _, _ = app
+    held.release.set()
+    never = await _post(client, keys["acme"], {"prompt": [7] * 100, "max_tokens": 40})  # 5 > 4
+    assert never.status_code == 400 and "can never run" in never.json()["error"]["message"]
+    with pytest.raises(RuntimeError):
+        await _post(client, keys["acme"], {"prompt": [7] * 60, "max_tokens": 60, "fail": True})
+    ok = await _post(client, keys["acme"], {"prompt": [7] * 60, "max_tokens": 60})  # 4 blocks
+    assert ok.status_code == 200  # the failed request's blocks were released
