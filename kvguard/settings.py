@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     # into child processes and crash dumps.
     salt_key: SecretStr | None = None
     signing_key_file: Path | None = None
+    # The ledger's checkpoint origin line: every command that signs or checks checkpoints reads it
+    # (`kvguard serve`, `kvguard engine serve`, `kvguard audit *`).
+    ledger_origin: str = "kvguard.local/ledger"
     policy_file: Path | None = None
     # Logging is the CLI's (`--log-level` / KVGUARD_LOG_LEVEL, kvguard.cli): one variable, read once.
 
@@ -49,6 +52,11 @@ class Settings(BaseSettings):
         if self.db_url:
             return self.db_url
         return f"sqlite:///{(self.data_dir / 'kvguard.db').resolve()}"
+
+    def signing_key_files(self) -> list[Path]:
+        """`KVGUARD_SIGNING_KEY_FILE`, else the data directory's `ledger-signing.key` (what
+        `kvguard keys signing-key` writes and `kvguard serve` generates in dev mode)."""
+        return [self.signing_key_file or self.data_dir / "ledger-signing.key"]
 
     def secret_path(self, name: str) -> Path:
         """Where a key command writes `name` when no `--out` is given: the data directory (created

@@ -42,9 +42,14 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
     db: DbOption = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8600,
-    origin: Annotated[str, typer.Option(help="Ledger checkpoint origin line.")] = (
-        "kvguard.local/ledger"
-    ),
+    origin: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVGUARD_LEDGER_ORIGIN",
+            help="Ledger checkpoint origin line; default: kvguard.local/ledger.",
+            show_default=False,
+        ),
+    ] = None,
     checkpoint_interval: Annotated[
         float, typer.Option(help="Seconds between periodic checkpoints (0: on demand only).")
     ] = 60.0,
@@ -136,12 +141,13 @@ def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
 
 
 def _config(
-    db: str | None, origin: str, checkpoint_interval: float | None, max_body_bytes: int
+    db: str | None, origin: str | None, checkpoint_interval: float | None, max_body_bytes: int
 ) -> ApiConfig:
     from kvguard.api.services import ApiConfig  # noqa: PLC0415
     from kvguard.settings import Settings  # noqa: PLC0415
 
     settings = Settings()
+    origin = origin or settings.ledger_origin
     keyring_file, signing_file = settings.secret_files(origin, command="kvguard serve")
     return ApiConfig(
         db_url=db or settings.database_url(),

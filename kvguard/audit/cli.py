@@ -35,20 +35,37 @@ __all__ = ["audit_app", "keys_app", "parse_duration", "verify_command"]
 audit_app = typer.Typer(help="Tamper-evident audit ledger: checkpoints, exports, verification.")
 keys_app = typer.Typer(help="Key management.")
 
+# One variable per setting, the same in every command (issue 13, item 8): the database is
+# KVGUARD_DB_URL, the origin KVGUARD_LEDGER_ORIGIN, the signing key KVGUARD_SIGNING_KEY_FILE, with
+# the defaults `kvguard serve` uses (kvguard.settings).
 DbOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--db",
-        envvar="KVGUARD_LEDGER_URL",
-        help="Ledger database URL (sqlite:///... or postgresql+psycopg://...)",
+        envvar="KVGUARD_DB_URL",
+        help="Database URL (sqlite:///... or postgresql+psycopg://...); default: the embedded "
+        "SQLite file under KVGUARD_DATA_DIR",
+        show_default=False,
     ),
 ]
 OriginOpt = Annotated[
-    str,
-    typer.Option("--origin", envvar="KVGUARD_LEDGER_ORIGIN", help="Log origin of the checkpoints"),
+    str | None,
+    typer.Option(
+        "--origin",
+        envvar="KVGUARD_LEDGER_ORIGIN",
+        help="Log origin of the checkpoints; default: kvguard.local/ledger",
+        show_default=False,
+    ),
 ]
 KeyFileOpt = Annotated[
-    list[Path], typer.Option("--key", help="Signing key file (0600); repeat during a rotation")
+    list[Path] | None,
+    typer.Option(
+        "--key",
+        envvar="KVGUARD_SIGNING_KEY_FILE",
+        help="Signing key file (0600); repeat during a rotation; default: ledger-signing.key "
+        "under KVGUARD_DATA_DIR",
+        show_default=False,
+    ),
 ]
 WitnessOpt = Annotated[
     list[str] | None,
@@ -62,9 +79,20 @@ WitnessOpt = Annotated[
 
 
 def _open(
-    db: str, origin: str, key_files: list[Path], witnesses: list[str] | None, json_output: bool
+    db: str | None,
+    origin: str | None,
+    key_files: list[Path] | None,
+    witnesses: list[str] | None,
+    json_output: bool,
 ) -> Ledger:
     from kvguard.audit.ledger import Ledger  # noqa: PLC0415 - `kvguard verify` must not load SQL
+    from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
+    from kvguard.settings import Settings  # noqa: PLC0415
+
+    settings = Settings()
+    db = resolve_db_url(db)
+    origin = origin or settings.ledger_origin
+    key_files = key_files or settings.signing_key_files()
 
     try:
         endpoints = [WitnessEndpoint.parse(w) for w in witnesses or ()]
@@ -91,9 +119,9 @@ def parse_duration(text: str) -> timedelta | None:
 
 @audit_app.command("checkpoint")
 def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI option
-    db: DbOpt,
-    origin: OriginOpt,
-    key: KeyFileOpt,
+    db: DbOpt = None,
+    origin: OriginOpt = None,
+    key: KeyFileOpt = None,
     witness: WitnessOpt = None,
     out: Annotated[
         Path | None,
@@ -128,10 +156,10 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
 
 @audit_app.command("export")
 def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI option
-    db: DbOpt,
-    origin: OriginOpt,
-    key: KeyFileOpt,
     out: Annotated[Path, typer.Option("--out", help="New or empty directory for the bundle")],
+    db: DbOpt = None,
+    origin: OriginOpt = None,
+    key: KeyFileOpt = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant scope tag")] = None,
     since: Annotated[
         datetime | None, typer.Option(help="Earliest event time (UTC, inclusive)")
@@ -192,9 +220,9 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
 
 @audit_app.command("verify-db")
 def verify_db_command(
-    db: DbOpt,
-    origin: OriginOpt,
-    key: KeyFileOpt,
+    db: DbOpt = None,
+    origin: OriginOpt = None,
+    key: KeyFileOpt = None,
     max_unsigned_age: Annotated[
         str,
         typer.Option(

@@ -48,7 +48,8 @@ class ServeConfig:
     db_url: str
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, origin: str = DEFAULT_ORIGIN) -> ServeConfig:
+    def from_settings(cls, settings: Settings, *, origin: str | None = None) -> ServeConfig:
+        origin = origin or settings.ledger_origin  # KVGUARD_LEDGER_ORIGIN, as everywhere
         keyring_file, signing_file = settings.secret_files(origin, command="kvguard engine serve")
         if settings.db_url is None:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
