@@ -197,9 +197,9 @@ def configure_logging(
 
 
 STDLIB_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "alembic", "sqlalchemy", "asyncio")
-# Libraries whose INFO lines are not for operators: SQLAlchemy's INFO is the SQL echo (statements
-# with their parameters), so it stays at WARNING whatever the server's level.
-_QUIET = frozenset({"sqlalchemy", "asyncio"})
+# Libraries whose INFO lines are not for operators: Alembic's context chatter, and SQLAlchemy's
+# INFO is the SQL echo (statements with their parameters). They stay at WARNING whatever the level.
+_QUIET = frozenset({"sqlalchemy", "asyncio", "alembic"})
 
 
 def capture_stdlib_logging(names: Iterable[str] = STDLIB_LOGGERS) -> None:

@@ -29,7 +29,7 @@ import pkgutil
 
 import kvguard
 
-skipped = ("kvguard.engine_adapter.vllm", "kvguard.zeroize.triton")  # need vLLM / Triton
+skipped = ("kvguard.engine_adapter.vllm", "kvguard.zeroize._kernels")  # need vLLM / Triton (extras)
 for info in pkgutil.walk_packages(kvguard.__path__, "kvguard."):
     if info.name.startswith(skipped) or ".migrations." in info.name:
         continue

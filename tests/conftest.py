@@ -20,6 +20,34 @@ settings.register_profile(
 settings.load_profile("kvguard")
 
 
+@pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """Each test leaves logging as it found it: a command run in-process (`kvguard serve` with a
+    stubbed uvicorn) reconfigures structlog to INFO and captures uvicorn's and Alembic's stdlib
+    loggers, which would otherwise bleed INFO lines into later tests' output."""
+    import logging  # noqa: PLC0415
+
+    import structlog  # noqa: PLC0415
+
+    from kvguard import logging as kvlog  # noqa: PLC0415
+
+    config = structlog.get_config()
+    configured = dict(kvlog._configured)
+    loggers = {
+        name: (lg.handlers[:], lg.propagate, lg.level)
+        for name in kvlog.STDLIB_LOGGERS
+        for lg in [logging.getLogger(name)]
+    }
+    yield
+    structlog.configure(**config)
+    kvlog._configured.clear()
+    kvlog._configured.update(configured)
+    for name, (handlers, propagate, level) in loggers.items():
+        lg = logging.getLogger(name)
+        lg.handlers, lg.propagate = handlers, propagate
+        lg.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The one in-process governed engine of the test session (vLLM keeps process-global state, so a

@@ -23,30 +23,23 @@ offline verifier imports this module); `WitnessKey`, which only a witness builds
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from kvguard.audit import note
-from kvguard.audit.checkpoint import b64decode_strict, parse_checkpoint
+from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.notekey import NoteKey
 from kvguard.errors import ConfigError, VerificationError
 
-_COSIGNATURE_V1 = b"\x04"  # signed-note signature type: timestamped Ed25519 checkpoint cosignature
 _HEADER = "cosignature/v1\n"  # domain separation (tlog-cosignature, "Ed25519 signed message")
 _KEY_ID_SIZE = 4
 _TIMESTAMP_SIZE = 8
 _SIGNATURE_SIZE = 64
 _BLOB_SIZE = _KEY_ID_SIZE + _TIMESTAMP_SIZE + _SIGNATURE_SIZE
 _MAX_TIMESTAMP = 2**63 - 1  # tlog-cosignature: "It MUST NOT exceed 2^63 - 1"
-_SEED_SIZE = 32
-_FILE_PREFIX = "PRIVATE+KEY+"
 
 
 class WitnessVerifier(NamedTuple):
@@ -66,35 +59,19 @@ class Cosignature(NamedTuple):
 
 def witness_key_id(name: str, public_key: bytes) -> bytes:
     """SHA-256(name || 0x0A || 0x04 || public key)[:4] (tlog-cosignature, "Format")."""
-    return hashlib.sha256(name.encode() + b"\n" + _COSIGNATURE_V1 + public_key).digest()[:4]
+    return note.key_id(name, public_key, note.COSIGNATURE_V1)
 
 
 def witness_verifier_key_string(name: str, public_key: bytes) -> str:
     """`<name>+<hex key ID>+<base64(0x04 || public key)>` (signed-note, "Verifier keys")."""
-    note.check_key_name(name)
-    blob = base64.b64encode(_COSIGNATURE_V1 + public_key).decode()
-    return f"{name}+{witness_key_id(name, public_key).hex()}+{blob}"
+    return note.verifier_key_string(name, public_key, note.COSIGNATURE_V1)
 
 
 def parse_witness_verifier_key(vkey: str) -> WitnessVerifier:
     """Parse a witness verifier key (type 0x04); raises VerificationError if it is malformed."""
-    parts = vkey.strip().split("+", 2)  # base64 may itself contain "+"
-    if len(parts) != 3:
-        raise VerificationError("witness verifier key must have the form name+keyid+base64key")
-    name, hex_id, blob = parts
-    try:
-        note.check_key_name(name)
-        claimed_id = bytes.fromhex(hex_id)
-    except ValueError:
-        raise VerificationError("witness verifier key has an invalid name or key ID") from None
-    raw = b64decode_strict(blob, "witness verifier key")
-    if len(raw) != 1 + 32 or raw[:1] != _COSIGNATURE_V1:
-        raise VerificationError(
-            "witness verifier key is not an Ed25519 cosignature/v1 (type 0x04) key"
-        )
-    if len(hex_id) != 8 or witness_key_id(name, raw[1:]) != claimed_id:
-        raise VerificationError("witness verifier key ID does not match its name and public key")
-    return WitnessVerifier(name, claimed_id, raw[1:])
+    return WitnessVerifier(
+        *note.parse_verifier_key(vkey, note.COSIGNATURE_V1, what="witness verifier key")
+    )
 
 
 def cosigned_message(checkpoint_text: str, timestamp: int) -> bytes:
@@ -187,44 +164,13 @@ def require_cosignatures(
     return cosigned
 
 
-class WitnessKey:
-    """A witness's private Ed25519 cosigning key with its signed-note key name.
+class WitnessKey(NoteKey):
+    """A witness's private Ed25519 cosigning key with its signed-note key name: a
+    `kvguard.audit.notekey.NoteKey` of type 0x04 (file form
+    `PRIVATE+KEY+<name>+<hex key ID>+<base64(0x04 || 32-byte seed)>`, created 0600)."""
 
-    File form, like `kvguard.audit.signing.SigningKey` but with signature type 0x04:
-    `PRIVATE+KEY+<name>+<hex key ID>+<base64(0x04 || 32-byte seed)>`, created 0600. The seed lives in
-    a `bytearray` that `wipe()` overwrites and never appears in `repr` or error messages.
-    """
-
-    def __init__(self, name: str, seed: bytes | bytearray) -> None:
-        note.check_key_name(name)
-        if len(seed) != _SEED_SIZE:
-            raise ConfigError("an Ed25519 witness key seed is 32 bytes")
-        from kvguard.logging import register_secret  # noqa: PLC0415 - keep verifiers light
-
-        self.name = name
-        self._seed = bytearray(seed)
-        register_secret(bytes(self._seed))  # masked in every log line (G6)
-        self._private = Ed25519PrivateKey.from_private_bytes(bytes(self._seed))
-        self.public_key: bytes = self._private.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
-        self.key_id: bytes = witness_key_id(name, self.public_key)
-
-    def __repr__(self) -> str:  # never the seed
-        return f"WitnessKey({self.name!r}, key_id={self.key_id.hex()})"
-
-    @classmethod
-    def generate(cls, name: str) -> WitnessKey:
-        raw = Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.Raw,
-            serialization.PrivateFormat.Raw,
-            serialization.NoEncryption(),
-        )
-        return cls(name, raw)
-
-    def verifier_key(self) -> str:
-        """The verifier key string relying parties pass to `require_cosignatures`."""
-        return witness_verifier_key_string(self.name, self.public_key)
+    SIG_TYPE: ClassVar[bytes] = note.COSIGNATURE_V1
+    KIND: ClassVar[str] = "witness key"
 
     def verifier(self) -> WitnessVerifier:
         return WitnessVerifier(self.name, self.key_id, self.public_key)
@@ -233,53 +179,7 @@ class WitnessKey:
         """One signed-note signature line cosigning `checkpoint_text` at `timestamp` (POSIX s)."""
         if timestamp <= 0:  # tlog-witness: "the timestamp MUST NOT be zero"
             raise ValueError("a witness cosignature needs a positive timestamp")
-        signature = self._private.sign(
-            cosigned_message(_checkpoint_text(checkpoint_text), timestamp)
-        )
+        signature = self._sign(cosigned_message(_checkpoint_text(checkpoint_text), timestamp))
         return note.signature_line(
             self.name, self.key_id, timestamp.to_bytes(_TIMESTAMP_SIZE, "big") + signature
         )
-
-    def encode(self) -> str:
-        blob = base64.b64encode(_COSIGNATURE_V1 + bytes(self._seed)).decode()
-        return f"{_FILE_PREFIX}{self.name}+{self.key_id.hex()}+{blob}"
-
-    @classmethod
-    def decode(cls, text: str) -> WitnessKey:
-        if not text.startswith(_FILE_PREFIX):
-            raise ConfigError("not a witness key (expected PRIVATE+KEY+...)")
-        parts = text[len(_FILE_PREFIX) :].strip().split("+", 2)
-        if len(parts) != 3:
-            raise ConfigError("malformed witness key")
-        name, hex_id, blob = parts
-        try:
-            raw = base64.b64decode(blob, validate=True)
-        except (binascii.Error, ValueError):
-            raise ConfigError("malformed witness key encoding") from None
-        if len(raw) != 1 + _SEED_SIZE or raw[:1] != _COSIGNATURE_V1:
-            raise ConfigError("not an Ed25519 cosignature/v1 (type 0x04) witness key")
-        try:
-            key = cls(name, raw[1:])
-        except ValueError:
-            raise ConfigError("witness key has an invalid key name") from None
-        if key.key_id.hex() != hex_id:
-            raise ConfigError("witness key ID does not match its key")
-        return key
-
-    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write the key to a new 0600 file (refuses to overwrite unless asked)."""
-        from kvguard.secretfile import write_secret_file  # noqa: PLC0415 - keep verifiers light
-
-        return write_secret_file(path, (self.encode() + "\n").encode(), overwrite=overwrite)
-
-    @classmethod
-    def load(cls, path: str | Path) -> WitnessKey:
-        """Read a key file after checking it is 0600 (SecretFileError otherwise)."""
-        from kvguard.secretfile import read_secret_file  # noqa: PLC0415 - keep verifiers light
-
-        return cls.decode(read_secret_file(path).decode().strip())
-
-    def wipe(self) -> None:
-        """Overwrite the seed copy this object holds (the cryptography object keeps its own)."""
-        for i in range(len(self._seed)):
-            self._seed[i] = 0

@@ -27,7 +27,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from kvguard.audit.checkpoint import b64decode_strict
 from kvguard.errors import VerificationError
 
-_ED25519 = b"\x01"  # signed-note signature type for Ed25519
+ED25519 = b"\x01"  # signed-note signature type for Ed25519
+COSIGNATURE_V1 = b"\x04"  # timestamped Ed25519 witness cosignatures (c2sp.org/tlog-cosignature)
+_TYPE_NAMES = {ED25519: "Ed25519 (type 0x01)", COSIGNATURE_V1: "Ed25519 cosignature/v1 (type 0x04)"}
 _SIG_PREFIX = "\u2014 "  # EM DASH, space
 _KEY_ID_SIZE = 4
 _MAX_SIGNATURES = 100
@@ -47,34 +49,37 @@ def check_key_name(name: str) -> None:
         raise ValueError(f"invalid signed-note key name {name!r}")
 
 
-def key_id(name: str, public_key: bytes) -> bytes:
-    """First 4 bytes of SHA-256(name || 0x0A || 0x01 || public key)."""
-    return hashlib.sha256(name.encode() + b"\n" + _ED25519 + public_key).digest()[:_KEY_ID_SIZE]
+def key_id(name: str, public_key: bytes, sig_type: bytes = ED25519) -> bytes:
+    """First 4 bytes of SHA-256(name || 0x0A || signature type || public key)."""
+    return hashlib.sha256(name.encode() + b"\n" + sig_type + public_key).digest()[:_KEY_ID_SIZE]
 
 
-def verifier_key_string(name: str, public_key: bytes) -> str:
-    """`<name>+<hex key ID>+<base64(0x01 || public key)>`."""
+def verifier_key_string(name: str, public_key: bytes, sig_type: bytes = ED25519) -> str:
+    """`<name>+<hex key ID>+<base64(signature type || public key)>`."""
     check_key_name(name)
-    blob = base64.b64encode(_ED25519 + public_key).decode()
-    return f"{name}+{key_id(name, public_key).hex()}+{blob}"
+    blob = base64.b64encode(sig_type + public_key).decode()
+    return f"{name}+{key_id(name, public_key, sig_type).hex()}+{blob}"
 
 
-def parse_verifier_key(vkey: str) -> Verifier:
-    """Parse and check a verifier key string; raises VerificationError if it is malformed."""
+def parse_verifier_key(
+    vkey: str, sig_type: bytes = ED25519, what: str = "verifier key"
+) -> Verifier:
+    """Parse and check a verifier key string of `sig_type`; raises VerificationError (naming
+    `what`) if it is malformed or of another type."""
     parts = vkey.strip().split("+", 2)  # base64 may itself contain "+"
     if len(parts) != 3:
-        raise VerificationError("verifier key must have the form name+keyid+base64key")
+        raise VerificationError(f"{what} must have the form name+keyid+base64key")
     name, hex_id, blob = parts
     try:
         check_key_name(name)
         claimed_id = bytes.fromhex(hex_id)
     except ValueError:
-        raise VerificationError("verifier key has an invalid name or key ID") from None
-    raw = b64decode_strict(blob, "verifier key")
-    if len(raw) != 33 or raw[:1] != _ED25519:
-        raise VerificationError("verifier key is not an Ed25519 (type 0x01) key")
-    if key_id(name, raw[1:]) != claimed_id or len(hex_id) != 8:
-        raise VerificationError("verifier key ID does not match its name and public key")
+        raise VerificationError(f"{what} has an invalid name or key ID") from None
+    raw = b64decode_strict(blob, what)
+    if len(raw) != 33 or raw[:1] != sig_type:
+        raise VerificationError(f"{what} is not an {_TYPE_NAMES.get(sig_type, 'Ed25519')} key")
+    if key_id(name, raw[1:], sig_type) != claimed_id or len(hex_id) != 8:
+        raise VerificationError(f"{what} ID does not match its name and public key")
     return Verifier(name, claimed_id, raw[1:])
 
 
