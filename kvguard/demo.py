@@ -24,6 +24,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.errors import KvguardError, VerificationError
 from kvguard.isolation.keyring import Keyring
 from kvguard.policy import prefix_digest
+from kvguard.secretfile import write_private_file
 
 ORIGIN = "kvguard.demo/ledger"
 TENANTS = ("acme", "globex", "initech", "umbrella")
@@ -282,7 +283,7 @@ def _purge_through_api(g: Any, data_dir: Path, paths: dict[str, Any]) -> dict[st
             response = client.get(f"/v1/purges/{job_id}/certificate", headers=headers)
             if response.status_code != 200:
                 raise KvguardError(f"no erasure certificate for job {job_id}: {response.text}")
-            (data_dir / "erasure-certificate-acme.json").write_bytes(response.content)
+            write_private_file(data_dir / "erasure-certificate-acme.json", response.content)
             certificate: dict[str, Any] = response.json()
             return certificate
     finally:

@@ -1,8 +1,10 @@
 """Reading and writing secret files safely.
 
-A secret file must be a regular file readable by its owner only: a group- or world-readable secret is
-refused (ConfigError naming the path and its mode, never its content). New secret files are created
-with mode 0600 atomically (no window in which another user could open them).
+A secret file must be a regular file readable by its owner only: a group- or world-readable secret
+is refused (ConfigError naming the path and its mode, never its content). New secret files are
+created with mode 0600 atomically (no window in which another user could open them). Evidence files
+(export bundles, erasure certificates, saved checkpoints) are written the same way, 0600 from their
+first byte (`open_private`, `write_private_file`), in 0700 directories (`private_dir`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TextIO
 
 from kvguard.errors import SecretFileError
 from kvguard.logging import register_secret
@@ -61,4 +64,37 @@ def write_secret_file(path: str | Path, data: bytes, *, overwrite: bool = False)
     finally:
         os.close(fd)
     register_secret(data.strip())
+    return p
+
+
+def _private_fd(path: str | Path) -> int:
+    fd = os.open(Path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also when it existed with another mode
+    return fd
+
+
+def open_private(path: str | Path, *, encoding: str = "utf-8", newline: str = "") -> TextIO:
+    """Open `path` for writing text as a file only its owner can read (0600), so from the first
+    byte (no window with the umask's mode). For evidence: export bundles, certificates, saved
+    checkpoints. Replaces an existing file."""
+    fd = _private_fd(path)
+    try:
+        return os.fdopen(fd, "w", encoding=encoding, newline=newline)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_private_file(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` to `path` (0600, see `open_private`); text is UTF-8, newlines unchanged."""
+    with os.fdopen(_private_fd(path), "wb") as f:  # writes all of it (os.write may not)
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
+
+
+def private_dir(path: str | Path) -> Path:
+    """Create `path` (and parents) and restrict it to its owner (0700)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    p.chmod(0o700)
     return p

@@ -26,6 +26,7 @@ from kvguard.audit.verify_cli import verify_command
 from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, progress, reporting
 from kvguard.errors import VerificationError
+from kvguard.secretfile import write_private_file
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
@@ -141,7 +142,7 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         finally:
             ledger.close()
         if out is not None:
-            out.write_text(signed, encoding="utf-8")
+            write_private_file(out, signed)  # evidence: 0600
     cp = parse_checkpoint(note.split_note(signed)[0])
     result = {
         "checkpoint": signed,

@@ -31,6 +31,7 @@ from kvguard.audit.leaf import parse_ts, ts_micros
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
+from kvguard.secretfile import open_private, private_dir, write_private_file
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
@@ -71,7 +72,7 @@ def export_bundle(
     `progress(done, total)` is called every few thousand entries (`kvguard audit export`)."""
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"export directory {out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)  # evidence: 0700 directory, 0600 files (issue 13, item 2)
     signed = ledger.checkpoint()
     cp = parse_checkpoint(note.split_note(signed)[0])
     filters: dict[str, Any] = {
@@ -81,7 +82,7 @@ def export_bundle(
         "kinds": kinds,
     }
     complete = all(v is None for v in filters.values())
-    (out / bundle.CHECKPOINT).write_text(signed, encoding="utf-8")
+    write_private_file(out / bundle.CHECKPOINT, signed)
     committed: list[tuple[int, bytes]] = []
     with ledger.store.engine.connect() as conn, ExitStack() as files:
         proofs = _complete_proofs(conn, cp.size, cp.root) if complete else None
@@ -91,9 +92,9 @@ def export_bundle(
             proof = proofs(index, leaf) if proofs else _stored_proof(ledger, conn, index, cp, leaf)
             _write_entry(writers, index, leaf, proof, ledger.origin)
             if tlog_proofs:
-                (out / bundle.PROOFS).mkdir(exist_ok=True)
+                private_dir(out / bundle.PROOFS)
                 text = format_tlog_proof(index, proof, signed)
-                (out / bundle.PROOFS / bundle.proof_name(index)).write_text(text, encoding="utf-8")
+                write_private_file(out / bundle.PROOFS / bundle.proof_name(index), text)
             commitment = payloads.commitment_in_leaf(leaf)
             if commitment is not None:
                 committed.append((index, commitment))
@@ -103,7 +104,7 @@ def export_bundle(
         if consistency or complete:
             _write_consistency(ledger, conn, out, cp)
         lines = payload_lines(ledger, conn, committed, cp, include=include_payloads)
-        (out / payloads.PAYLOADS).write_text("".join(lines), encoding="utf-8", newline="")
+        write_private_file(out / payloads.PAYLOADS, "".join(lines))
     if progress is not None:
         progress(count, count)
     manifest = Manifest(
@@ -115,7 +116,7 @@ def export_bundle(
         {p.name: file_digest(p) for p in out.iterdir() if p.is_file() and p.name != CHECKPOINT},
         count if tlog_proofs else 0,
     )
-    (out / MANIFEST).write_text(ledger.sign_note(format_manifest(manifest)), encoding="utf-8")
+    write_private_file(out / MANIFEST, ledger.sign_note(format_manifest(manifest)))
     return ExportSummary(out, cp.size, count, complete, signed)
 
 
@@ -176,10 +177,7 @@ def _erasures(conn: sa.Connection, size: int) -> dict[int, tuple[int, bytes]]:
 
 def _open_outputs(out: Path, files: ExitStack, renderings: bool) -> dict[str, TextIO]:
     names = [bundle.ENTRIES, *([bundle.CSV, bundle.OCSF] if renderings else [])]
-    writers: dict[str, TextIO] = {
-        n: files.enter_context(open(out / n, "w", encoding="utf-8", newline=""))  # noqa: SIM115
-        for n in names
-    }
+    writers: dict[str, TextIO] = {n: files.enter_context(open_private(out / n)) for n in names}
     if bundle.CSV in writers:
         writers[bundle.CSV].write(bundle.csv_header())
     return writers
@@ -251,7 +249,7 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, cp: Check
     """Always written (maybe empty): the manifest then says the bundle carries its consistency
     data, and the verifier can require it of a complete bundle."""
     lines = consistency_lines(ledger, conn, cp.size, cp.root)
-    (out / bundle.CONSISTENCY).write_text("".join(lines), encoding="utf-8", newline="")
+    write_private_file(out / bundle.CONSISTENCY, "".join(lines))
 
 
 def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: bytes) -> list[str]:

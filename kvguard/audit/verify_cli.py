@@ -137,7 +137,9 @@ def _save_checkpoint(path: Path, checkpoint: str, json_output: bool) -> None:
     """Write the verified checkpoint for `--trusted-checkpoint` next time (replacing an older
     one the auditor kept is the point, so an existing file is overwritten)."""
     try:
-        path.write_text(checkpoint, encoding="utf-8")
+        from kvguard.secretfile import write_private_file  # noqa: PLC0415 - verify stays light
+
+        write_private_file(path, checkpoint)  # evidence: 0600
     except OSError as exc:
         raise fail(f"--save-checkpoint: {exc}", EXIT_USAGE, json_output) from None
 
