@@ -21,6 +21,7 @@ import typer
 
 from kvguard.audit import note
 from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.notekey import NoteKey
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.verify_cli import verify_command
 from kvguard.audit.witness_client import WitnessEndpoint
@@ -281,15 +282,23 @@ def signing_key_command(
 
     The file's path goes to stderr. Exit 0 ok; 2 the name is invalid or the file exists (never
     overwritten)."""
+    create_note_key(SigningKey, name, out, "ledger-signing.key", json_output)
+
+
+def create_note_key(
+    kind: type[NoteKey], name: str, out: Path | None, default_file: str, json_output: bool
+) -> None:
+    """`kvguard keys signing-key` / `witness-key`: create the 0600 key (under KVGUARD_DATA_DIR
+    when `out` is None, the path then said on stderr), print its verifier key."""
     from kvguard.settings import Settings  # noqa: PLC0415 - `kvguard verify` stays light
 
     default = out is None
     with reporting(json_output, usage=(ValueError,)):
-        out = out or Settings().secret_path("ledger-signing.key")
-        key = SigningKey.generate(name)
+        out = out or Settings().secret_path(default_file)
+        key = kind.generate(name)
         key.save(out)
-    if default:  # say where it went (stderr: stdout stays the verifier key alone)
-        typer.echo(f"signing key written to {out} (0600)", err=True)
+    if default:  # stdout stays the verifier key alone
+        typer.echo(f"{kind.KIND} written to {out} (0600)", err=True)
     result = {"name": key.name, "path": out, "verifier_key": key.verifier_key()}
     emit(result, json_output, key.verifier_key())
 

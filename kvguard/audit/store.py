@@ -189,13 +189,16 @@ class LedgerStore:
         from the leaf hashes and stored, so that such an append cannot stop every later one."""
         subtrees = merkle.range_subtrees(0, size) if size else []
         read = self.reader(conn)
-        hashes = []
-        for s in subtrees:
-            try:
-                (h,) = read([s])
-            except VerificationError:
-                h = self._rebuild_subtree(conn, s)
-            hashes.append(h)
+        try:  # the usual case: one batched read (this runs whenever another process appended)
+            hashes = list(read(subtrees)) if subtrees else []
+        except VerificationError:  # rare: find and rebuild what is missing, one subtree at a time
+            hashes = []
+            for s in subtrees:
+                try:
+                    (h,) = read([s])
+                except VerificationError:
+                    h = self._rebuild_subtree(conn, s)
+                hashes.append(h)
         return merkle.Frontier(size, list(zip(subtrees, hashes, strict=True)))
 
     def _rebuild_subtree(self, conn: sa.Connection, s: merkle.Subtree) -> bytes:

@@ -23,8 +23,9 @@ from typing import Annotated
 import typer
 
 from kvguard.audit import note
+from kvguard.audit.cli import create_note_key
 from kvguard.audit.cosign import WitnessKey
-from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, reporting
+from kvguard.cli_output import EXIT_USAGE, JsonOpt, fail
 from kvguard.errors import KvguardError
 
 witness_app = typer.Typer(
@@ -122,14 +123,4 @@ def witness_key_command(
     """Create a witness cosigning key (0600) and print its verifier key.
 
     Exit 0 ok; 2 the name is invalid or the file exists (never overwritten)."""
-    from kvguard.settings import Settings  # noqa: PLC0415
-
-    default = out is None
-    with reporting(json_output, usage=(ValueError,)):
-        out = out or Settings().secret_path("witness.key")
-        key = WitnessKey.generate(name)
-        key.save(out)
-    if default:  # say where it went (stderr: stdout stays the verifier key alone)
-        typer.echo(f"witness key written to {out} (0600)", err=True)
-    result = {"name": key.name, "path": out, "verifier_key": key.verifier_key()}
-    emit(result, json_output, key.verifier_key())
+    create_note_key(WitnessKey, name, out, "witness.key", json_output)
