@@ -176,14 +176,6 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")
     ] = True,
     witness: WitnessOpt = None,
-    payloads: Annotated[
-        bool,
-        typer.Option(
-            "--payloads",
-            help="Include the erasable payloads (personal data) so the verifier opens their "
-            "commitments; by default the bundle only states they are present",
-        ),
-    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Export entries with inclusion proofs against a freshly signed checkpoint.
@@ -204,7 +196,6 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
                     until=until,
                     tlog_proofs=tlog_proofs,
                     renderings=renderings,
-                    include_payloads=payloads,
                     progress=update,
                 )
         finally:

@@ -63,12 +63,10 @@ def export_bundle(
     tlog_proofs: bool = False,
     renderings: bool = True,
     consistency: bool = True,
-    include_payloads: bool = False,
     progress: Progress | None = None,
 ) -> ExportSummary:
     """Write a bundle of the matching entries to the new or empty directory `out`. A complete
     export always carries its consistency proofs (`consistency` applies to filtered ones).
-    `include_payloads`: the erasable payloads themselves (personal data), not only their state.
     `progress(done, total)` is called every few thousand entries (`kvguard audit export`)."""
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"export directory {out} is not empty")
@@ -103,7 +101,7 @@ def export_bundle(
                 progress(count, cp.size if complete else 0)
         if consistency or complete:
             _write_consistency(ledger, conn, out, cp)
-        lines = payload_lines(ledger, conn, committed, cp, include=include_payloads)
+        lines = payload_lines(ledger, conn, committed, cp)
         write_private_file(out / payloads.PAYLOADS, "".join(lines))
     if progress is not None:
         progress(count, count)
@@ -125,11 +123,9 @@ def payload_lines(
     conn: sa.Connection,
     committed: Sequence[tuple[int, bytes]],
     cp: Checkpoint,
-    *,
-    include: bool = False,
 ) -> list[str]:
     """`payloads.jsonl` lines for the exported entries with a commitment (index order): present
-    (checked against the stored payload; with `include`, the payload itself), or the
+    (its stored payload opened the commitment; the payload itself never leaves, G6), or the
     `payload.erase` entry naming it with its inclusion proof. A commitment with neither is a
     payload deleted behind the log's back: VerificationError, nothing exported."""
     if not committed:
@@ -150,7 +146,7 @@ def payload_lines(
         if index in stored:
             salt, body = stored[index]
             payloads.check_commitment(commitment, salt, body)
-            out.append(payloads.present_line(index, *((salt, body) if include else ())))
+            out.append(payloads.present_line(index))
             continue
         if index not in erasures:
             raise VerificationError(

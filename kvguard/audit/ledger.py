@@ -349,7 +349,7 @@ class Ledger:
 
     def export(self, path: str | Path, **options: Any) -> ExportSummary:
         """Write an export bundle: options `scope_tag`, `since`, `until`, `kinds`, `tlog_proofs`,
-        `renderings`, `consistency`, `include_payloads`, `progress` (see
+        `renderings`, `consistency`, `progress` (see
         `kvguard.audit.export.export_bundle`)."""
         return export_bundle(self, Path(path), **options)
 

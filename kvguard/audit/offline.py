@@ -13,8 +13,8 @@ Steps (docs/audit.md walks through them):
    (per the manifest) holds exactly entries 0..size-1; with `full` the root is also recomputed
    from all leaves;
 5. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves;
-6. `payloads.jsonl` accounts for every exported payload commitment: present (opened when the bundle
-   carries the payload) or erased, with the erasure entry's proof (`kvguard.audit.payloads`);
+6. `payloads.jsonl` accounts for every exported payload commitment: present (the log's signed
+   statement) or erased, with the erasure entry's proof (`kvguard.audit.payloads`);
 7. each `consistency.jsonl` line carries an older checkpoint signed by a trusted key and an RFC 9162
    consistency proof from it to the bundle's checkpoint; with a trusted (pinned) checkpoint, one of
    them must start at it;
@@ -58,7 +58,6 @@ class BundleReport:
     tlog_proofs: int
     complete: bool = False
     payloads: int = 0
-    opened_payloads: int = 0
     erased_payloads: int = 0
     pinned_size: int | None = None
 
@@ -157,7 +156,7 @@ def _verify_files(
             f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
             "(lines deleted or added)"
         )
-    present, opened, erased = _verify_payloads(d, cp)
+    present, erased = _verify_payloads(d, cp)
     olds = _verify_consistency(d, cp, verifiers)
     if pinned is not None:
         _check_pinned(pinned, cp, olds)
@@ -172,7 +171,6 @@ def _verify_files(
         tlog,
         m.complete,
         present,
-        opened,
         erased,
         pinned.size if pinned is not None else None,
     )
@@ -368,8 +366,8 @@ def _verify_proven_lines(
     return hashes
 
 
-def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, int]:
-    """Every exported commitment opened or its erasure proven (`kvguard.audit.payloads`)."""
+def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
+    """Every exported commitment stated present or its erasure proven (`kvguard.audit.payloads`)."""
     committed: dict[int, bytes] = {}
     marker = b',"payload_commitment":"'
     with open(d / bundle.ENTRIES, "rb") as f:
@@ -384,7 +382,7 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, int]:
     if not path.is_file():
         if committed:
             raise VerificationError(f"bundle has no {payloads.PAYLOADS} but entries commit to one")
-        return 0, 0, 0
+        return 0, 0
     with ExitStack() as stack:
         return payloads.check_payload_lines(_lines(path, stack), committed, cp)
 

@@ -7,21 +7,19 @@ deletes both, recorded by a `payload.erase` entry naming the erased index and a 
 Before issue 12 (item 7) a bundle said nothing about payloads, so a payload deleted straight from
 the database (no erasure entry) looked, offline, exactly like one never written. Now every bundle
 carries `payloads.jsonl`, one canonical JSON line per exported entry that has a commitment, in index
-order, in one of three forms:
+order, in one of two forms:
 
     {"index":N,"state":"present"}
-    {"body":"<base64 canonical payload>","index":N,"salt":"<base64>","state":"present"}
     {"erased_by":M,"erasure_leaf":"<base64 leaf>","erasure_proof":["<base64>",...],"index":N,
      "state":"erased"}
 
-Payloads are personal data and their salts keep an erased commitment from being confirmed by
-guessing, so by default a bundle only states that the payload is present (a statement the log signs
-through the manifest; the exporter checks it against the stored payload first). An export asked
-for the payloads (`include_payloads`, for an auditor entitled to them) carries salt and body, and
-the verifier opens each commitment. An erasure is always proven: the `payload.erase` entry `M` that
-names `N`, with its inclusion proof against the bundle's checkpoint (so a filtered bundle proves it
-without holding entries outside its filter). The verifier requires exactly one line per committed
-entry. Standard library only: the offline verifier imports this module.
+Payloads are personal data and their salts are what keep an erased commitment from being confirmed
+by guessing, so neither ever leaves in a bundle (G6): "present" is the log's signed statement
+(through the manifest), made by the exporter only after it opened the commitment with the stored
+payload. An erasure is always proven: the `payload.erase` entry `M` that names `N`, with its
+inclusion proof against the bundle's checkpoint (so a filtered bundle proves it without holding
+entries outside its filter). The verifier requires exactly one line per committed entry.
+Standard library only: the offline verifier imports this module.
 """
 
 from __future__ import annotations
@@ -83,11 +81,9 @@ def commitment_in_leaf(leaf: bytes) -> bytes | None:
         raise VerificationError("leaf has a malformed payload_commitment") from None
 
 
-def present_line(index: int, salt: bytes | None = None, body: bytes | None = None) -> str:
-    """The payload of entry `index` is stored; with `salt` and `body`, here it is."""
-    if salt is None or body is None:
-        return _line({"index": index, "state": "present"})
-    return _line({"body": _b64(body), "index": index, "salt": _b64(salt), "state": "present"})
+def present_line(index: int) -> str:
+    """The payload of entry `index` is stored (and opened its commitment at export)."""
+    return _line({"index": index, "state": "present"})
 
 
 def erased_line(index: int, erased_by: int, erasure_leaf: bytes, proof: Sequence[bytes]) -> str:
@@ -114,12 +110,12 @@ def erased_index(leaf: bytes) -> int | None:
 
 def check_payload_lines(
     lines: Iterator[str], committed: Mapping[int, bytes], cp: Checkpoint
-) -> tuple[int, int, int]:
+) -> tuple[int, int]:
     """Check `payloads.jsonl` against the committed entries of the bundle (index -> commitment):
-    one line each, in index order, each stating presence (opening the commitment when it carries
-    the payload) or proving the erasure. Returns (present, of which opened, erased)."""
+    one line each, in index order, each stating presence or proving the erasure. Returns
+    (present, erased)."""
     wanted = iter(sorted(committed))
-    present = opened = erased = 0
+    present = erased = 0
     for number, line in enumerate(lines, start=1):
         where = f"{PAYLOADS} line {number}"
         index = next(wanted, None)
@@ -132,11 +128,6 @@ def check_payload_lines(
             if _line(obj) != line:
                 raise VerificationError("line is not canonical")
             if obj.get("state") == "present":
-                if "body" in obj:
-                    salt = b64decode_strict(obj["salt"], "salt")
-                    body = b64decode_strict(obj["body"], "body")
-                    check_commitment(committed[index], salt, body)
-                    opened += 1
                 present += 1
             elif obj.get("state") == "erased":
                 _check_erasure(obj, index, cp)
@@ -151,7 +142,7 @@ def check_payload_lines(
             f"{PAYLOADS}: entry {missing} has a payload commitment but neither its payload nor "
             "a payload.erase entry naming it (the payload was deleted without a record)"
         )
-    return present, opened, erased
+    return present, erased
 
 
 def _check_erasure(obj: Mapping[str, object], index: int, cp: Checkpoint) -> None:

@@ -214,8 +214,8 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
     human = (
         f"valid: {report.entries} entries ({selection}) against checkpoint of origin "
         f"{report.origin!r} size {report.tree_size}; {report.consistency_proofs} consistency "
-        f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present "
-        f"({report.opened_payloads} opened), {report.erased_payloads} erased{pinned}"
+        f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present, "
+        f"{report.erased_payloads} erased{pinned}"
         f"{_witnessed(cosigned)}{'; root recomputed' if full else ''}"
     )
     result = {
@@ -229,7 +229,6 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         "consistency_proofs": report.consistency_proofs,
         "tlog_proofs": report.tlog_proofs,
         "payloads": report.payloads,
-        "opened_payloads": report.opened_payloads,
         "erased_payloads": report.erased_payloads,
         "pinned_size": report.pinned_size,
         "cosigned_by": cosigned,

@@ -40,7 +40,7 @@ def test_export_bundles_are_owner_only(
     ledger = open_ledger(sqlite_url)
     ledger.append_many([make_event(i) for i in range(6)])
     ledger.append(make_event(6, payload={"user": "x"}))
-    ledger.export(tmp_path / "b", tlog_proofs=True, include_payloads=True)
+    ledger.export(tmp_path / "b", tlog_proofs=True)
     modes = _modes(tmp_path / "b")
     assert len(modes) > 10
     for name, mode in modes.items():
