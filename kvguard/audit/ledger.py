@@ -152,6 +152,10 @@ class Ledger:
         """Queue `event` for a group commit without waiting (see `kvguard.audit.writer`)."""
         self._writer.submit(event)
 
+    def submit_many(self, events: Sequence[AuditEvent]) -> None:
+        """Queue several events at once, in order (one lock round trip for an engine step)."""
+        self._writer.submit_many(events)
+
     def flush(self, timeout: float | None = 30.0) -> None:
         """Wait until every submitted event is durable."""
         self._writer.flush(timeout)

@@ -66,10 +66,19 @@ class BackgroundWriter:
     def submit(self, event: AuditEvent) -> None:
         """Enqueue `event` for a group commit. Raises LedgerUnavailableError under `fail_closed`
         when the queue is full, or when the writer is closed."""
+        self.submit_many((event,))
+
+    def submit_many(self, events: Sequence[AuditEvent]) -> None:
+        """Enqueue `events` in order, taking the lock once (an engine step's entries). Under
+        `fail_closed` a queue without room for all of them refuses all of them; under `block` the
+        call waits for room (a group larger than the whole queue is let in once the queue is empty)."""
+        if not events:
+            return
         with self._cond:
             if self._closed:
                 raise LedgerUnavailableError("the ledger writer is closed")
-            while len(self._queue) >= self._capacity:
+            room = max(self._capacity - len(events), 0)
+            while len(self._queue) > room:
                 if self._overflow is Overflow.FAIL_CLOSED:
                     raise LedgerUnavailableError(
                         f"ledger queue full ({self._capacity} events not yet durable): refusing work"
@@ -77,9 +86,11 @@ class BackgroundWriter:
                 self._cond.wait()
                 if self._closed:
                     raise LedgerUnavailableError("the ledger writer is closed")
-            self._queue.append(event)
-            self._submitted += 1
-            if len(self._queue) in (1, self._batch_size):  # start the timer / a full group
+            before = len(self._queue)
+            self._queue.extend(events)
+            self._submitted += len(events)
+            # Start the timer (the queue was empty) or wake the writer for a full group.
+            if before == 0 or (before < self._batch_size <= len(self._queue)):
                 self._cond.notify_all()
 
     @property

@@ -13,7 +13,6 @@ its own type byte, so an absent adapter never equals an adapter named `""`.
 
 from __future__ import annotations
 
-import functools
 import struct
 from typing import Final
 
@@ -63,14 +62,18 @@ def _int(field: int, value: int, out: bytearray) -> None:
     out += _I64.pack(value)
 
 
-@functools.lru_cache(maxsize=65_536)
 def encode_scope(scope: Scope) -> bytes:
     """Canonical bytes of `scope`'s reuse domain (see the module docstring for the layout).
 
     For share 'group' and 'public' the tenant (and session) are not part of the domain: that is what
-    sharing means. For 'session' and 'tenant' they are. Memoized (scopes are frozen): the custody
-    core compares domains on every allocation.
+    sharing means. For 'session' and 'tenant' they are. Computed once per (frozen) scope and kept on
+    it (`Scope.domain_key`): the custody core compares domains on every allocation.
     """
+    return scope.domain_key
+
+
+def _encode(scope: Scope) -> bytes:
+    """The encoding behind `encode_scope` (called by `Scope.domain_key`, once per scope)."""
     out = bytearray(_MAGIC)
     out.append(_VERSION)
     _str(_F_SHARE, scope.share.value, out)

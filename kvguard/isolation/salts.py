@@ -20,7 +20,7 @@ import threading
 from typing import Final, NewType, TypeVar
 
 from kvguard.errors import UntrustedSaltError
-from kvguard.isolation.encoding import encode_scope, encode_tenant
+from kvguard.isolation.encoding import encode_tenant
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.scope import Scope
 
@@ -49,8 +49,10 @@ class SaltDeriver:
         self._active = keyring.active
         self._salt_key = keyring.secret(keyring.active)
         self._tag_key = keyring.secret(keyring.tag_kid)
-        self._salts: dict[Scope, Salt] = {}
-        self._tags: dict[Scope, ScopeTag] = {}
+        # Keyed by the scope's domain key (its canonical encoding, computed once per scope): salts
+        # and tags are functions of the reuse domain alone, and bytes hash faster than models.
+        self._salts: dict[bytes, Salt] = {}
+        self._tags: dict[bytes, ScopeTag] = {}
         self._lock = threading.Lock()
 
     @property
@@ -59,24 +61,24 @@ class SaltDeriver:
 
     def salt(self, scope: Scope) -> Salt:
         """The salt for `scope` under the active key."""
-        cached = self._salts.get(scope)
+        key = scope.domain_key
+        cached = self._salts.get(key)
         if cached is not None:
             return cached
-        mac = hmac.new(self._salt_key, _SALT_LABEL + encode_scope(scope), hashlib.sha256).digest()
+        mac = hmac.new(self._salt_key, _SALT_LABEL + key, hashlib.sha256).digest()
         value = Salt(f"{self._active}:{_b64(mac)}")
-        self._remember(self._salts, scope, value)
+        self._remember(self._salts, key, value)
         return value
 
     def scope_tag(self, scope: Scope) -> ScopeTag:
         """A short public pseudonym of `scope`'s reuse domain."""
-        cached = self._tags.get(scope)
+        key = scope.domain_key
+        cached = self._tags.get(key)
         if cached is not None:
             return cached
-        mac = hmac.new(
-            self._tag_key, _SCOPE_TAG_LABEL + encode_scope(scope), hashlib.sha256
-        ).digest()
+        mac = hmac.new(self._tag_key, _SCOPE_TAG_LABEL + key, hashlib.sha256).digest()
         value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
-        self._remember(self._tags, scope, value)
+        self._remember(self._tags, key, value)
         return value
 
     def tenant_tag(self, tenant_id: str) -> TenantTag:
@@ -91,8 +93,8 @@ class SaltDeriver:
                 "a client-supplied cache_salt was refused: kvguard derives salts from the scope"
             )
 
-    def _remember(self, table: dict[Scope, _V], scope: Scope, value: _V) -> None:
+    def _remember(self, table: dict[bytes, _V], key: bytes, value: _V) -> None:
         with self._lock:
             if len(table) >= _CACHE_MAX:
                 table.clear()  # a full reset is cheap and keeps memory bounded; misses just recompute
-            table[scope] = value
+            table[key] = value

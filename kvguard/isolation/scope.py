@@ -114,9 +114,22 @@ class Scope(_Frozen):
     def domain_key(self) -> bytes:
         """The canonical encoding of the scope: equal exactly when the reuse domains are equal.
         Computed once per (immutable) scope: custody compares domains on every block it moves."""
-        from kvguard.isolation.encoding import encode_scope  # noqa: PLC0415 (circular import)
+        from kvguard.isolation.encoding import _encode  # noqa: PLC0415 (circular import)
 
-        return encode_scope(self)
+        return _encode(self)
+
+    def __eq__(self, other: object) -> bool:
+        # Equal exactly when every field is: the domain key encodes all fields but the tenant (and
+        # the validator ties session / group ids to the share), so (tenant, domain key) is the whole
+        # scope. Pydantic's field-by-field comparison cost more than custody's own work per block.
+        if not isinstance(other, Scope):
+            return NotImplemented
+        return self is other or (
+            self.tenant_id == other.tenant_id and self.domain_key == other.domain_key
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.tenant_id, self.domain_key))
 
     def same_domain(self, other: Scope) -> bool:
         """True when blocks of one scope may serve the other (identical reuse domain)."""

@@ -104,6 +104,42 @@ def test_block_policy_waits_for_room_instead_of_dropping() -> None:
     writer.close()
 
 
+def test_G7_submit_many_is_all_or_nothing_under_fail_closed() -> None:
+    sink = GatedSink()
+    sink.open.clear()
+    writer = BackgroundWriter(
+        sink, capacity=10, batch_size=5, interval=0.01, overflow=Overflow.FAIL_CLOSED
+    )
+    writer.submit_many([make_event(i) for i in range(7)])
+    with pytest.raises(LedgerUnavailableError, match="refusing work"):
+        writer.submit_many([make_event(i) for i in range(7, 11)])  # 4 more do not fit: none enter
+    writer.submit_many([make_event(i) for i in range(7, 10)])  # 3 do
+    sink.open.set()
+    writer.flush(timeout=10)
+    assert [e.details["note"] for e in sink.committed] == [f"n{i}" for i in range(10)]
+    writer.close()
+
+
+def test_submit_many_keeps_order_and_blocks_for_room() -> None:
+    sink = GatedSink()
+    sink.open.clear()
+    writer = BackgroundWriter(sink, capacity=10, batch_size=5, interval=0.01)
+    writer.submit_many([make_event(i) for i in range(8)])
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (writer.submit_many([make_event(i) for i in range(8, 12)]), done.set()),
+        daemon=True,
+    ).start()
+    assert not done.wait(0.2)  # 8 + 4 > 10: waits, and none of the four is queued meanwhile
+    assert writer.pending == 8
+    sink.open.set()
+    assert done.wait(5)
+    writer.submit_many([make_event(i) for i in range(12, 30)])  # larger than the whole queue
+    writer.flush(timeout=10)
+    assert [e.details["note"] for e in sink.committed] == [f"n{i}" for i in range(30)]
+    writer.close()
+
+
 def test_failed_writes_are_retried_and_never_lost() -> None:
     sink = GatedSink()
     sink.fail = True

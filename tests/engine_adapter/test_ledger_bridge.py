@@ -28,8 +28,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events = []
 
-    def submit(self, event) -> None:
-        self.events.append(event)
+    def submit_many(self, events) -> None:
+        self.events.extend(events)
 
 
 def test_audit_level_filters_per_owner() -> None:

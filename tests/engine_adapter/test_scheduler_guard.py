@@ -121,6 +121,9 @@ class FakeLedger:
     def submit(self, event: Any) -> None:
         self.entries.append(event)
 
+    def submit_many(self, events: Any) -> None:
+        self.entries.extend(events)
+
     def flush(self, timeout: float | None = None) -> None:
         pass
 

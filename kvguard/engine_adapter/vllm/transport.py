@@ -9,6 +9,7 @@ gets no prefix cache and nothing of it is retained (G7, fail closed).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Final
@@ -20,6 +21,7 @@ from kvguard.isolation.scope import Scope
 
 ENVELOPE_KEY: Final = "kvguard"
 _VERSION: Final = 1
+_CACHE: Final = 4096  # distinct envelopes remembered (a handful per tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +39,18 @@ class Envelope:
 
     def to_json(self) -> str:
         """One JSON string: `vllm serve` only passes flat values through `vllm_xargs`."""
-        doc: dict[str, Any] = {
-            "v": _VERSION,
-            "scope": self.scope.model_dump(mode="json"),
-            "use_cache": self.use_cache,
-        }
+        return _wire(self.scope, self.use_cache)
 
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+@functools.lru_cache(maxsize=_CACHE)
+def _wire(scope: Scope, use_cache: bool) -> str:
+    # Cached: a front end sends the same few scopes over and over (scopes are frozen).
+    doc: dict[str, Any] = {
+        "v": _VERSION,
+        "scope": scope.model_dump(mode="json"),
+        "use_cache": use_cache,
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 def read_envelope(extra_args: dict[str, Any] | None) -> Envelope | None:
@@ -52,10 +59,23 @@ def read_envelope(extra_args: dict[str, Any] | None) -> Envelope | None:
         return None
     raw = extra_args[ENVELOPE_KEY]
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            raise ScopeError("kvguard envelope is not valid JSON") from None
+        return _read_wire(raw)
+    return _read(raw)
+
+
+@functools.lru_cache(maxsize=_CACHE)
+def _read_wire(raw: str) -> Envelope:
+    """The envelope of one wire string. Cached: the engine sees the same few envelopes over and over,
+    and the result (a frozen envelope and scope) depends on the string alone, so the scope's domain
+    key is computed once, not per request. (Refusals raise and are not cached.)"""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise ScopeError("kvguard envelope is not valid JSON") from None
+    return _read(doc)
+
+
+def _read(raw: object) -> Envelope:
     if not isinstance(raw, dict) or raw.get("v") != _VERSION:
         raise ScopeError("kvguard envelope has an unknown version")
     try:
