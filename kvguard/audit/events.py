@@ -17,7 +17,7 @@ import math
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -37,8 +37,6 @@ _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])")
 _EXTRA_SENSITIVE = frozenset({"text", "content", "completion", "messages", "hmac", "pem"})
 _TOKEN_LIST = re.compile(r"^\s*\[?\s*-?\d+(\s*[,;\s]\s*-?\d+){7,}")
 _PEM = re.compile(r"-----BEGIN [A-Z ]+-----")
-_PRINTABLE = re.compile(r"[\x21-\x7e]{1,128}")
-_DETAIL_TYPES = frozenset({str, int, float, bool, type(None)})
 
 
 class EventKind(StrEnum):
@@ -60,9 +58,6 @@ class EventKind(StrEnum):
     CUSTODY_REPAIR = "custody.repair"
     QUOTA_DEFER = "quota.defer"
     QUOTA_REJECT = "quota.reject"
-
-
-_KINDS: Final = frozenset(k.value for k in EventKind)
 
 
 def _words(name: str) -> list[str]:
@@ -126,56 +121,6 @@ class AuditEvent(BaseModel):
     details: dict[str, DetailValue] = Field(default_factory=dict, max_length=_MAX_DETAILS)
     ts: datetime
     payload: dict[str, DetailValue] | None = Field(default=None, max_length=_MAX_DETAILS)
-
-    @classmethod
-    def checked(
-        cls,
-        *,
-        kind: str,
-        scope_tag: str | None,
-        request_id: str | None,
-        block_ids: tuple[int, ...] | list[int],
-        details: dict[str, DetailValue],
-        ts: datetime,
-    ) -> AuditEvent:
-        """The event `model_validate` would build from these fields, built without pydantic's
-        per-field machinery: engines record about a thousand events a second on their step path.
-
-        Every check of validation runs (the G6 field and value checks included); any input that is
-        not plainly valid goes through `model_validate`, which raises the same error it always does.
-        """
-        plain = (
-            type(kind) is str
-            and kind in _KINDS
-            and (scope_tag is None or (type(scope_tag) is str and _PRINTABLE.fullmatch(scope_tag)))
-            and (
-                request_id is None or (type(request_id) is str and _PRINTABLE.fullmatch(request_id))
-            )
-            and len(block_ids) <= MAX_BLOCK_IDS
-            and all(type(i) is int and i >= 0 for i in block_ids)
-            and len(details) <= _MAX_DETAILS
-            and all(type(k) is str and type(v) in _DETAIL_TYPES for k, v in details.items())
-            and type(ts) is datetime
-            and ts.utcoffset() is not None
-        )
-        if plain:
-            try:
-                _check_mapping("details", details)
-            except (SensitiveFieldError, ValueError):
-                plain = False
-        fields: dict[str, Any] = {
-            "kind": kind,
-            "scope_tag": scope_tag,
-            "request_id": request_id,
-            "block_ids": list(block_ids),
-            "details": dict(details),
-            "ts": ts,
-        }
-        if not plain:
-            return cls.model_validate(fields)
-        fields["ts"] = ts.astimezone(UTC)
-        # `kind` is stored as its value, as `use_enum_values` does.
-        return cls.model_construct(_fields_set=set(fields), payload=None, **fields)
 
     @field_validator("ts")
     @classmethod

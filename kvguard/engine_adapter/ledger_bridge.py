@@ -47,13 +47,15 @@ class Submitter(Protocol):
 
 def to_audit_event(event: CustodyEvent) -> AuditEvent:
     """The ledger form of one custody event (tags, ids and counts only)."""
-    return AuditEvent.checked(
-        kind=event.kind.value,
-        scope_tag=event.scope_tag,
-        request_id=event.request_id,
-        block_ids=event.block_ids,
-        details=event.details,
-        ts=datetime.fromtimestamp(event.ts, UTC),
+    return AuditEvent.model_validate(
+        {
+            "kind": event.kind.value,
+            "scope_tag": event.scope_tag,
+            "request_id": event.request_id,
+            "block_ids": list(event.block_ids),
+            "details": dict(event.details),
+            "ts": datetime.fromtimestamp(event.ts, UTC),
+        }
     )
 
 
