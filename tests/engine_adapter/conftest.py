@@ -55,4 +55,5 @@ def make_custody() -> Callable[..., Custody]:
 
 
 # Fresh SQLite / PostgreSQL databases per test (the control-plane fixtures, shared here).
+from tests.api.conftest import make_env, pg_db  # noqa: E402, F401 (the admin API beside engines)
 from tests.control.conftest import db_url, pg_url, sqlite_url  # noqa: E402, F401

@@ -11,6 +11,8 @@ writes `{"engine_id": ...}` to `SPEC["ready_file"]`, then sends a small request 
 runs commands only when a request arrives or a step runs) until `SPEC["stop_file"]` exists or
 `SPEC["timeout_s"]` passes. Last, it sends the prompt once more per tenant and writes the cached-token
 counts of those requests and the policy version in force to OUT_JSON, and shuts the engine down.
+`SPEC["options"]` (GuardOptions fields) replaces the per-child secrets and ledger; `SPEC["keepalive"]`
+names the tenant of the small requests.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     from tests.engine_adapter.vllm_support import engine_kwargs, write_secrets  # noqa: PLC0415
 
     url = spec["control_url"]
-    options = GuardOptions(**write_secrets(workdir), commands_url=url, policy_url=url)
+    # `SPEC["options"]` overrides the per-child secrets and ledger: replicas of one deployment share
+    # the keyring, the signing key and one ledger database.
+    shared = {k: Path(v) if k.endswith("_file") else v for k, v in spec.get("options", {}).items()}
+    settings = {**write_secrets(workdir), **shared}
+    options = GuardOptions(**settings, commands_url=url, policy_url=url)
     g = GuardedLLM(str(tiny_llama_dir()), options=options, **engine_kwargs())
     # In multiprocess mode (`SPEC["idle"]`: the engine core runs in its own process) the guard is
     # not reachable from here; the engine id comes from the engine registry instead.
@@ -47,7 +53,7 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     while not Path(spec["stop_file"]).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
         if not spec.get("idle"):  # idle: no requests at all, the engine must wake by itself
-            g.generate([[5, 6, 7]], params, tenant="child-keepalive")
+            g.generate([[5, 6, 7]], params, tenant=spec.get("keepalive", "child-keepalive"))
     after: dict[str, int | str] = {}
     for tenant in tenants:
         try:
