@@ -109,6 +109,18 @@ class BlockIdError(ZeroizeError):
     """A block id handed to the zeroize planner is not an integer in [0, num_blocks)."""
 
 
+class OffloadError(KvguardError):
+    """The offload tier cannot store or serve a block."""
+
+
+class OffloadKeyError(OffloadError):
+    """An offload data key cannot be used (shredded epoch, exhausted nonce counter)."""
+
+
+class TierAuthError(OffloadError):
+    """An offloaded block failed authentication (tampered, moved or corrupted): recompute it."""
+
+
 class CustodyError(KvguardError):
     """The block custody state machine refused a transition or found a broken invariant (G4)."""
 
