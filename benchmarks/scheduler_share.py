@@ -1,0 +1,185 @@
+"""kvguard's scheduler-side cost per step as a fraction of vLLM's own scheduler step time (issue 14
+item 7), at batch 64 and 256 on the CPU engine.
+
+vLLM's scheduler step is `Scheduler.schedule` plus `Scheduler.update_from_output`; kvguard's
+scheduler half runs inside them (`build_step` in `schedule`, `request_finished` and the worker
+results in `update_from_output`, `on_new_request` when a request arrives). Each batch size runs a
+plain engine and a governed one, each in its own child process, on the same workload: `batch`
+requests of 16 tenants (84-token prompts sharing a per-tenant 64-token prefix, 32 tokens out), all
+admitted at once (`max_num_seqs` = batch), the pool large enough for all of them. Reported per step:
+vLLM's scheduler time in the plain engine, the governed engine's scheduler time with kvguard's part
+taken out, kvguard's part, and kvguard's share of the governed engine's own scheduler time.
+Target: <= 5%.
+
+Run: .venv/bin/python benchmarks/scheduler_share.py [--batches 64 256] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 32
+TENANTS = 16
+MAX_TOKENS = 32
+SCHEDULER_PHASES = ("build_step", "on_new_request", "request_finished", "worker_output")
+
+
+def workload(batch: int) -> list[tuple[str, list[int]]]:
+    items = []
+    for r in range(batch):
+        t = r % TENANTS
+        system = [(t * 53 + 11 * i) % 500 + 5 for i in range(2 * BLOCK)]
+        question = [(r * 29 + t * 7 + 3 * i) % 500 + 5 for i in range(20)]
+        items.append((f"tenant-{t}", system + question))
+    return items
+
+
+def engine_kwargs(batch: int) -> dict[str, object]:
+    return {
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "block_size": BLOCK,
+        "kv_cache_memory_bytes": max(64, batch * 8) * 32 * 1024,  # 32 KiB blocks, 8 per request
+        "max_model_len": 512,
+        "max_num_seqs": batch,
+        "max_num_batched_tokens": max(2048, batch * 96),
+        "seed": 0,
+    }
+
+
+class _Clock:
+    """Wall time inside vLLM's two scheduler methods, per engine step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+
+    def wrap(self, cls: type, name: str, *, step: bool = False) -> None:
+        orig = getattr(cls, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.steps += step
+
+        setattr(cls, name, timed)
+
+
+def child(mode: str, batch: int, out: Path) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
+
+    clock = _Clock()
+    clock.wrap(Scheduler, "schedule", step=True)
+    clock.wrap(Scheduler, "update_from_output")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    items = workload(batch)
+    guard = None
+    if mode == "plain":
+        from vllm import LLM  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        llm = LLM(model=str(tiny_llama_dir()), enable_prefix_caching=True, **engine_kwargs(batch))
+        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
+
+        def run() -> object:
+            return llm.generate(prompts, params, use_tqdm=False)
+    else:
+        from kvguard.engine_adapter.vllm.guarded import GuardedLLM  # noqa: PLC0415
+        from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+        from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
+
+        opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
+        g = GuardedLLM(str(tiny_llama_dir()), options=opts, **engine_kwargs(batch))
+        guard = g.connector.scheduler_guard
+        batch_items = [(TenantRequest(t), p) for t, p in items]
+
+        def run() -> object:
+            return g.generate_batch(batch_items, params)
+
+    run()  # warm-up: the measured run sees the same prefix hits in both engines
+    before = guard.timer.snapshot() if guard else {}
+    clock.seconds, clock.steps = 0.0, 0
+    run()
+    result: dict[str, object] = {"sched_s": clock.seconds, "steps": clock.steps}
+    if guard is not None:
+        after = guard.timer.snapshot()
+        result["kvguard_s"] = sum(
+            after[k]["seconds"] - before.get(k, {}).get("seconds", 0.0)
+            for k in SCHEDULER_PHASES
+            if k in after
+        )
+        g.close()
+    out.write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", choices=["plain", "governed"])
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.batch, args.out)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batches:
+            runs: dict[str, list[dict]] = {"plain": [], "governed": []}
+            for r in range(args.rounds):
+                for mode in ("plain", "governed"):
+                    out = Path(tmp) / f"{mode}-{batch}-{r}.json"
+                    command = [sys.executable, __file__, "--child", mode, "--batch", str(batch)]
+                    subprocess.run(
+                        [*command, "--out", str(out)],
+                        check=True,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        cwd=ROOT,
+                        capture_output=True,
+                    )
+                    runs[mode].append(json.loads(out.read_text()))
+                    print(f"batch {batch} round {r} {mode} done", file=sys.stderr)
+
+            def per_step(run: dict, key: str) -> float:
+                return float(run.get(key, 0.0)) / max(1, int(run["steps"])) * 1e6
+
+            plain = statistics.median(per_step(x, "sched_s") for x in runs["plain"])
+            gov = [(per_step(x, "sched_s"), per_step(x, "kvguard_s")) for x in runs["governed"]]
+            kvg = statistics.median(k for _, k in gov)
+            own = statistics.median(total - k for total, k in gov)
+            share = statistics.median(k / (total - k) for total, k in gov)
+            rows.append((batch, plain, own, kvg, share, kvg / plain))
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
+    )
+    print(
+        f"{'batch':>6}{'plain sched us/step':>21}{'governed, vLLM part':>21}"
+        f"{'kvguard us/step':>17}{'share of own':>14}{'vs plain':>10}"
+    )
+    for batch, plain, own, kvg, share, vs_plain in rows:
+        print(f"{batch:>6}{plain:>21.1f}{own:>21.1f}{kvg:>17.1f}{share:>13.1%}{vs_plain:>10.1%}")
+    print("target: kvguard's scheduler-side cost <= 5% of vLLM's scheduler step")
+
+
+if __name__ == "__main__":
+    main()
