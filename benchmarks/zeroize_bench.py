@@ -1,8 +1,16 @@
-"""Zeroization benchmark (issue 4, item 7): the one-launch Triton kernel against its ceilings and the
-naive alternatives, on Llama-3-8B and 70B KV cache shapes. Needs a CUDA GPU.
+"""Zeroization benchmark (issue 4, item 7; issue 14, item 2): the one-launch Triton kernel against its
+ceilings and the naive alternatives, on Llama-3-8B and 70B KV cache shapes, and the host cost of one
+call. Needs a CUDA GPU.
 
     PYTHONPATH=. python benchmarks/zeroize_bench.py [--sweep] [--json PATH]
+    PYTHONPATH=. python benchmarks/zeroize_bench.py --host-only   # only the host-cost tables
     PYTHONPATH=. python benchmarks/zeroize_bench.py --plan-only   # the host-side planner, any machine
+
+Host cost (8B shape). "enqueue" is the host time of `zeroize_async(cache, plan, verify=mode)`: what
+an engine's step pays (issue 14 target: <= 30 us up to 64 blocks); "plan" is `plan_zeroize` before
+it; "collect" is `poll()` + `evidence()` once the device has finished (paid at a later step); "sync"
+is the whole synchronous `zeroize()` with the GPU idle. "queued" repeats one-block calls behind
+~40 ms of queued GPU work: `zeroize_async` returns at once, `zeroize` waits for the queue. Medians.
 
 Timing. "Device time" is CUDA-event time with the host kept ahead of the GPU: each repetition first
 enqueues a ~2 ms spin kernel, so the events bracket only device work, never Python or launch gaps
@@ -13,6 +21,7 @@ Block ids are drawn at random (scattered, as real releases are), fresh for every
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import platform
 import random
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvguard.zeroize import KVCacheSpec, plan, plan_zeroize, triton_exec, zeroize
+from kvguard.zeroize import KVCacheSpec, plan, plan_zeroize, triton_exec, zeroize, zeroize_async
 from kvguard.zeroize.triton_exec import Tuning
 
 GIB = 1 << 30
@@ -32,6 +41,8 @@ FREES = (1, 16, 256, 2048)
 SHAPES = {"llama3-8b": 32, "llama3-70b": 80}  # layers; both 8 KV heads, head 128, block 16, bf16
 NUM_BLOCKS = 4096
 SPIN_CYCLES = 4_000_000  # ~2 ms at H100 clocks: longer than any host-side enqueue measured here
+HOST_COUNTS = (1, 16, 64, 256, 2048)
+QUEUE_CYCLES = 80_000_000  # ~40 ms of queued work, as in issue 14's measurement
 
 
 @dataclass
@@ -175,6 +186,123 @@ def sweep_one(
     return entry
 
 
+def host_costs(spec: KVCacheSpec, reps: int) -> list[dict[str, object]]:
+    """Host time per call on the 8B cache, per block count and verification mode (module docstring)."""
+    rows: list[dict[str, object]] = []
+    for count in HOST_COUNTS:
+        sets = id_sets(count, reps)
+        for mode in ("none", "sample", "full"):
+            zeroize(spec, plan_zeroize(sets[-1], NUM_BLOCKS), verify=mode)  # compile, staging
+            samples: dict[str, list[float]] = {
+                k: [] for k in ("plan", "enqueue", "collect", "sync")
+            }
+            device: dict[str, list[float]] = {"clear": [], "verify": []}
+            for rep in range(reps):
+                started = time.perf_counter()
+                planned = plan_zeroize(sets[rep], NUM_BLOCKS)
+                middle = time.perf_counter()
+                pending = zeroize_async(spec, planned, verify=mode)
+                enqueued = time.perf_counter()
+                torch.cuda.synchronize()
+                ready = time.perf_counter()
+                assert pending.poll()
+                evidence = pending.evidence()
+                collected = time.perf_counter()
+                samples["plan"].append(middle - started)
+                samples["enqueue"].append(enqueued - middle)
+                samples["collect"].append(collected - ready)
+                device["clear"].append(evidence.device_time_us or 0.0)
+                device["verify"].append(evidence.verify_time_us or 0.0)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                zeroize(spec, planned, verify=mode)
+                samples["sync"].append(time.perf_counter() - started)
+            row: dict[str, object] = {"blocks": count, "verify": mode}
+            row.update({f"{k}_us": statistics.median(v) * 1e6 for k, v in samples.items()})
+            row.update({f"{k}_device_us": statistics.median(v) for k, v in device.items()})
+            rows.append(row)
+            print("host", json.dumps(row), flush=True)
+    return rows
+
+
+def back_to_back(spec: KVCacheSpec, reps: int = 100) -> list[dict[str, object]]:
+    """Host time of `zeroize_async` in a loop of calls with no synchronization between them (as an
+    engine enqueues step after step), plans made beforehand; the stagings pool is warmed first."""
+    rows: list[dict[str, object]] = []
+    for count in (1, 16, 64):
+        plans = [plan_zeroize(ids, NUM_BLOCKS) for ids in id_sets(count, reps)]
+        for mode in ("none", "sample", "full"):
+            times: list[float] = []
+            for _pass in range(2):  # the first pass fills the pool with `reps` stagings
+                times, pendings = [], []
+                for planned in plans:
+                    started = time.perf_counter()
+                    pendings.append(zeroize_async(spec, planned, verify=mode))
+                    times.append(time.perf_counter() - started)
+                torch.cuda.synchronize()
+                assert all(p.poll() and p.ok for p in pendings)
+            row: dict[str, object] = {"blocks": count, "verify": mode}
+            row["enqueue_us"] = statistics.median(times) * 1e6
+            row["enqueue_best_us"] = min(times) * 1e6
+            rows.append(row)
+            print("b2b", json.dumps(row), flush=True)
+    return rows
+
+
+def queued_calls(spec: KVCacheSpec, reps: int = 5) -> dict[str, float]:
+    """Host time of a one-block call behind ~40 ms of queued GPU work: async vs sync (medians)."""
+    one = plan_zeroize([7], NUM_BLOCKS)
+    times: dict[str, list[float]] = {"async_us": [], "sync_us": []}
+    for _ in range(reps):
+        for name, call in (("async_us", zeroize_async), ("sync_us", zeroize)):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(QUEUE_CYCLES)  # type: ignore[no-untyped-call]
+            started = time.perf_counter()
+            call(spec, one, verify="sample")
+            times[name].append((time.perf_counter() - started) * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def breakdown(spec: KVCacheSpec, reps: int = 200) -> dict[str, float]:
+    """Median host time of each piece of the GPU enqueue path (64 blocks), and of the torch calls
+    the path avoids, to see where the time goes."""
+    launch = triton_exec.launcher(spec)
+    ids = sorted(id_sets(64, 1)[0])
+    stream = torch.cuda.current_stream()
+    handle = launch.stream_handle(None)
+    staging = launch.staging.take(64)
+    event = staging.events[0]
+    pieces: dict[str, Callable[[], object]] = {
+        "plan_zeroize(64)": lambda: plan_zeroize(ids, NUM_BLOCKS),
+        "stream handle": lambda: launch.stream_handle(None),
+        "ids -> pinned": lambda: staging.ids_view.__setitem__(slice(0, 64), array.array("q", ids)),
+        "upload": lambda: staging.upload(64, None, handle),
+        "event record": lambda: staging.record(0, None, handle),
+        "clear launch": lambda: launch.clear(staging.device_ids_address, 64, handle=handle),
+        "check launch": lambda: launch.check(
+            staging.device_ids_address, 64, staging.flags_address, handle=handle
+        ),
+        "torch: current_stream()": torch.cuda.current_stream,
+        "torch: copy_ 512 B": lambda: staging.device_ids[:64].copy_(
+            staging.host_ids[:64], non_blocking=True
+        ),
+        "torch: Event.record": lambda: event.record(stream),
+    }
+    out: dict[str, float] = {}
+    for name, piece in pieces.items():
+        piece()
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            piece()
+            times.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        out[name] = statistics.median(times) * 1e6
+    launch.staging.give(staging)
+    return out
+
+
 def plan_cost_us(reps: int = 50) -> dict[str, dict[str, dict[str, float]]]:
     """Host time of the planner, best and median of `reps`, for the C extension and the pure-Python
     path in the same run (alternating): 10,000 scattered ids of 100,000, alone and with the runs
@@ -224,6 +352,7 @@ def main() -> None:
     parser.add_argument(
         "--plan-only", action="store_true", help="only the host-side planner (no GPU)"
     )
+    parser.add_argument("--host-only", action="store_true", help="only the host-cost tables")
     args = parser.parse_args()
     if args.plan_only:
         print("env", json.dumps({"python": platform.python_version(), "cpu": platform.processor()}))
@@ -236,7 +365,21 @@ def main() -> None:
         "tuning": vars(triton_exec.DEFAULT_TUNING), "verify_tuning": vars(triton_exec.DEFAULT_VERIFY_TUNING),
     }  # fmt: skip
     print("env", json.dumps(env), flush=True)
-    report: dict[str, object] = {"env": env, "plan_10k_ids_us": plan_cost_us()}
+    report: dict[str, object] = {"env": env}
+    host_spec = make_cache(SHAPES["llama3-8b"])
+    report["host"] = host_costs(host_spec, max(args.reps, 50))
+    report["back_to_back"] = back_to_back(host_spec)
+    report["queued"] = queued_calls(host_spec)
+    report["breakdown"] = breakdown(host_spec)
+    del host_spec
+    torch.cuda.empty_cache()
+    if args.host_only:
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=1)
+        print_host(report)
+        return
+    report["plan_10k_ids_us"] = plan_cost_us()
     report["ceilings"] = ceilings(args.reps)
     print("ceilings", json.dumps(report["ceilings"]), flush=True)
     rows: list[Row] = []
@@ -257,11 +400,34 @@ def main() -> None:
     print_table(report, rows)
 
 
+def print_host(report: dict[str, object]) -> None:
+    rows = report["host"]
+    assert isinstance(rows, list)
+    print()
+    print(f"host cost per call (8B cache), medians: {'blocks':>6} {'verify':6} {'plan':>6} "
+          f"{'enqueue':>8} {'collect':>8} {'sync':>8} {'dev clear':>9} {'dev verify':>10}")  # fmt: skip
+    for r in rows:
+        print(f"{'':40} {r['blocks']:6d} {r['verify']:6} {r['plan_us']:6.1f} {r['enqueue_us']:8.1f} "
+              f"{r['collect_us']:8.1f} {r['sync_us']:8.1f} {r['clear_device_us']:9.1f} "
+              f"{r['verify_device_us']:10.1f}")  # fmt: skip
+    b2b = report["back_to_back"]
+    assert isinstance(b2b, list)
+    print("back-to-back enqueue (median / best us):",
+          ", ".join(f"{r['blocks']} {r['verify']} {r['enqueue_us']:.1f}/{r['enqueue_best_us']:.1f}"
+                    for r in b2b))  # fmt: skip
+    print("behind ~40 ms of queued work, 1 block, us:", json.dumps(report["queued"]))
+    print(
+        "enqueue path pieces, us:",
+        json.dumps({k: round(v, 2) for k, v in report["breakdown"].items()}),
+    )  # type: ignore[union-attr]
+
+
 def print_table(report: dict[str, object], rows: list[Row]) -> None:
     ceil = report["ceilings"]
     assert isinstance(ceil, dict)
     cost = report["plan_10k_ids_us"]
     assert isinstance(cost, dict)
+    print_host(report)
     print()
     print_plan_cost(cost)
     print(f"ceilings: zero_ {ceil['zero_tb_s']:.2f} TB/s, read (amax) {ceil['read_tb_s']:.2f} TB/s, "

@@ -6,13 +6,16 @@ zeroized: the custody core asks policy and hands this package a plan. Importing 
 nor a GPU.
 
 Ownership chain: the engine owns the cache tensors and their bytes; `KVCacheSpec` only describes them;
-the custody core owns the block ids and builds a `ZeroizePlan` with `plan_zeroize`; `zeroize` clears
-and checks the bytes and returns a `ZeroizeEvidence` for the ledger. See docs/zeroize.md.
+the custody core owns the block ids and builds a `ZeroizePlan` with `plan_zeroize`; `zeroize_async`
+enqueues the clear and the check on the engine's stream and returns a `PendingZeroize`, whose verdict
+and `ZeroizeEvidence` (for the ledger) are read once the device has finished; `zeroize` does the same
+and waits. An engine worker keeps its in-flight clears in a `StepZeroizer`. See docs/zeroize.md.
 """
 
 from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
-from kvguard.zeroize.executor import zeroize
+from kvguard.zeroize.executor import zeroize, zeroize_async
 from kvguard.zeroize.layout import SUPPORTED_DTYPES, KVCacheSpec, KVLayout
+from kvguard.zeroize.pending import PendingZeroize
 from kvguard.zeroize.plan import (
     BlockRun,
     ZeroizePlan,
@@ -30,6 +33,7 @@ __all__ = [
     "KVCacheSpec",
     "KVLayout",
     "Method",
+    "PendingZeroize",
     "VerifyMode",
     "VerifyReport",
     "ZeroizeEvidence",
@@ -40,4 +44,5 @@ __all__ = [
     "triton_available",
     "verify_zeroized",
     "zeroize",
+    "zeroize_async",
 ]

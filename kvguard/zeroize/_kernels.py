@@ -4,15 +4,26 @@ Imported only by `kvguard.zeroize.triton_exec`, and only when Triton is installe
 Triton at the top. Under `TRITON_INTERPRET=1` (set before this module is imported) the same kernels run
 on CPU tensors, which is how CI tests them.
 
-Work decomposition. The launcher passes one int64 table: `num_segments` segment base addresses followed
-by `num_plan_blocks` block ids. A *tile* is `TILE` consecutive words of one block's chunk in one
-segment; work item `w` in `[0, num_segments * num_plan_blocks * TILES_PER_CHUNK)` is
+Arguments are raw addresses, not tensors. `segments` is the address of an int64 table of segment base
+addresses (uploaded once per cache), `blocks` the address of `num_plan_blocks` int64 block ids, `flags`
+the address of `num_plan_blocks` int32 result flags (device memory, or pinned host memory that the GPU
+writes directly, so reading the verdict back needs no copy). Plain integers keep the launch path short
+(no tensor to inspect per argument) and make every call of one cache hit the same compiled kernel:
+integers named in `do_not_specialize` are never specialized on their value (a count of 1, or one
+divisible by 16, would otherwise compile a new variant), and integers carry no pointer-alignment
+specialization.
+
+Work decomposition. A *tile* is `TILE` consecutive words of one block's chunk in one segment; work item
+`w` in `[0, num_segments * num_plan_blocks * TILES_PER_CHUNK)` is
 
     tile = w % TILES_PER_CHUNK, block = (w // TILES_PER_CHUNK) % num_plan_blocks,
     segment = w // (TILES_PER_CHUNK * num_plan_blocks)
 
 so consecutive programs write consecutive bytes whenever planned blocks are adjacent. The grid is
 persistent (a few programs per SM, each striding over work items), so one launch covers any plan.
+The stride loop is a `while` loop on purpose: Triton 3.6's interpreter turns a `range` over runtime
+bounds into `int()` of a one-element numpy array, which numpy 2.5 refuses ("only 0-dimensional arrays
+can be converted to Python scalars"); a `while` condition only needs `bool()`, which every numpy allows.
 
 Vector width. Addresses loaded from a table carry no alignment facts, so the compiler would emit scalar
 accesses; `tl.multiple_of(..., ALIGN)` restores them. The launcher sets ALIGN to the largest power of
@@ -31,6 +42,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Integer arguments compiled as plain i32/i64 values whatever they hold (module docstring).
+_RUNTIME_INTS = ["segments", "blocks", "flags", "num_segments", "num_plan_blocks", "num_work"]
+
 
 @triton.jit
 def _word_pointer(address, WORD_BYTES: tl.constexpr):
@@ -44,10 +58,17 @@ def _word_pointer(address, WORD_BYTES: tl.constexpr):
 
 
 @triton.jit
+def _int64_pointer(address):
+    # An address below 2**31 arrives as an i32 (Triton types integers by value; the interpreter sees
+    # heap addresses that low under a non-PIE Python): widen before the cast, a no-op for an i64.
+    return address.to(tl.int64).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
 def _tile_pointer(
-    table,  # [num_segments + num_plan_blocks] int64: segment addresses, then block ids
+    segments,  # address of [num_segments] int64 segment base addresses
+    blocks,  # address of [num_plan_blocks] int64 block ids
     work,
-    num_segments,
     num_plan_blocks,
     CHUNK_WORDS: tl.constexpr,
     TILE: tl.constexpr,
@@ -59,16 +80,17 @@ def _tile_pointer(
     rest = work // TILES_PER_CHUNK
     plan_index = rest % num_plan_blocks
     segment = rest // num_plan_blocks
-    base = _word_pointer(tl.load(table + segment), WORD_BYTES)
-    block = tl.load(table + num_segments + plan_index)  # int64: block * CHUNK_WORDS never wraps
+    base = _word_pointer(tl.load(_int64_pointer(segments) + segment), WORD_BYTES)
+    block = tl.load(_int64_pointer(blocks) + plan_index)  # int64: block * CHUNK_WORDS never wraps
     start = block * CHUNK_WORDS + tile * TILE
     pointer = tl.multiple_of(base + start, ALIGN)
     return pointer, tile * TILE, plan_index
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS[:2] + _RUNTIME_INTS[3:])
 def zero_blocks_kernel(
-    table,  # [num_segments + num_plan_blocks] int64
+    segments,  # address of [num_segments] int64
+    blocks,  # address of [num_plan_blocks] int64
     num_segments,
     num_plan_blocks,
     num_work,  # num_segments * num_plan_blocks * TILES_PER_CHUNK
@@ -80,9 +102,10 @@ def zero_blocks_kernel(
     EVEN: tl.constexpr,  # TILE divides CHUNK_WORDS: no mask needed
 ):
     offsets = tl.arange(0, TILE)
-    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+    work = tl.program_id(0)
+    while work < num_work:
         pointer, tile_start, _ = _tile_pointer(
-            table, work, num_segments, num_plan_blocks,
+            segments, blocks, work, num_plan_blocks,
             CHUNK_WORDS, TILE, TILES_PER_CHUNK, WORD_BYTES, ALIGN,
         )  # fmt: skip
         zeros = tl.full([TILE], 0, pointer.dtype.element_ty)
@@ -90,12 +113,14 @@ def zero_blocks_kernel(
             tl.store(pointer + offsets, zeros)
         else:
             tl.store(pointer + offsets, zeros, mask=tile_start + offsets < CHUNK_WORDS)
+        work += tl.num_programs(0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dirty_blocks_kernel(
-    table,  # [num_segments + num_plan_blocks] int64
-    dirty,  # [num_plan_blocks] int32, zero on entry; set to 1 where any word is non-zero
+    segments,  # address of [num_segments] int64
+    blocks,  # address of [num_plan_blocks] int64
+    flags,  # address of [num_plan_blocks] int32, zero on entry; set to 1 where any word is non-zero
     num_segments,
     num_plan_blocks,
     num_work,
@@ -107,9 +132,11 @@ def dirty_blocks_kernel(
     EVEN: tl.constexpr,
 ):
     offsets = tl.arange(0, TILE)
-    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+    flag_words = flags.to(tl.int64).to(tl.pointer_type(tl.int32))
+    work = tl.program_id(0)
+    while work < num_work:
         pointer, tile_start, plan_index = _tile_pointer(
-            table, work, num_segments, num_plan_blocks,
+            segments, blocks, work, num_plan_blocks,
             CHUNK_WORDS, TILE, TILES_PER_CHUNK, WORD_BYTES, ALIGN,
         )  # fmt: skip
         if EVEN:
@@ -118,4 +145,5 @@ def dirty_blocks_kernel(
             words = tl.load(pointer + offsets, mask=tile_start + offsets < CHUNK_WORDS, other=0)
         found = tl.max((words != 0).to(tl.int32), axis=0)
         # Every writer stores the same 1, so concurrent tiles of one block need no atomics.
-        tl.store(dirty + plan_index, found, mask=found != 0)
+        tl.store(flag_words + plan_index, found, mask=found != 0)
+        work += tl.num_programs(0)

@@ -34,7 +34,8 @@ class Method(enum.StrEnum):
 
 @dataclass(frozen=True)
 class ZeroizeEvidence:
-    """What one `zeroize` call did. Built only after verification passed (a failure raises)."""
+    """What one zeroization did. Built only after verification passed (a failure raises), and only
+    once the device has finished (`PendingZeroize.evidence()`), so the device times are measured."""
 
     block_count: int
     block_ids_sha256: str  # `ZeroizePlan.block_ids_digest()`
@@ -50,7 +51,7 @@ class ZeroizeEvidence:
     verified: bool | None  # True: every block read back was all-zero; None: none was read back
     device_time_us: float | None  # CUDA-event time of the clearing launch; None off the GPU
     verify_time_us: float | None  # CUDA-event time of the read-back launch; None off the GPU
-    wall_time_us: float  # host time of the whole call, read-back included
+    wall_time_us: float  # host time of the enqueue (zeroize_async) or whole call (zeroize)
     timestamp: datetime  # from the injected clock, when the call started
 
     def as_audit_details(self) -> dict[str, DetailValue]:

@@ -3,11 +3,18 @@
 Triton is imported on first use, never at module import, so `import kvguard.zeroize` works on machines
 without Triton or a GPU (`triton_available()` says whether this executor can run).
 
-Stream order. Both launchers enqueue on `stream` (default: the current stream of the cache's device)
-and never synchronize the device. The table upload is a stream-ordered copy on the same stream. So any
-kernel enqueued later on that stream, such as the forward pass of the block's next owner, starts only
-after every planned byte is zero; work on other streams needs the usual event wait, as for any write
-to the cache.
+Launch cost. A `Launcher` holds everything about one cache that never changes between calls, computed
+once (issue 14): the segment-address table (uploaded to the device once), each kernel's geometry and
+grid cap, and the compiled kernels themselves. The first launch of a kernel goes through Triton's JIT
+(compile, cache); every later one calls the compiled kernel directly with plain integers, skipping the
+JIT's argument binding and specialization lookup. The kernels take addresses, not tensors, and name
+their integers in `do_not_specialize`, so one compiled kernel serves every call on the cache (see
+`_kernels`); a value outside the 32-bit range the kernel was compiled for goes through the JIT again.
+
+Stream order. Both launchers enqueue on the stream they are given and never synchronize the device:
+any kernel enqueued later on that stream, such as the forward pass of the block's next owner, starts
+only after every planned byte is zero; work on other streams needs the usual event wait, as for any
+write to the cache.
 """
 
 from __future__ import annotations
@@ -17,14 +24,17 @@ import functools
 import importlib.util
 import math
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from kvguard.errors import ZeroizeError
 from kvguard.zeroize.layout import KVCacheSpec
+from kvguard.zeroize.staging import StagingPool
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ DEFAULT_TUNING = Tuning(tile_bytes=16384, programs_per_sm=4, num_warps=8)
 DEFAULT_VERIFY_TUNING = Tuning(tile_bytes=16384, programs_per_sm=8, num_warps=8)
 # Programs used when no GPU is present (the interpreter): small, so tests also exercise the stride.
 _INTERPRETER_PROGRAMS = 3
+# Integers at or above this are compiled as 64-bit values; counts stay below it, addresses above it.
+_I32_LIMIT = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -62,8 +74,12 @@ class _Geometry:
         return self.chunk_words % self.tile == 0
 
 
+@functools.cache
 def triton_available() -> bool:
-    """True when Triton is installed (the kernels may still need a GPU or TRITON_INTERPRET=1)."""
+    """True when Triton is installed (the kernels may still need a GPU or TRITON_INTERPRET=1).
+
+    Cached: `find_spec` walks the import path, several microseconds on every zeroization otherwise.
+    """
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # a broken or deliberately blocked install
@@ -120,36 +136,215 @@ def on_stream(spec: KVCacheSpec, stream: torch.cuda.Stream | None) -> Iterator[N
             yield
 
 
-def _table(spec: KVCacheSpec, block_ids: Sequence[int]) -> torch.Tensor:
-    # One upload for both parts. A non-blocking copy from pageable memory is staged by the driver at
-    # call time, so the host list may die at once; the copy itself runs in stream order.
-    host = torch.tensor([*spec.segment_addresses, *block_ids], dtype=torch.int64)
-    return host.to(spec.device, non_blocking=True)
+@dataclass(frozen=True)
+class _Ready:
+    """A compiled kernel and everything its launch needs that does not change between calls."""
+
+    tuning: Tuning
+    tiles_per_chunk: int
+    max_programs: int  # persistent grid size
+    constants: tuple[int, ...]  # the kernel's constexpr arguments, in order
+    run: Any  # Triton's launcher for the compiled kernel
+    function: Any  # the CUfunction handle
+    packed: Any  # Triton's packed kernel metadata
 
 
-def _grid(spec: KVCacheSpec, num_work: int, tuning: Tuning) -> tuple[int]:
-    if spec.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(spec.device).multi_processor_count
-        return (max(1, min(num_work, sms * tuning.programs_per_sm)),)
-    return (max(1, min(num_work, _INTERPRETER_PROGRAMS)),)
+class Launcher:
+    """Launch state of one cache, computed once (module docstring). Get it with `launcher(spec)`."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        check_runnable(spec)
+        # Weak: the launcher lives in a module-level table keyed by the spec, and must not keep the
+        # spec (and through it the engine's cache tensors) alive.
+        self._spec = weakref.ref(spec)
+        self.num_segments = spec.num_segments
+        self.cuda = spec.device.type == "cuda"
+        self.device_index: int | None = None
+        self.device_name = spec.device.type
+        self._sms = _INTERPRETER_PROGRAMS
+        if self.cuda:
+            index = spec.device.index
+            self.device_index = torch.cuda.current_device() if index is None else index
+            self.device_name = torch.cuda.get_device_name(self.device_index)
+            self._sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        # A blocking upload, once: the table is then ready for every stream that uses this cache.
+        self.segment_table = torch.tensor(spec.segment_addresses, dtype=torch.int64).to(spec.device)
+        self.segments = self.segment_table.data_ptr()
+        self.staging = StagingPool(spec.device)  # buffers of in-flight calls (staging.py)
+        self._geometry: dict[Tuning, _Geometry] = {}
+        # kernel name -> its compiled kernel, for the tuning it was compiled with
+        self._ready: dict[str, _Ready] = {}
+
+    def describes(self, spec: KVCacheSpec) -> bool:
+        return self._spec() is spec
+
+    def geometry(self, tuning: Tuning) -> _Geometry:
+        geo = self._geometry.get(tuning)
+        if geo is None:
+            spec = self._spec()
+            if spec is None:
+                raise ZeroizeError("the cache this launcher was built for no longer exists")
+            geo = self._geometry[tuning] = geometry(spec, tuning)
+        return geo
+
+    def stream_handle(self, stream: torch.cuda.Stream | None) -> int:
+        """The raw handle of `stream`, or of the device's current stream (0 off the GPU)."""
+        if not self.cuda:
+            return 0
+        if stream is not None:
+            return int(stream.cuda_stream)
+        return int(_raw_current_stream(self.device_index))
+
+    def clear(
+        self,
+        blocks: int,
+        count: int,
+        stream: torch.cuda.Stream | None = None,
+        *,
+        tuning: Tuning = DEFAULT_TUNING,
+        handle: int | None = None,
+    ) -> None:
+        """Enqueue one launch clearing the `count` block ids at address `blocks` in every segment,
+        on `stream` (None: the current stream; `handle`: its raw handle, if the caller has it)."""
+        if count:
+            self._launch(
+                "zero_blocks_kernel", (blocks,), count, stream, tuning=tuning, handle=handle
+            )
+
+    def check(
+        self,
+        blocks: int,
+        count: int,
+        flags: int,
+        stream: torch.cuda.Stream | None = None,
+        *,
+        tuning: Tuning = DEFAULT_VERIFY_TUNING,
+        handle: int | None = None,
+    ) -> None:
+        """Enqueue the read-back: int32 `flags[i]` (zero on entry) becomes 1 where block i is dirty."""
+        if count:
+            self._launch(
+                "dirty_blocks_kernel", (blocks, flags), count, stream, tuning=tuning, handle=handle
+            )
+
+    def _launch(
+        self,
+        name: str,
+        addresses: tuple[int, ...],
+        count: int,
+        stream: torch.cuda.Stream | None,
+        *,
+        tuning: Tuning,
+        handle: int | None,
+    ) -> None:
+        ready = self._ready.get(name)
+        if ready is not None and ready.tuning is tuning:
+            num_work = self.num_segments * count * ready.tiles_per_chunk
+            # Compiled for 32-bit counts and 64-bit addresses (else: the JIT, below).
+            if (
+                num_work < _I32_LIMIT
+                and min(addresses) >= _I32_LIMIT
+                and _get_device() == self.device_index
+            ):
+                # The compiled kernel's own launcher, as Triton's JIT calls it, minus the per-call
+                # argument binding (no launch metadata, no hooks: see _launch_hooks_installed).
+                ready.run(
+                    min(num_work, ready.max_programs), 1, 1,
+                    self.stream_handle(stream) if handle is None else handle,
+                    ready.function, ready.packed, None, None, None,
+                    self.segments, *addresses, self.num_segments, count, num_work, *ready.constants,
+                )  # fmt: skip
+                return
+        self._launch_jit(name, addresses, count, stream, tuning)
+
+    def _launch_jit(
+        self,
+        name: str,
+        addresses: tuple[int, ...],
+        count: int,
+        stream: torch.cuda.Stream | None,
+        tuning: Tuning,
+    ) -> None:
+        geo = self.geometry(tuning)
+        num_work = self.num_segments * count * geo.tiles_per_chunk
+        max_programs = self._sms * tuning.programs_per_sm if self.cuda else self._sms
+        constants = (geo.chunk_words, geo.tile, geo.tiles_per_chunk, geo.word_bytes, geo.align,
+                     geo.even)  # fmt: skip
+        args = (self.segments, *addresses, self.num_segments, count, num_work, *constants)
+        kernel = getattr(_kernel_module(), name)
+        with self._current(stream):
+            result = kernel[(min(num_work, max_programs),)](*args, num_warps=tuning.num_warps)
+        eligible = num_work < _I32_LIMIT and min(addresses) >= _I32_LIMIT
+        if self.cuda and eligible and result is not None and not _launch_hooks_installed():
+            self._ready[name] = _Ready(
+                tuning, geo.tiles_per_chunk, max_programs, constants,
+                result.run, result.function, result.packed_metadata,
+            )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _current(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.device(self.device_index), torch.cuda.stream(stream):
+            yield
 
 
-def _launch(
-    kernel_name: str,
-    spec: KVCacheSpec,
-    block_ids: Sequence[int],
-    extra: tuple[torch.Tensor, ...],
-    tuning: Tuning,
-) -> None:
-    geo = geometry(spec, tuning)
-    table = _table(spec, block_ids)
-    num_work = spec.num_segments * len(block_ids) * geo.tiles_per_chunk
-    kernel = getattr(_kernel_module(), kernel_name)
-    kernel[_grid(spec, num_work, tuning)](
-        table, *extra, spec.num_segments, len(block_ids), num_work,
-        CHUNK_WORDS=geo.chunk_words, TILE=geo.tile, TILES_PER_CHUNK=geo.tiles_per_chunk,
-        WORD_BYTES=geo.word_bytes, ALIGN=geo.align, EVEN=geo.even, num_warps=tuning.num_warps,
-    )  # fmt: skip
+def _launch_hooks_installed() -> bool:
+    """A profiler's launch hooks (Proton) are set: keep Triton's own launch path so they see us."""
+    try:
+        from triton import knobs  # noqa: PLC0415  (Triton >= 3.4)
+    except ImportError:
+        return True
+    runtime = knobs.runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+
+
+def _hooked(hook: Any) -> bool:
+    # Triton >= 3.6 keeps a `HookChain` that is never None: empty means no hook.
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+# Private torch entry points for the two lookups every launch makes (the public wrappers build a
+# Stream object, 8 us on the H100 host); the public ones where a build lacks them.
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _raw_current_stream(device_index: int | None) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+_LAUNCHERS: dict[int, Launcher] = {}
+
+
+def launcher(spec: KVCacheSpec) -> Launcher:
+    """The cache's launcher, built on first use and dropped with the spec."""
+    found = _LAUNCHERS.get(id(spec))
+    if found is None or not found.describes(spec):
+        found = _LAUNCHERS[id(spec)] = Launcher(spec)
+        weakref.finalize(spec, _LAUNCHERS.pop, id(spec), None)
+    return found
+
+
+def built_launcher(spec: KVCacheSpec) -> Launcher | None:
+    """The cache's launcher if one was built already (a dict lookup; never builds)."""
+    found = _LAUNCHERS.get(id(spec))
+    return found if found is not None and found.describes(spec) else None
+
+
+# --- tensor-level helpers (tests, benchmarks, verify_zeroized): the current stream ------------------
+
+
+def _ids_on_device(spec: KVCacheSpec, block_ids: Sequence[int]) -> torch.Tensor:
+    # A non-blocking copy from pageable memory is staged by the driver at call time, so the host
+    # list may die at once; the copy itself runs in stream order.
+    return torch.tensor(list(block_ids), dtype=torch.int64).to(spec.device, non_blocking=True)
 
 
 def zero_blocks(
@@ -157,7 +352,8 @@ def zero_blocks(
 ) -> None:
     """Enqueue one launch clearing `block_ids` in every segment, on the current stream."""
     if block_ids:
-        _launch("zero_blocks_kernel", spec, block_ids, (), tuning)
+        ids = _ids_on_device(spec, block_ids)
+        launcher(spec).clear(ids.data_ptr(), len(block_ids), tuning=tuning)
 
 
 def dirty_flags(
@@ -166,7 +362,8 @@ def dirty_flags(
     """Enqueue the read-back: an int32 flag per id, 1 where any byte is non-zero. Does not wait."""
     flags = torch.zeros(len(block_ids), dtype=torch.int32, device=spec.device)
     if block_ids:
-        _launch("dirty_blocks_kernel", spec, block_ids, (flags,), tuning)
+        ids = _ids_on_device(spec, block_ids)
+        launcher(spec).check(ids.data_ptr(), len(block_ids), flags.data_ptr(), tuning=tuning)
     return flags
 
 

@@ -7,6 +7,7 @@ other tests. Prints one JSON object mapping each case name to "ok" or the failur
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -15,7 +16,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvguard.zeroize import KVCacheSpec, KVLayout, plan_zeroize, triton_exec, zeroize
+from kvguard.errors import ZeroizeVerificationError
+from kvguard.zeroize import (
+    KVCacheSpec,
+    KVLayout,
+    plan_zeroize,
+    triton_exec,
+    zeroize,
+    zeroize_async,
+)
 from tests.zeroize.factories import check_cleared, layout_dtype_cases, make_cache, snapshot
 
 Case = Callable[[], None]
@@ -79,6 +88,78 @@ def _empty_plan_case() -> None:
     check_cleared(spec, before, plan_zeroize([], 3))
 
 
+def _async_sample_case() -> None:
+    """The staged path with a sample checked from its own ids (after the plan's, one upload)."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=2, num_blocks=30)
+    before = snapshot(spec)
+    plan = plan_zeroize(range(0, 30, 2), spec.num_blocks)
+    pending = zeroize_async(spec, plan, verify="sample", sample_size=4, seed=3, method="triton")
+    assert pending.poll() and pending.ok
+    evidence = pending.evidence()
+    assert (evidence.method, evidence.blocks_verified, evidence.verified) == ("triton", 4, True)
+    check_cleared(spec, before, plan)
+
+
+def _async_dirty_case() -> None:
+    """A skipped clear comes back as dirty flags written by the read-back kernel, with the ids."""
+    spec = make_cache(KVLayout.VLLM_CPU, torch.float16, num_blocks=9)
+    launch = triton_exec.launcher(spec)
+    launch.clear = lambda *_args, **_kw: None  # type: ignore[method-assign]
+    pending = zeroize_async(spec, plan_zeroize([8, 2, 5], 9), verify="full", method="triton")
+    assert pending.poll() and not pending.ok and pending.dirty_ids == (2, 5, 8)
+    try:
+        pending.evidence()
+    except ZeroizeVerificationError:
+        pass
+    else:
+        raise AssertionError("a dirty verdict must raise")
+
+
+def _staging_reuse_case() -> None:
+    """A completed call's buffers go back to the pool and serve the next call, flags zeroed first."""
+    spec = make_cache(KVLayout.MLA, torch.bfloat16, num_blocks=10)
+    launch = triton_exec.launcher(spec)
+    pool = launch.staging
+    launch.clear = lambda *_args, **_kw: None  # type: ignore[method-assign]
+    first = zeroize_async(spec, plan_zeroize([1, 4], 10), verify="full", method="triton")
+    assert pool.free_count() == 0 and first.poll() and first.dirty_ids == (1, 4)
+    assert pool.free_count() == 1
+    del launch.clear  # the class's method again
+    second = zeroize_async(spec, plan_zeroize([1, 4], 10), verify="full", method="triton")
+    assert pool.free_count() == 0 and second.poll() and second.ok and pool.free_count() == 1
+
+
+def _low_address_buffer(size: int) -> int | None:
+    """Anonymous memory mapped below 2**31 (None if no such address is free here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    fixed_noreplace, anonymous_private, read_write = 0x100000, 0x22, 0x3
+    for hint in (0x30000000, 0x50000000, 0x10000000):
+        address = libc.mmap(hint, size, read_write, anonymous_private | fixed_noreplace, -1, 0)
+        if address == hint:
+            return int(address)
+    return None
+
+
+def _low_addresses_case() -> None:
+    """Ids and flags at addresses below 2**31, which Triton types as i32 (a non-PIE Python's heap):
+    the kernels widen them before use."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_blocks=8)
+    base = _low_address_buffer(4096)
+    if base is None:
+        return  # nothing to prove on this machine
+    ids = torch.frombuffer((ctypes.c_int64 * 3).from_address(base), dtype=torch.int64)
+    flags = torch.frombuffer((ctypes.c_int32 * 3).from_address(base + 1024), dtype=torch.int32)
+    ids.copy_(torch.tensor([1, 4, 6]))
+    launch = triton_exec.launcher(spec)
+    launch.clear(base, 2, None)  # blocks 1 and 4
+    flags.zero_()
+    launch.check(base, 3, base + 1024, None)
+    assert flags.tolist() == [0, 0, 1], flags.tolist()
+
+
 def cases() -> dict[str, Case]:
     named: dict[str, Case] = {
         f"{layout}-{str(dtype).removeprefix('torch.')}": _layout_case(layout, dtype)
@@ -89,6 +170,10 @@ def cases() -> dict[str, Case]:
     named["misaligned_bytes"] = _misaligned_case
     named["planted_byte"] = _planted_byte_case
     named["empty_plan"] = _empty_plan_case
+    named["async_sample"] = _async_sample_case
+    named["async_dirty"] = _async_dirty_case
+    named["staging_reuse"] = _staging_reuse_case
+    named["low_addresses"] = _low_addresses_case
     return named
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from kvguard.zeroize import (
     triton_exec,
     verify_zeroized,
     zeroize,
+    zeroize_async,
 )
+from kvguard.zeroize.stepper import StepZeroizer
 from tests.zeroize.factories import check_cleared, layout_dtype_cases, make_cache, snapshot
 
 pytestmark = [
@@ -111,3 +114,98 @@ def test_torch_path_on_the_gpu_matches() -> None:
     evidence = zeroize(spec, plan, verify="full", method="torch")
     assert evidence.method is Method.TORCH
     check_cleared(spec, before, plan)
+
+
+# --- the asynchronous path (issue 14) --------------------------------------------------------------
+
+
+def test_zeroize_async_never_waits_for_queued_work() -> None:
+    """Behind ~50 ms of queued work the call returns at once; the verdict comes when it completes."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=4, num_blocks=64,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([0], spec.num_blocks), verify="full")  # compile outside the timing
+    before = snapshot(spec)
+    plan = plan_zeroize([3, 9, 10], spec.num_blocks)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+    started = time.perf_counter()
+    pending = zeroize_async(spec, plan, verify="full")
+    enqueue_s = time.perf_counter() - started
+    assert not pending.poll()  # still queued behind the spin
+    assert enqueue_s < 0.01, enqueue_s
+    pending.wait()
+    assert pending.ok
+    evidence = pending.evidence()
+    assert evidence.device_time_us is not None and evidence.verify_time_us is not None
+    check_cleared(spec, before, plan)
+
+
+@pytest.mark.parametrize("counts", [(16, 5, 1, 64, 33), (1, 16, 2048, 7)])
+def test_the_compiled_fast_path_serves_every_count(counts: tuple[int, ...]) -> None:
+    """The first call compiles; later ones reuse that kernel with any count (no specialization on
+    1 or on multiples of 16 leaks into the fast path)."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=3, num_blocks=4096,
+                      device="cuda", **IRREGULAR)  # fmt: skip
+    chooser = random.Random(sum(counts))
+    for count in counts:
+        before = snapshot(spec)
+        plan = plan_zeroize(chooser.sample(range(4096), count), spec.num_blocks)
+        pending = zeroize_async(spec, plan, verify="full")
+        pending.wait()
+        assert pending.ok
+        check_cleared(spec, before, plan)
+        for layer in spec.layers:  # dirty again for the next round
+            layer.view(-1).view(torch.uint8).random_(1, 256)
+    assert triton_exec.launcher(spec)._ready  # the fast path was taken
+
+
+def test_dirty_flags_come_back_through_pinned_memory() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.float8_e4m3fn, num_layers=2, num_blocks=100,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")  # compiled
+    launch = triton_exec.launcher(spec)
+    launch.clear = lambda *_args, **_kw: None  # type: ignore[method-assign]
+    try:
+        pending = zeroize_async(spec, plan_zeroize([99, 3, 50], spec.num_blocks), verify="full")
+        pending.wait()
+        assert pending.dirty_ids == (3, 50, 99)
+        with pytest.raises(ZeroizeVerificationError, match="3 of 3 checked blocks"):
+            pending.evidence()
+    finally:
+        del launch.clear
+    again = zeroize_async(spec, plan_zeroize([99, 3, 50], spec.num_blocks), verify="full")
+    again.wait()
+    assert again.ok  # the reused staging's flags were zeroed
+
+
+def test_sample_mode_and_a_side_stream() -> None:
+    spec = make_cache(KVLayout.BLOCK_MAJOR, torch.float16, num_layers=2, num_blocks=300,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    before = snapshot(spec)
+    stream = torch.cuda.Stream()
+    plan = plan_zeroize(range(0, 300, 3), spec.num_blocks)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(5_000_000)  # type: ignore[no-untyped-call]
+    pending = zeroize_async(spec, plan, stream=stream, verify="sample", sample_size=8, seed=1)
+    pending.wait()
+    evidence = pending.evidence()
+    assert evidence.blocks_verified == 8 and evidence.verified
+    torch.cuda.synchronize()
+    check_cleared(spec, before, plan)
+
+
+def test_step_zeroizer_on_the_gpu_reports_at_a_later_collect() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=4, num_blocks=256,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    before = snapshot(spec)
+    clears = StepZeroizer(spec)
+    clears.submit(handover=[1, 2], release=[10, 11, 12], verify="sample")  # compiles
+    clears.drain()
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    clears.submit(handover=[3], release=[20, 21], verify="full")
+    assert clears.collect() == [] and clears.pending == 2
+    torch.cuda.synchronize()
+    results = clears.collect()
+    assert [(r.blocks, r.handover, r.ok) for r in results] == [((3,), True, True),
+                                                                ((20, 21), False, True)]  # fmt: skip
+    check_cleared(spec, before, plan_zeroize([1, 2, 3, 10, 11, 12, 20, 21], spec.num_blocks))

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvguard.engine_adapter.vllm.metadata import GuardStepMeta
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard, open_scheduler_guard
 from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
@@ -52,6 +52,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         )
         self.scheduler_guard: SchedulerGuard | None = None
         self.worker_guard: WorkerGuard | None = None
+        self._worker_pending = 0  # clears the worker has enqueued but not reported yet
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_guard = open_scheduler_guard(
                 options,
@@ -96,12 +97,17 @@ class KVGuardConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        self._worker_pending = meta.pending if isinstance(meta, GuardWorkerMeta) else 0
         with self._sched.timer.phase("worker_output"):
-            self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
+            self._sched.on_worker_output(meta)
 
     def has_pending_push_work(self) -> bool:
-        # Keeps the engine loop stepping until every quarantined block is cleared and released.
-        return self.scheduler_guard is not None and self.scheduler_guard.has_pending()
+        # Keeps the engine loop stepping until every quarantined block is cleared and released, and
+        # until every clear the worker enqueued has reported (its evidence must reach the ledger).
+        return self.scheduler_guard is not None and (
+            self.scheduler_guard.has_pending() or self._worker_pending > 0
+        )
 
     def shutdown(self) -> None:
         if self.scheduler_guard is not None:

