@@ -15,7 +15,7 @@ with one owner or none, and that the per-tenant counters add up (G4).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from kvguard.engine_adapter.records import (
@@ -69,8 +69,14 @@ class Custody:
         self._pending_handover: set[BlockId] = set()
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks, for the expiry sweep
-        # Handover blocks -> the owner whose bytes they held (scope, tag): the clear is its evidence.
-        self._handover_from: dict[BlockId, tuple[Scope | None, str | None]] = {}
+        # Handover blocks -> the owners whose bytes they held (scope, tag), oldest first: each clear
+        # is its owner's evidence. A queue: on a GPU the verdict of a clear arrives a step or more
+        # later, so a block can be handed over again before the first clear has reported.
+        self._handover_from: dict[BlockId, deque[tuple[Scope | None, str | None]]] = {}
+        # Release clears planned and not yet reported, per block; and those made stale because the
+        # engine took the block back through a repair meanwhile (their results free nothing).
+        self._release_inflight: Counter[BlockId] = Counter()
+        self._stale_release: Counter[BlockId] = Counter()
         self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
         # Ages of cached blocks reused or leaving the cache, for the metrics; the owner drains them.
         self._cache_ages: list[CacheAge] = []
@@ -119,8 +125,10 @@ class Custody:
         return tuple(dict.fromkeys(req.blocks)) if req else ()
 
     def handover_owner(self, block_id: int) -> Scope | None:
-        """The scope whose bytes a pending handover clear of `block_id` removes (None: unknown)."""
-        return self._handover_from.get(BlockId(block_id), (None, None))[0]
+        """The scope whose bytes the oldest pending handover clear of `block_id` removes (None:
+        unknown)."""
+        queue = self._handover_from.get(BlockId(block_id))
+        return queue[0][0] if queue else None
 
     def pending_release(self) -> tuple[int, ...]:
         """Quarantined blocks not yet handed to the worker (the adapter holds them out of the pool)."""
@@ -136,10 +144,29 @@ class Custody:
 
     def requeue(self, block_ids: Iterable[int]) -> None:
         """Zeroization of these blocks failed: plan them again (quarantined ones stay out of the pool)."""
-        for bid in block_ids:
-            rec = self._blocks[self._check_id(bid)]
+        for bid in self.current_release_results(block_ids):
+            rec = self._blocks[bid]
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.add(rec.block_id)
+
+    def current_release_results(self, block_ids: Iterable[int]) -> list[BlockId]:
+        """Of the blocks a release clear's result names, those it still speaks for; consumes the
+        result for each block. A result is stale when the engine took the block back through a
+        repair after the clear was planned: the block is someone else's by now, its old owner's
+        bytes are covered by the repair's handover clear, and the result must free nothing."""
+        current: list[BlockId] = []
+        for bid in map(self._check_id, block_ids):
+            if self._stale_release[bid] > 0:
+                self._stale_release[bid] -= 1
+                if not self._stale_release[bid]:
+                    del self._stale_release[bid]
+                continue
+            if self._release_inflight[bid] > 0:
+                self._release_inflight[bid] -= 1
+                if not self._release_inflight[bid]:
+                    del self._release_inflight[bid]
+            current.append(bid)
+        return current
 
     def take_events(self) -> list[CustodyEvent]:
         """Drain the events produced since the last call (vLLM `take_events` pattern)."""
@@ -168,6 +195,7 @@ class Custody:
             release=tuple(sorted(self._pending_release)),
             handover=tuple(sorted(self._pending_handover)),
         )
+        self._release_inflight.update(BlockId(b) for b in plan.release)
         self._pending_release.clear()
         self._pending_handover.clear()
         return plan
@@ -207,7 +235,7 @@ class Custody:
                 self._engine_evicted(rec, now)
             if rec.owner is not None and self._needs_clear(rec, req.scope):
                 handover.append(rec.block_id)
-                self._handover_from[rec.block_id] = (rec.owner, rec.owner_tag)
+                self._handover_owner(rec)
             self._take(rec, req, RequestId(request_id), now, first + offset)
             rec.created_at = now
             rec.hashed = False
@@ -264,9 +292,11 @@ class Custody:
         for bid in ids:
             rec = self._blocks[bid]
             if rec.owner is None or not rec.owner.same_domain(req.scope):
-                self._handover_from[bid] = (rec.owner, rec.owner_tag)
+                self._handover_owner(rec)
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.discard(bid)
+                # A release clear of it still on its way no longer speaks for the block.
+                self._stale_release[bid] += self._release_inflight.pop(bid, 0)
                 self._tenant_dec(rec)
                 self._set(rec, BlockStatus.FREE)
             elif rec.status is BlockStatus.CACHED:
@@ -404,7 +434,10 @@ class Custody:
         owners: dict[BlockId, str | None] = {}
         for bid in ids:
             if handover:
-                owners[bid] = self._handover_from.pop(bid, (None, None))[1]
+                queue = self._handover_from.get(bid)
+                owners[bid] = queue.popleft()[1] if queue else None
+                if queue is not None and not queue:
+                    del self._handover_from[bid]
                 continue
             rec = self._blocks[bid]
             if rec.status is not BlockStatus.QUARANTINED:
@@ -567,6 +600,9 @@ class Custody:
         self._pending_release.discard(rec.block_id)
         self._tenant_dec(rec)
         self._set(rec, BlockStatus.FREE)
+
+    def _handover_owner(self, rec: BlockRecord) -> None:
+        self._handover_from.setdefault(rec.block_id, deque()).append((rec.owner, rec.owner_tag))
 
     def _quarantine(self, rec: BlockRecord, now: float) -> None:
         if rec.status is BlockStatus.FREE and rec.owner is not None:

@@ -303,3 +303,66 @@ def test_cache_ages_are_taken_at_reuse_eviction_expiry_and_purge(make_custody) -
         CacheAge(CacheExit.EXPIRED, 100.5),
     ]
     assert c.take_cache_ages() == []  # drained
+
+
+# --- verdicts that arrive steps after their clear (GPU, issue 14) ----------------------------------
+
+
+def test_two_handovers_of_a_block_before_the_first_verdict_keep_their_owners(make_custody) -> None:
+    """A block handed a -> b -> c while the a-clear's verdict is still on its way: each verdict is
+    the evidence of the owner whose bytes that clear removed, in order."""
+    c = make_custody()
+    run_request(c, "ra", scope_for("a"), [0], 0.0)  # cached for a
+    c.begin("rb", scope_for("b"), use_cache=True)
+    assert c.allocate("rb", [0], 1.0) == (0,)  # a -> b: clear #1 planned
+    assert c.take_plan().handover == (0,)
+    c.mark_hashed([0])
+    c.finish("rb", 2.0)  # cached for b
+    c.begin("rc", scope_for("c"), use_cache=True)
+    assert c.allocate("rc", [0], 3.0) == (0,)  # b -> c: clear #2 planned, #1 not reported yet
+    assert c.handover_owner(0) == scope_for("a")
+    c.take_events()
+    c.zeroized([0], 4.0, {}, handover=True)  # verdict of clear #1
+    c.zeroized([0], 5.0, {}, handover=True)  # verdict of clear #2
+    tags = [e.scope_tag for e in c.take_events() if e.kind is EventKind.ZEROIZE]
+    assert tags == [DERIVER.scope_tag(scope_for("a")), DERIVER.scope_tag(scope_for("b"))]
+    assert c.handover_owner(0) is None
+    c.check_invariants()
+
+
+def test_a_late_release_verdict_of_a_repaired_block_frees_nothing(make_custody) -> None:
+    """The engine took a block back (repair) while its release clear was in flight: that clear's
+    verdict no longer speaks for the block. After the block is quarantined and planned again, the
+    stale verdict is skipped and only the new one frees it."""
+    c = make_custody()
+    run_request(c, "r1", scope_for("a"), [0], 0.0, use_cache=False)
+    assert c.take_plan().release == (0,)  # release clear #1 on its way
+    c.begin("r2", scope_for("b"), use_cache=True)
+    c.seize("r2", [0], 1.0, reason="inconsistent_state")
+    assert c.take_plan().handover == (0,)
+    assert c.current_release_results([0]) == []  # verdict #1 arrives: stale, consumed
+    assert c.record(0).status is BlockStatus.ACTIVE
+    c.check_invariants()
+    assert c.finish("r2", 2.0) == (0,)  # b's request ends: quarantined again
+    assert c.take_plan().release == (0,)  # release clear #2
+    assert c.current_release_results([0]) == [0]
+    c.zeroized([0], 3.0, {})
+    assert c.record(0).status is BlockStatus.FREE
+    c.check_invariants()
+
+
+def test_a_stale_verdict_reported_before_the_new_clear_does_not_free_the_block(
+    make_custody,
+) -> None:
+    c = make_custody()
+    run_request(c, "r1", scope_for("a"), [0], 0.0, use_cache=False)
+    c.take_plan()  # release clear #1 on its way
+    c.begin("r2", scope_for("b"), use_cache=True)
+    c.seize("r2", [0], 1.0, reason="inconsistent_state")
+    c.take_plan()
+    c.finish("r2", 2.0)  # quarantined again, clear #2 planned next
+    c.take_plan()
+    assert c.current_release_results([0]) == []  # #1's verdict: stale even though quarantined
+    assert c.record(0).status is BlockStatus.QUARANTINED  # still held for #2
+    c.requeue([0])  # #2 failed: planned again
+    assert c.take_plan().release == (0,)

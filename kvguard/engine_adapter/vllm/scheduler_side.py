@@ -550,20 +550,30 @@ class SchedulerGuard:
                 )
                 c.requeue(result.blocks)
                 continue
-            self.reporter.zeroized(
-                c, result.blocks, result.details, handover=result.handover, now=now
-            )
+            blocks = result.blocks
+            if not result.handover:
+                # A verdict can arrive steps after its clear (GPU): skip blocks the engine has
+                # taken back through a repair since (their evidence is the repair's clear).
+                blocks = tuple(c.current_release_results(result.blocks))
+                if len(blocks) < len(result.blocks):  # part of a repair, counted there
+                    _log.info(
+                        "late clear results of repaired blocks skipped",
+                        blocks=len(result.blocks) - len(blocks),
+                    )
+                if not blocks:
+                    continue
+            self.reporter.zeroized(c, blocks, result.details, handover=result.handover, now=now)
             c.zeroized(
-                result.blocks,
+                blocks,
                 now,
                 {**dict(result.details), "engine_id": self.engine_id},
                 handover=result.handover,
             )
-            self.stats["blocks_zeroized"] += len(result.blocks)
+            self.stats["blocks_zeroized"] += len(blocks)
             if result.handover:
                 continue
-            release = [self._pool.blocks[b] for b in result.blocks if b in self._held]
-            self._held.difference_update(result.blocks)
+            release = [self._pool.blocks[b] for b in blocks if b in self._held]
+            self._held.difference_update(blocks)
             if release:
                 self._pool.free_blocks(release)
         self._forward(c.take_events())
