@@ -65,8 +65,73 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     Path(out_file).write_text(json.dumps(result))
 
 
+def serve_tensor_parallel(workdir: Path, out_file: Path) -> None:
+    """A governed engine with tensor parallel 2 (two worker processes, each with a shard of every
+    block) and the canary on: every block entering a new scope must read all-zero on each rank
+    before its forward pass. Two tenants share a prompt prefix; one is purged."""
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    from kvguard.audit.ledger import Ledger  # noqa: PLC0415
+    from kvguard.audit.signing import SigningKey  # noqa: PLC0415
+    from kvguard.engine_adapter.records import PurgeKind, PurgeSelector  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import (  # noqa: PLC0415
+        BLOCK,
+        engine_kwargs,
+        write_secrets,
+    )
+
+    secrets = write_secrets(workdir)
+    options = GuardOptions(**secrets, canary=True)
+    g = GuardedLLM(
+        str(tiny_llama_dir()), options=options, tensor_parallel_size=2, **engine_kwargs(256 << 10)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [(37 * i + 11) % 500 + 5 for i in range(3 * BLOCK)] + [7]
+    first = {t: g.generate([prompt], params, tenant=t)[0] for t in ("tp-a", "tp-b")}
+    again = {t: g.generate([prompt], params, tenant=t)[0] for t in ("tp-a", "tp-b")}
+    g.purge(PurgeSelector(PurgeKind.TENANT, "tp-a"))
+    after = g.generate([prompt], params, tenant="tp-a")[0]
+    # A flood of other tenants evicts cached blocks: handovers cleared on both ranks.
+    for n in range(40):
+        g.generate([[(n * 13 + i) % 400 + 5 for i in range(2 * BLOCK + 3)]], params, tenant=f"f{n}")
+    g.sync()
+    sched = g.connector.scheduler_guard
+    stats, num_blocks = sched.stats, sched.custody.num_blocks
+    g.close()
+    ledger = Ledger.open(
+        secrets["ledger_url"],
+        origin=secrets["ledger_origin"],
+        signing_key=SigningKey.load(secrets["signing_key_file"]),
+    )
+    zeroizes = [
+        r.event.details for r in ledger.query(kinds=["block.zeroize"], limit=10_000).records
+    ]
+    ledger.close()
+    result = {
+        "tokens": {t: list(o.outputs[0].token_ids) for t, o in first.items()},
+        "tokens_again": {t: list(o.outputs[0].token_ids) for t, o in again.items()},
+        "cached_first": {t: o.num_cached_tokens for t, o in first.items()},
+        "cached_again": {t: o.num_cached_tokens for t, o in again.items()},
+        "cached_after_purge": after.num_cached_tokens,
+        "zeroize_entries": len(zeroizes),
+        "handover_entries": sum(1 for d in zeroizes if d.get("handover")),
+        "release_entries": sum(1 for d in zeroizes if not d.get("handover")),
+        "tp_sizes": sorted({d.get("tp_size") for d in zeroizes}, key=str),
+        "tp_ranks": sorted({str(d.get("tp_ranks")) for d in zeroizes}),
+        "num_blocks": num_blocks,
+        "zeroize_failures": stats["zeroize_failures"],
+        "custody_repairs": stats["custody_repairs"],
+    }
+    Path(out_file).write_text(json.dumps(result))
+
+
 def main() -> None:
     mode, workdir, prompts_file, out_file = sys.argv[1:5]
+    if mode == "governed-tp":
+        serve_tensor_parallel(Path(workdir), Path(out_file))
+        return
     if mode == "governed-commands":
         spec = json.loads(Path(prompts_file).read_text())
         serve_commands(Path(workdir), spec, Path(out_file))

@@ -43,9 +43,11 @@ class KVGuardConnector(KVConnectorBase_V1):
                 "kvguard refuses to run with vLLM KV cache events enabled: BlockStored events carry "
                 "raw token ids and the cache salt in plain text (disable kv_events_config)"
             )
-        if vllm_config.parallel_config.world_size > 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
             raise ConfigError(
-                "kvguard's vLLM connector supports one worker (tensor parallel 1) for now"
+                "kvguard's vLLM connector supports tensor parallelism, not pipeline parallelism "
+                f"(pipeline_parallel_size is {parallel.pipeline_parallel_size}; use 1)"
             )
         options = GuardOptions.from_extra_config(
             dict(self._kv_transfer_config.kv_connector_extra_config)
@@ -58,9 +60,10 @@ class KVGuardConnector(KVConnectorBase_V1):
                 options,
                 model_name=str(vllm_config.model_config.model),
                 block_size=vllm_config.cache_config.block_size,
+                ranks=parallel.tensor_parallel_size,
             )
         else:
-            self.worker_guard = WorkerGuard(canary=options.canary)
+            self.worker_guard = WorkerGuard(canary=options.canary, rank=_tensor_parallel_rank())
 
     # --- scheduler side -------------------------------------------------------------------------
 
@@ -141,3 +144,12 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 when vLLM's parallel state is not set up: one worker)."""
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+
+    if parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    return 0

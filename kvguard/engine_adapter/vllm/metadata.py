@@ -28,6 +28,7 @@ class ZeroizeResult:
     ok: bool
     handover: bool = False
     details: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0  # the tensor-parallel rank whose shard this verdict is about
 
 
 @dataclass

@@ -42,6 +42,7 @@ from kvguard.engine_adapter.records import (
 from kvguard.engine_adapter.vllm.engine_link import CommandRunner, EngineLink
 from kvguard.engine_adapter.vllm.intake import UNGOVERNED_TENANT, make_private, ungoverned_scope
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
+from kvguard.engine_adapter.vllm.ranks import RankMerger
 from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S, EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
@@ -84,7 +85,7 @@ SWEEP_INTERVAL_S = 0.25
 
 
 def open_scheduler_guard(
-    options: GuardOptions, *, model_name: str, block_size: int
+    options: GuardOptions, *, model_name: str, block_size: int, ranks: int = 1
 ) -> SchedulerGuard:
     """Open what a scheduler guard works with (the engine link, the ledger, the salt deriver, the
     starting policy, seeded into an empty store) and build the guard over them."""
@@ -101,6 +102,7 @@ def open_scheduler_guard(
         options,
         model_name=model_name,
         block_size=block_size,
+        ranks=ranks,
         link=link,
         ledger=ledger,
         deriver=deriver,
@@ -122,8 +124,11 @@ class SchedulerGuard:
         deriver: SaltDeriver,
         policy: tuple[PolicySet, int | None],
         clock: Callable[[], float] = time.time,
+        ranks: int = 1,
     ) -> None:
         self.options = options
+        # Tensor parallel: a clear counts once every rank has reported its shard (ranks.py).
+        self.ranks = RankMerger(ranks)
         self.link = link
         self.deriver = deriver
         self.ledger = ledger
@@ -541,7 +546,7 @@ class SchedulerGuard:
         if not isinstance(worker_meta, GuardWorkerMeta):
             return
         c, now = self._c, self._clock()
-        for result in worker_meta.results:
+        for result in self.ranks.add(worker_meta.results):
             if not result.ok:
                 # Only release clears report failures (a failed handover clear raises in the worker).
                 self.stats["zeroize_failures"] += 1

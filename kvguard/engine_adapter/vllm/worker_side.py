@@ -43,7 +43,10 @@ class CanaryError(ZeroizeError):
 
 
 class WorkerGuard:
-    def __init__(self, *, canary: bool = False, zeroizer: Zeroizer = zeroize_async) -> None:
+    def __init__(
+        self, *, canary: bool = False, zeroizer: Zeroizer = zeroize_async, rank: int = 0
+    ) -> None:
+        self.rank = rank  # tensor-parallel rank: this worker clears its own shard of every block
         self._spec: KVCacheSpec | None = None
         self._clears: StepZeroizer | None = None
         self._zeroizer = zeroizer
@@ -97,7 +100,8 @@ class WorkerGuard:
 
         A message also goes out when nothing finished but verdicts are pending, and once more when
         the last of them has arrived, so the scheduler's view of `pending` is always current."""
-        results = [_result(r) for r in self._clears.collect()] if self._clears is not None else []
+        clears = self._clears.collect() if self._clears is not None else []
+        results = [_result(r, self.rank) for r in clears]
         pending = self.pending
         if not results and not pending and not self._reported_pending:
             return None
@@ -105,9 +109,8 @@ class WorkerGuard:
         return GuardWorkerMeta(results=results, pending=pending)
 
 
-def _result(clear: ClearResult) -> ZeroizeResult:
+def _result(clear: ClearResult, rank: int) -> ZeroizeResult:
     if clear.evidence is None:
-        return ZeroizeResult(clear.blocks, False, clear.handover)
-    return ZeroizeResult(
-        clear.blocks, True, clear.handover, dict(clear.evidence.as_audit_details())
-    )
+        return ZeroizeResult(clear.blocks, False, clear.handover, rank=rank)
+    details = dict(clear.evidence.as_audit_details())
+    return ZeroizeResult(clear.blocks, True, clear.handover, details, rank=rank)

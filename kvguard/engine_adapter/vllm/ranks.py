@@ -1,0 +1,85 @@
+"""Tensor parallelism: every worker clears its own shard; custody hears of a clear once, when every
+rank has reported it (issue 14 item 4).
+
+Under tensor parallel N each worker process holds a shard of every block (its attention heads), and
+each one clears its shard before its forward pass. vLLM hands the scheduler the workers' messages
+concatenated (`GuardWorkerMeta.aggregate`), and on a GPU the ranks' verdicts may arrive at different
+steps. `RankMerger` holds each clear's per-rank verdicts until all N are in, then yields one result:
+
+- it passes only if every rank's shard passed; a release clear with a failed shard stays quarantined
+  and is cleared again on every rank (clearing twice is harmless), so a block returns to the free pool
+  only when every rank has reported it clean;
+- its evidence is one entry that names the ranks (`tp_size`, `tp_ranks`) with the bytes cleared on all
+  of them, the slowest rank's times and the fewest blocks any rank read back.
+
+A clear is identified by (handover or release, its block ids); a rank's verdicts arrive in the order
+its clears were enqueued, so the k-th verdict of a rank for a clear matches the k-th of every other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final
+
+from kvguard.engine_adapter.vllm.metadata import ZeroizeResult
+
+_SUMMED: Final = ("bytes_cleared",)
+_SLOWEST: Final = ("device_time_us", "verify_time_us", "wall_time_us")
+_FEWEST: Final = ("blocks_verified",)
+_Key = tuple[bool, tuple[int, ...]]
+
+
+class RankMerger:
+    """Per-rank verdicts in, one verdict per clear out (module docstring)."""
+
+    def __init__(self, ranks: int) -> None:
+        if ranks < 1:
+            raise ValueError("a worker group has at least one rank")
+        self.ranks = ranks
+        self._open: dict[_Key, list[dict[int, ZeroizeResult]]] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Clears some but not all ranks have reported."""
+        return sum(len(entries) for entries in self._open.values())
+
+    def add(self, results: Iterable[ZeroizeResult]) -> list[ZeroizeResult]:
+        if self.ranks == 1:
+            return list(results)
+        done: list[ZeroizeResult] = []
+        for result in results:
+            if not 0 <= result.rank < self.ranks:
+                raise ValueError(f"a verdict from rank {result.rank} of {self.ranks}")
+            key = (result.handover, tuple(result.blocks))
+            entries = self._open.setdefault(key, [])
+            entry = next((e for e in entries if result.rank not in e), None)
+            if entry is None:
+                entry = {}
+                entries.append(entry)
+            entry[result.rank] = result
+            if len(entry) == self.ranks:
+                entries.remove(entry)
+                if not entries:
+                    del self._open[key]
+                done.append(self._merge(key, entry))
+        return done
+
+    def _merge(self, key: _Key, by_rank: dict[int, ZeroizeResult]) -> ZeroizeResult:
+        handover, blocks = key
+        if not all(r.ok for r in by_rank.values()):
+            return ZeroizeResult(blocks, False, handover, rank=0)
+        shards = [by_rank[rank].details for rank in sorted(by_rank)]
+        details: dict[str, Any] = dict(shards[0])
+        for name in _SUMMED:
+            values = [d.get(name) for d in shards]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                details[name] = sum(values)
+        for name, pick in [(n, max) for n in _SLOWEST] + [(n, min) for n in _FEWEST]:
+            numbers = [d[name] for d in shards if isinstance(d.get(name), int | float)]
+            if numbers:
+                details[name] = pick(numbers)
+        verdicts = [d.get("verified") for d in shards]
+        details["verified"] = None if None in verdicts else all(verdicts)
+        details["tp_size"] = self.ranks
+        details["tp_ranks"] = f"0-{self.ranks - 1}"
+        return ZeroizeResult(blocks, True, handover, details, rank=0)
