@@ -12,6 +12,7 @@ to start when `kv_events_config.enable_kv_cache_events` is on (G6).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,13 @@ class KVGuardConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        wrapper = _wrapping_connector()
+        if wrapper is not None:
+            raise ConfigError(
+                f"kvguard refuses to run inside {wrapper}: the other connectors would keep or move "
+                "KV state (offload tiers such as vLLM's OffloadingConnector or LMCache) that kvguard "
+                "cannot see, purge or certify; configure KVGuardConnector alone (docs/offload.md)"
+            )
         events = vllm_config.kv_events_config
         if events is not None and events.enable_kv_cache_events:
             raise ConfigError(
@@ -153,3 +161,17 @@ def _tensor_parallel_rank() -> int:
     if parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
         return int(parallel_state.get_tensor_model_parallel_rank())
     return 0
+
+
+def _wrapping_connector() -> str | None:
+    """The class name of a connector constructing this one (vLLM's MultiConnector builds its
+    children in its own `__init__`), or None when kvguard's connector is vLLM's connector itself.
+    vLLM passes a child no sign of its parent, so the constructing frames are the only witness."""
+    frame = sys._getframe(2)  # the caller of KVGuardConnector.__init__, and up
+    while True:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, KVConnectorBase_V1) and not isinstance(owner, KVGuardConnector):
+            return type(owner).__name__
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back

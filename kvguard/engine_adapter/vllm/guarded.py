@@ -65,6 +65,13 @@ class GuardedLLM:
         for refused in ("kv_transfer_config", "kv_events_config"):
             if llm_kwargs.get(refused) is not None:
                 raise ConfigError(f"GuardedLLM sets {refused} itself; do not pass it")
+        for refused in ("kv_offloading_size", "kv_offloading_backend"):
+            if llm_kwargs.get(refused) is not None:
+                raise ConfigError(
+                    f"GuardedLLM refuses {refused}: vLLM's KV offloading would move KV state off "
+                    "the device unencrypted and outside purges; kvguard does not govern it yet "
+                    "(docs/offload.md)"
+                )
         self.options = options
         self._deriver = options.deriver()
         transfer = KVTransferConfig(

