@@ -196,3 +196,24 @@ def test_import_needs_neither_triton_nor_cuda() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "refused: the Triton executor needs the `triton` package" in result.stdout
+
+
+@pytest.mark.parametrize("layout", [KVLayout.VLLM_CPU, KVLayout.VLLM_FLASH, KVLayout.FLAT_BYTES])
+@pytest.mark.parametrize("even", [True, False])
+def test_the_read_back_finds_one_byte_anywhere_in_a_block(layout: KVLayout, even: bool) -> None:
+    """The torch read-back reduces 64-bit words when a block's bytes divide into them (`even`), bytes
+    otherwise: either way a single non-zero byte at any offset of any segment is found."""
+    size = {"block_size": 4, "heads": 2, "head_size": 8} if even else {"heads": 1, "head_size": 5}
+    dtype = torch.uint8 if layout is KVLayout.FLAT_BYTES else torch.bfloat16
+    spec = make_cache(layout, dtype, num_blocks=6, **size)
+    plan = plan_zeroize(range(6), spec.num_blocks)
+    zeroize(spec, plan, verify="full", method="torch")
+    segments = spec.segment_views()
+    assert (segments[0].shape[1] % 8 == 0) is even
+    chunk = segments[0].shape[1]
+    for index, segment in enumerate(segments):
+        for offset in sorted({0, 1, 7, 8 % chunk, chunk // 2, chunk - 1}):
+            segment[4, offset] = 0x80
+            assert torch_exec.dirty_blocks(spec, [1, 4, 5]) == [4], (index, offset)
+            segment[4, offset] = 0
+            assert torch_exec.dirty_blocks(spec, [1, 4, 5]) == []
