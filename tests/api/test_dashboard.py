@@ -415,10 +415,12 @@ def _secrets(env: ApiEnv, inference_key: str) -> list[str]:
     )
     return [
         *env.keys.values(),
-        *(k.rsplit("_", 1)[1] for k in env.keys.values()),
+        # The secret part of `kvg_adm_<hex id>_<secret>` (the secret itself may contain "_").
+        *(k.removeprefix("kvg_adm_").split("_", 1)[1] for k in env.keys.values()),
         inference_key,
         env.signing_key.encode(),
-        env.signing_key.encode().rsplit("+", 1)[1],
+        # The base64 seed of `PRIVATE+KEY+<name>+<hex id>+<base64>` (base64 may contain "+").
+        env.signing_key.encode().split("+", 4)[4],
         *keyring["keys"].values(),
     ]
 
