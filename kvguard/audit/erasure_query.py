@@ -31,6 +31,7 @@ from kvguard.audit import erasure, note
 from kvguard.audit import schema as t
 from kvguard.audit.certificate import REQUEST_ACTIONS
 from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.db import read_connection
 from kvguard.audit.leaf import ts_micros
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.query import select_indices
@@ -87,7 +88,7 @@ def find_job_evidence(
 def find_evidence(ledger: Ledger, windows: Mapping[int, Window]) -> dict[int, JobEvidence]:
     """`find_job_evidence` of several jobs (job id -> its (since, until)), their purge and request
     entries read in one query: what listing a page of jobs costs."""
-    with ledger.store.engine.connect() as conn:
+    with read_connection(ledger.store.engine) as conn:
         linked = _linked_entries(conn, sorted(windows))
         return {
             job_id: _evidence(conn, job_id, since, until, linked.get(job_id, []))

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
-from kvguard.audit.db import create_engine, write_transaction
+from kvguard.audit.db import create_engine, read_connection, write_transaction
 from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.export import ExportSummary, export_bundle
 from kvguard.audit.leaf import prepare_entry
@@ -348,7 +348,7 @@ class Ledger:
     def query(self, *, limit: int = 100, **filters: Any) -> QueryPage:
         """Entries by `scope_tag` or `scope_tags`, `kinds`, `since`/`until`, `request_id`,
         `block_id`, paged by `after` (the previous page's `next_after`)."""
-        with self.store.engine.connect() as conn:
+        with read_connection(self.store.engine) as conn:
             return run_query(conn, limit=limit, marks=self.time_marks, **filters)
 
     def export(self, path: str | Path, **options: Any) -> ExportSummary:

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 
-from kvguard.control.db import ensure_schema, open_engine, write_transaction
+from kvguard.control.db import ensure_schema, open_engine, read_connection, write_transaction
 from kvguard.control.schema import HEAD_ID, CommandHead, EngineCommand, EngineCommandAck
 from kvguard.errors import ConfigError
 from kvguard.isolation.scope import Scope
@@ -147,13 +147,16 @@ class CommandQueue:
                 return self._submit(own, **values)
         # The head row stays locked until the caller commits: numbers are handed out in commit
         # order, so an engine that has read number n has seen every command numbered below it.
-        seq = (
+        # One `UPDATE ... RETURNING` takes the row lock and the number in one round trip (a
+        # `SELECT ... FOR UPDATE` and an `UPDATE` before): the lock is held for a round trip less.
+        seq = int(
             conn.execute(
-                sa.select(CommandHead.seq).where(CommandHead.id == HEAD_ID).with_for_update()
+                sa.update(CommandHead)
+                .where(CommandHead.id == HEAD_ID)
+                .values(seq=CommandHead.seq + 1)
+                .returning(CommandHead.seq)
             ).scalar_one()
-            + 1
         )
-        conn.execute(sa.update(CommandHead).where(CommandHead.id == HEAD_ID).values(seq=seq))
         new_id = conn.execute(
             sa.insert(EngineCommand)
             .values(created_at=time.time(), seq=seq, **values)
@@ -218,7 +221,7 @@ class CommandQueue:
         out: dict[int, list[dict[str, Any]]] = {}
         if not command_ids:
             return out
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             rows = conn.execute(
                 sa.select(t.command_id, t.engine_id, t.done_at, t.result)
                 .where(t.command_id.in_(list(command_ids)))

@@ -24,7 +24,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from kvguard.audit.db import create_engine, write_transaction
+from kvguard.audit.db import create_engine, read_connection, write_transaction
 
 VERSION_TABLE: Final = "control_alembic_version"
 _SCRIPTS: Final = Path(__file__).resolve().parent / "migrations"
@@ -36,6 +36,7 @@ __all__ = [
     "create_engine",
     "ensure_schema",
     "open_engine",
+    "read_connection",
     "upgrade",
     "write_transaction",
 ]

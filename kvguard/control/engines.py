@@ -29,7 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from kvguard.control.db import ensure_schema, open_engine
+from kvguard.control.db import ensure_schema, open_engine, read_connection
 from kvguard.control.schema import EngineRow, EngineTenantStatsRow, ScopeTagRow
 
 Totals = Mapping[str, int | float]
@@ -183,7 +183,7 @@ class EngineRegistry:
 
     def engines(self) -> list[EngineInfo]:
         """Every engine ever registered, oldest first."""
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             rows = conn.execute(
                 sa.select(*EngineRow.__table__.c).order_by(
                     EngineRow.started_at, EngineRow.engine_id
@@ -205,12 +205,12 @@ class EngineRegistry:
             query = query.where(t.tenant_id == tenant_id)
         if engine_ids is not None:
             query = query.where(t.engine_id.in_(list(engine_ids)))
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             rows = conn.execute(query).all()
         return [_tenant_stats(r) for r in rows]
 
     def tags_for_tenant(self, tenant_id: str) -> list[str]:
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             return list(
                 conn.execute(
                     sa.select(ScopeTagRow.scope_tag)

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 
-from kvguard.control.db import ensure_schema, open_engine, write_transaction
+from kvguard.control.db import ensure_schema, open_engine, read_connection, write_transaction
 from kvguard.control.schema import AdminKeyRow, TenantKeyRow
 from kvguard.control.tenants import TenantRegistry, check_tenant_id
 from kvguard.errors import ConfigError, ConflictError, NotFoundError
@@ -149,7 +149,7 @@ class ApiKeys:
             return None
         key_id, secret = match.groups()
         t = AdminKeyRow
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             row = conn.execute(
                 sa.select(
                     t.salt, t.secret_hash, t.secret_scrypt, t.role, t.tenant_id, t.revoked_at

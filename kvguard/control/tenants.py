@@ -18,7 +18,7 @@ from typing import Final
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from kvguard.control.db import ensure_schema, write_transaction
+from kvguard.control.db import ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import TenantRow
 from kvguard.errors import ConfigError, ConflictError, NotFoundError
 
@@ -94,7 +94,7 @@ class TenantRegistry:
 
     def get(self, tenant_id: str, *, conn: sa.Connection | None = None) -> Tenant:
         if conn is None:
-            with self._engine.connect() as own:
+            with read_connection(self._engine) as own:
                 return self.get(tenant_id, conn=own)
         row = conn.execute(sa.select(TenantRow).where(TenantRow.tenant_id == tenant_id)).first()
         if row is None:
@@ -110,7 +110,7 @@ class TenantRegistry:
             stmt = stmt.where(TenantRow.tenant_id.in_(list(only)))
         if after is not None:
             stmt = stmt.where(TenantRow.tenant_id > after)
-        with self._engine.connect() as conn:
+        with read_connection(self._engine) as conn:
             return [_tenant(r) for r in conn.execute(stmt)]
 
     def disable(

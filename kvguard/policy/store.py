@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvguard.control.db import create_engine, ensure_schema, write_transaction
+from kvguard.control.db import create_engine, ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import (
     AUTHOR_MAX,
     HEAD_ID,
@@ -41,7 +41,6 @@ from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
 
 Clock = Callable[[], float]
-_PARSED_MAX = 64
 _PARSED_MAX = 64
 
 _log = get_logger("policy.store")
@@ -82,6 +81,10 @@ class PolicyStore:
         # process that parsed a version keeps enforcing it even if its row is later edited behind
         # the triggers' back; any process that reads the edited row refuses it.
         self._parsed: dict[int, PolicyVersion] = {}
+        # Parsed documents by digest (content-addressed: one digest, one document, one PolicySet).
+        # A writer puts what it validated here, so the version it stores is not parsed again when
+        # it is first read (its row is still read and checked against its digest then).
+        self._documents: dict[str, PolicySet] = {}
 
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
@@ -178,14 +181,14 @@ class PolicyStore:
             _log.info("policy.stored", version=change.version, digest=change.digest)
             return change
         seen = self.current(conn=conn)
-        document = _edited(edit, seen)
+        document = self._edited(edit, seen)
         head = self.lock_head(conn)
         if expected_version is not None and head != expected_version:
             raise PolicyVersionConflictError(
                 f"the policy store is at version {head}, not {expected_version}"
             )
         if head != (seen.change.version if seen else 0):  # another writer got in: edit again
-            document = _edited(edit, self.current(conn=conn))
+            document = self._edited(edit, self.current(conn=conn))
         change = PolicyChange(
             version=head + 1,
             author=author,
@@ -235,14 +238,20 @@ class PolicyStore:
             return None if row is None else self._version(c, int(row.version), row.digest)
 
     def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
-        """The latest version, or None when nothing has been stored yet."""
+        """The latest version, or None when nothing has been stored yet (one query of its
+        metadata once this process has read the version)."""
         t = PolicyVersionRow
         with self._reading(conn) as c:
             latest = c.execute(
-                sa.select(t.version, t.digest).order_by(t.version.desc()).limit(1)
+                sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
+                .order_by(t.version.desc())
+                .limit(1)
             ).first()
             if latest is None:
                 return None
+            cached = self._parsed.get(int(latest.version))
+            if cached is not None and cached.change == _to_change(latest):
+                return cached
             return self._version(c, int(latest.version), latest.digest)
 
     def get(self, version: int) -> PolicyVersion:
@@ -266,12 +275,46 @@ class PolicyStore:
         ).first()
         if row is None:
             raise PolicyStoreError(f"policy version {version} does not exist")
-        parsed = _to_version(row)
+        parsed = self._to_version(row)
+        self._remember(parsed)
+        return parsed
+
+    def _to_version(self, row: Any) -> PolicyVersion:
+        """A stored row, its document checked against its digest (every first read of a version in
+        a process checks the row); parsed unless this process parsed that document already."""
+        if _digest(row.document) != row.digest:
+            raise PolicyStoreError(f"policy version {row.version} does not match its digest")
+        with self._subscribers_lock:
+            policy = self._documents.get(row.digest)
+        if policy is None:
+            policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")
+        return PolicyVersion(change=_to_change(row), policy=policy)
+
+    def _remember(self, version: PolicyVersion) -> None:
         with self._subscribers_lock:
             if len(self._parsed) >= _PARSED_MAX:
                 self._parsed.pop(next(iter(self._parsed)), None)
-            self._parsed[version] = parsed
-        return parsed
+            self._parsed[version.change.version] = version
+            self._remember_document(version.change.digest, version.policy)
+
+    def _remember_document(self, digest: str, policy: PolicySet) -> None:
+        # Called with `_subscribers_lock` held.
+        if len(self._documents) >= _PARSED_MAX:
+            self._documents.pop(next(iter(self._documents)), None)
+        self._documents[digest] = policy
+
+    def _edited(
+        self, edit: Callable[[PolicyVersion | None], PolicySet], current: PolicyVersion | None
+    ) -> str:
+        """The canonical JSON of `edit(current)`, validated as a reader will parse it."""
+        document = edit(current).canonical_json()
+        # Re-validate what will be stored: a PolicySet built with model_construct() skips
+        # validation, and a version that cannot be read back would fail every engine closed
+        # later, far from here. The result is what any reader parses from the stored document.
+        parsed = parse_policy(document, "policy to store", fmt="json")
+        with self._subscribers_lock:
+            self._remember_document(_digest(document), parsed)
+        return document
 
     def history(self) -> list[PolicyChange]:
         """Every version's metadata, oldest first."""
@@ -287,18 +330,8 @@ class PolicyStore:
         if conn is not None:
             yield conn
             return
-        with self._engine.connect() as own:
+        with read_connection(self._engine) as own:
             yield own
-
-
-def _edited(
-    edit: Callable[[PolicyVersion | None], PolicySet], current: PolicyVersion | None
-) -> str:
-    document = edit(current).canonical_json()
-    # Re-validate what will be stored: a PolicySet built with model_construct() skips validation,
-    # and a version that cannot be read back would fail every engine closed later, far from here.
-    parse_policy(document, "policy to store", fmt="json")
-    return document
 
 
 def _notify(subscribers: list[Subscriber], change: PolicyChange) -> None:
@@ -332,10 +365,3 @@ def _to_change(row: Any) -> PolicyChange:
         digest=row.digest,
         at=row.created_at,
     )
-
-
-def _to_version(row: Any) -> PolicyVersion:
-    if _digest(row.document) != row.digest:
-        raise PolicyStoreError(f"policy version {row.version} does not match its digest")
-    policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")
-    return PolicyVersion(change=_to_change(row), policy=policy)

@@ -199,6 +199,32 @@ def test_a_tampered_row_is_refused(store: PolicyStore) -> None:
         store.get(1)
 
 
+def test_a_written_version_is_checked_but_not_parsed_again(
+    store: PolicyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer validated the document it stored; its first read checks the row's digest (the
+    # test above) and reuses that parse, and a second store (another process) parses it itself.
+    import kvguard.policy.store as store_module  # noqa: PLC0415
+
+    parses: list[str] = []
+    real = store_module.parse_policy
+
+    def counting(text: str, source: str = "<string>", **kwargs: object) -> PolicySet:
+        parses.append(source)
+        return real(text, source, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_module, "parse_policy", counting)
+    store.put(_v(2), author="alice", reason="r")
+    assert parses == ["policy to store"]
+    current = store.current()
+    assert current is not None and current.policy == _v(2) and current.change.author == "alice"
+    assert parses == ["policy to store"]
+    other = PolicyStore(store.engine)
+    other_current = other.current()
+    assert other_current is not None and other_current.policy == _v(2)
+    assert parses == ["policy to store", "policy store version 1"]
+
+
 def test_concurrent_writers_get_distinct_gapless_versions(store: PolicyStore) -> None:
     results: list[int] = []
     errors: list[BaseException] = []
