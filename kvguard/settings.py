@@ -13,7 +13,7 @@ import binascii
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvguard.errors import ConfigError, FailClosedError
@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     # (`kvguard serve`, `kvguard engine serve`, `kvguard audit *`).
     ledger_origin: str = "kvguard.local/ledger"
     policy_file: Path | None = None
+    # The engine's encrypted offload tier (`kvguard engine serve`, docs/offload.md): byte budget
+    # (0: no tier) and an optional directory for tenants whose policy allows `offload.disk`.
+    offload_bytes: int = Field(default=0, ge=0)
+    offload_dir: Path | None = None
     # Logging is the CLI's (`--log-level` / KVGUARD_LOG_LEVEL, kvguard.cli): one variable, read once.
 
     def database_url(self) -> str:

@@ -58,6 +58,10 @@ class EventKind(StrEnum):
     CUSTODY_REPAIR = "custody.repair"
     QUOTA_DEFER = "quota.defer"
     QUOTA_REJECT = "quota.reject"
+    BLOCK_SPILL = "block.spill"
+    BLOCK_RESTORE = "block.restore"
+    KEY_SHRED = "key.shred"
+    TIER_AUTH_FAILURE = "tier.auth_failure"
 
 
 def _words(name: str) -> list[str]:

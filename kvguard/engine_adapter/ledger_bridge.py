@@ -31,9 +31,13 @@ _MINIMAL: Final = frozenset(
         EventKind.TENANT_PURGE,
         EventKind.MODEL_PURGE,
         EventKind.ADAPTER_PURGE,
+        EventKind.KEY_SHRED,
+        EventKind.TIER_AUTH_FAILURE,
     }
 )
-PER_REQUEST: Final = frozenset({EventKind.ALLOC, EventKind.REUSE, EventKind.RELEASE})
+PER_REQUEST: Final = frozenset(
+    {EventKind.ALLOC, EventKind.REUSE, EventKind.RELEASE, EventKind.SPILL, EventKind.RESTORE}
+)
 AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
     AuditLevel.MINIMAL: _MINIMAL,
     AuditLevel.STANDARD: _MINIMAL | PER_REQUEST,

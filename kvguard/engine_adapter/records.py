@@ -43,6 +43,10 @@ class EventKind(StrEnum):
     ADAPTER_PURGE = "adapter.purge"
     CUSTODY_REPAIR = "custody.repair"
     QUOTA_DEFER = "quota.defer"
+    SPILL = "block.spill"  # cached blocks the device evicted, kept encrypted in the offload tier
+    RESTORE = "block.restore"  # tier entries loaded back (or a recompute decided over a tier hit)
+    KEY_SHRED = "key.shred"  # a domain's offload data key destroyed and its ciphertexts deleted
+    TIER_AUTH_FAILURE = "tier.auth_failure"  # a tier entry failed authentication: recomputed
 
 
 # The command vocabulary and the cache-age reasons of the metrics, re-exported for custody code.

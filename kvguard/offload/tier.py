@@ -170,6 +170,11 @@ class EncryptedTier:
                 f"position {address.position}): recompute"
             ) from None
 
+    def discard(self, address: BlockAddress) -> Removal:
+        """Delete one entry (budget or expiry decided elsewhere); nothing when it is not held."""
+        with self._lock:
+            return self._drop(address.key())
+
     def shred(self, domain: bytes) -> ShredReport:
         """Destroy `domain`'s data key, then delete its ciphertexts (memory and disk)."""
         shred = self._keys.shred(domain)

@@ -35,6 +35,7 @@ from kvguard.policy.enums import (
 )
 from kvguard.policy.loading import load_policy_file, parse_policy
 from kvguard.policy.models import (
+    Offload,
     PolicySet,
     PrefixRef,
     Quota,
@@ -53,6 +54,7 @@ __all__ = [
     "Classification",
     "Decision",
     "LedgerUnavailable",
+    "Offload",
     "PolicyChange",
     "PolicySet",
     "PolicyStore",

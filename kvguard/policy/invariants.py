@@ -31,6 +31,8 @@ def tenant_problems(policy: TenantPolicy) -> list[Problem]:
                 f"(got '{policy.reuse}')",
             )
         )
+    if policy.offload.disk and not policy.offload.allowed:
+        problems.append(("offload.disk", "offload to disk needs offload.allowed: true"))
     if policy.reuse is Reuse.GROUP and not policy.groups:
         problems.append(("groups", "reuse 'group' needs at least one share-group membership"))
     retention = policy.retention
@@ -76,6 +78,10 @@ def _restricted_problems(policy: TenantPolicy) -> list[Problem]:
         )
     if policy.zeroize.on_release is not ZeroizeOn.ALWAYS:
         problems.append(("zeroize.on_release", "restricted tenants must zeroize 'always'"))
+    if policy.offload.allowed:
+        problems.append(
+            ("offload.allowed", "restricted tenants may not keep KV state in an offload tier")
+        )
     if policy.zeroize.verify is not Verify.FULL:
         problems.append(
             ("zeroize.verify", "restricted tenants must verify every zeroization ('full')")

@@ -70,6 +70,21 @@ class Zeroize(_Frozen):
     verify: Verify = Verify.SAMPLE
 
 
+class Offload(_Frozen):
+    """Whether the tenant's cached blocks may be kept in the engine's encrypted offload tier when
+    the device evicts them (docs/offload.md). Off unless the admin turns it on.
+
+    `max_bytes`: ciphertext bytes the tenant may hold in the tier (None: the engine's whole tier
+    budget). `ttl_s`: how long a block may stay in the tier. `disk`: its blocks may go to the
+    engine's tier directory rather than memory (off: memory only; confidential data reaches a disk
+    only when the admin says so, and a tenant_admin cannot turn it on)."""
+
+    allowed: bool = False
+    max_bytes: int | None = Field(default=None, ge=1, lt=1 << 50)
+    ttl_s: int = Field(default=600, ge=0, le=MAX_RETENTION_S)
+    disk: bool = False
+
+
 class TenantPolicy(_Frozen):
     """Retention, sharing, quota, zeroization and audit rules for one tenant (or the default)."""
 
@@ -81,6 +96,7 @@ class TenantPolicy(_Frozen):
     zeroize: Zeroize = Zeroize()
     audit: AuditLevel = AuditLevel.STANDARD
     groups: tuple[Identifier, ...] = ()
+    offload: Offload = Offload()
     on_ledger_unavailable: LedgerUnavailable = LedgerUnavailable.FAIL_CLOSED
 
     @model_validator(mode="before")

@@ -4,7 +4,7 @@
 entry in the latest admin-written version); an empty list means the proposal only tightens or keeps.
 Tighter means: more sensitive classification, narrower reuse, shorter TTL and idle limit, a quota no
 larger (and present when the admin set one), zeroization no less often and verified no less, more
-auditing. `enabled` and `groups` are the admin's alone (checked by the API against the current entry).
+auditing, offload no more allowed (tier, budget, time in the tier, disk). `enabled` and `groups` are the admin's alone (checked by the API against the current entry).
 """
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def loosened(limit: TenantPolicy, proposed: TenantPolicy) -> list[str]:
         out.append("zeroize.verify")
     if _AUDIT.index(proposed.audit) < _AUDIT.index(limit.audit):
         out.append("audit")
+    out += _offload_loosened(limit, proposed)
     if proposed.enabled and not limit.enabled:
         out.append("enabled")
+    return out
+
+
+def _offload_loosened(limit: TenantPolicy, proposed: TenantPolicy) -> list[str]:
+    out = []
+    was, now = limit.offload, proposed.offload
+    if now.allowed and not was.allowed:
+        out.append("offload.allowed")
+    if was.max_bytes is not None and (now.max_bytes is None or now.max_bytes > was.max_bytes):
+        out.append("offload.max_bytes")
+    if now.ttl_s > was.ttl_s:
+        out.append("offload.ttl_s")
+    if now.disk and not was.disk:
+        out.append("offload.disk")
     return out

@@ -2,9 +2,10 @@
 
 vLLM builds one instance with role SCHEDULER in the engine core and one with role WORKER next to the
 model runner, both from `kv_transfer_config`. The scheduler instance delegates to `SchedulerGuard`, the
-worker instance to `WorkerGuard`. kvguard loads and saves no KV from outside: `get_num_new_matched_tokens`
-returns no external tokens and the per-layer hooks do nothing. Only one worker (tensor parallel 1) is
-supported: evidence from several workers would have to be joined per block.
+worker instance to `WorkerGuard`. With an offload tier (`offload_bytes`, docs/offload.md) blocks the
+device evicts are spilled encrypted and restored through vLLM's load hooks
+(`get_num_new_matched_tokens`, `update_state_after_alloc`, `start_load_kv`, load errors recomputed);
+without one `get_num_new_matched_tokens` returns no external tokens. The per-layer hooks do nothing.
 
 Raw KV events carry token ids and the plain salt (ARCHITECTURE.md, engine facts): the connector refuses
 to start when `kv_events_config.enable_kv_cache_events` is on (G6).
@@ -52,14 +53,15 @@ class KVGuardConnector(KVConnectorBase_V1):
                 "raw token ids and the cache salt in plain text (disable kv_events_config)"
             )
         parallel = vllm_config.parallel_config
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config)
+        if extra.get("offload_bytes"):
+            _check_offload(self._kv_transfer_config, parallel.tensor_parallel_size)
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError(
                 "kvguard's vLLM connector supports tensor parallelism, not pipeline parallelism "
                 f"(pipeline_parallel_size is {parallel.pipeline_parallel_size}; use 1)"
             )
-        options = GuardOptions.from_extra_config(
-            dict(self._kv_transfer_config.kv_connector_extra_config)
-        )
+        options = GuardOptions.from_extra_config(extra)
         self.scheduler_guard: SchedulerGuard | None = None
         self.worker_guard: WorkerGuard | None = None
         self._worker_pending = 0  # clears the worker has enqueued but not reported yet
@@ -71,7 +73,13 @@ class KVGuardConnector(KVConnectorBase_V1):
                 ranks=parallel.tensor_parallel_size,
             )
         else:
-            self.worker_guard = WorkerGuard(canary=options.canary, rank=_tensor_parallel_rank())
+            offload = None
+            if options.offload_bytes > 0:
+                keyring = options.deriver().keyring
+                offload = (keyring, options.offload_bytes, options.offload_dir)
+            self.worker_guard = WorkerGuard(
+                canary=options.canary, rank=_tensor_parallel_rank(), offload=offload
+            )
 
     # --- scheduler side -------------------------------------------------------------------------
 
@@ -91,10 +99,15 @@ class KVGuardConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # None: "not yet" - vLLM leaves the request waiting this step (a tenant over its quota).
-        return (0, False) if self._sched.may_schedule(request) else (None, False)
+        if not self._sched.may_schedule(request):
+            return None, False
+        # Tokens the offload tier restores (loaded synchronously in start_load_kv), 0 without one.
+        return self._sched.tier_match(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        return None  # allocations are read from the scheduler output in build_connector_meta
+        # Allocations are read from the scheduler output in build_connector_meta; only tier loads
+        # need the blocks vLLM chose for them.
+        self._sched.tier_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         with self._sched.timer.phase("build_step"):
@@ -123,6 +136,8 @@ class KVGuardConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.scheduler_guard is not None:
             self.scheduler_guard.close()
+        if self.worker_guard is not None:
+            self.worker_guard.close()
 
     # --- worker side ----------------------------------------------------------------------------
 
@@ -140,7 +155,14 @@ class KVGuardConnector(KVConnectorBase_V1):
         return self.worker_guard.take_results() if self.worker_guard is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self.worker_guard is not None and isinstance(meta, GuardStepMeta):
+            with self.worker_guard.timer.phase("tier_load"):
+                self.worker_guard.load(meta.load)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Tier entries that failed authentication (or were gone): vLLM recomputes those blocks.
+        return self.worker_guard.load_errors() if self.worker_guard is not None else set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -152,6 +174,21 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _check_offload(transfer: Any, tensor_parallel_size: int) -> None:
+    """The offload tier needs vLLM to recompute blocks that fail to load, and one worker."""
+    if transfer.kv_load_failure_policy != "recompute":
+        raise ConfigError(
+            "kvguard's offload tier needs kv_transfer_config.kv_load_failure_policy 'recompute' "
+            "(a tier entry that fails authentication is recomputed, never served); got "
+            f"{transfer.kv_load_failure_policy!r}"
+        )
+    if tensor_parallel_size > 1:
+        raise ConfigError(
+            "kvguard's offload tier supports tensor parallel 1 only (each rank would hold its own "
+            f"shard of every entry); tensor_parallel_size is {tensor_parallel_size}"
+        )
 
 
 def _tensor_parallel_rank() -> int:

@@ -78,6 +78,8 @@ class GuardedLLM:
             kv_connector=self.connector_class,
             kv_connector_module_path=self.connector_module,
             kv_role="kv_both",
+            # A restored offload-tier block that fails authentication is recomputed (docs/offload.md).
+            kv_load_failure_policy="recompute",
             kv_connector_extra_config=options.to_extra_config(),
         )
         llm_kwargs.setdefault("enable_prefix_caching", True)

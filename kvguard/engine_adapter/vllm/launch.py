@@ -69,6 +69,8 @@ class ServeConfig:
             ledger_origin=origin,
             commands_url=db_url,
             policy_url=db_url,
+            offload_bytes=settings.offload_bytes,
+            offload_dir=str(settings.offload_dir.resolve()) if settings.offload_dir else None,
         )
         return cls(options=options, db_url=db_url)
 
@@ -109,6 +111,8 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
         kv_connector="KVGuardConnector",
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
+        # A restored offload-tier block that fails authentication is recomputed (docs/offload.md).
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config=config.options.to_extra_config(),
     )
     args.middleware = [*(args.middleware or []), MIDDLEWARE]

@@ -10,6 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvguard.offload.index import TierKey
+
 
 @dataclass
 class GuardStepMeta(KVConnectorMetadata):
@@ -20,6 +22,12 @@ class GuardStepMeta(KVConnectorMetadata):
     handover: tuple[int, ...] = ()  # blocks given to a new scope this step (G3)
     verify: str = "sample"
     canary: tuple[int, ...] = ()  # test-only: blocks that must read all-zero before the forward
+    # The offload tier (issue 15), in the worker's order: spill (before the clears), drop, shred;
+    # then, in `start_load_kv`, after the clears, load.
+    spill: tuple[TierOrder, ...] = ()
+    drop: tuple[TierOrder, ...] = ()
+    shred: tuple[ShredOrder, ...] = ()
+    load: tuple[TierOrder, ...] = ()
 
 
 @dataclass
@@ -40,10 +48,67 @@ class GuardWorkerMeta(KVConnectorWorkerMetadata):
 
     results: list[ZeroizeResult] = field(default_factory=list)
     pending: int = 0
+    tier: TierReport | None = None  # the offload tier runs with tensor parallel 1 only
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, GuardWorkerMeta):
             return self
         return GuardWorkerMeta(
-            results=[*self.results, *other.results], pending=self.pending + other.pending
+            results=[*self.results, *other.results],
+            pending=self.pending + other.pending,
+            tier=self.tier or other.tier,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierOrder:
+    """Scheduler -> worker: move one device block to or from the offload tier (or drop an entry:
+    `block_id` -1). The key's domain and block hash stay in process memory, never in a log."""
+
+    block_id: int
+    key: TierKey
+    scope_tag: str
+    to_disk: bool = False
+    generation: int = 0  # the domain's shred generation when ordered (scheduler_tier.py)
+
+
+@dataclass(frozen=True, slots=True)
+class ShredOrder:
+    """Scheduler -> worker: destroy a domain's data key and delete its ciphertexts."""
+
+    domain: bytes
+    scope_tag: str
+    reason: str  # purge, expiry, disable, policy, shutdown
+    command_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShredDone:
+    order: ShredOrder
+    destroyed_epoch: int | None  # None: the domain had no live key (its entries were stale)
+    entries: int
+    bytes: int
+
+
+@dataclass
+class TierReport:
+    """Worker -> scheduler: what the tier did since the last step."""
+
+    spilled: list[tuple[TierOrder, int]] = field(default_factory=list)  # (order, ciphertext bytes)
+    restored: list[TierOrder] = field(default_factory=list)
+    failed: list[tuple[TierOrder, str]] = field(default_factory=list)  # reason: auth, missing, size
+    shredded: list[ShredDone] = field(default_factory=list)
+    spill_s: float = 0.0
+    restore_s: float = 0.0
+    # Measured once at start: seconds to decrypt and copy in one block, its plaintext bytes.
+    restore_s_per_block: float | None = None
+    block_bytes: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.spilled
+            or self.restored
+            or self.failed
+            or self.shredded
+            or self.restore_s_per_block is not None
         )

@@ -56,6 +56,24 @@ ENGINE_COUNTERS: Final = (
     "custody_repairs",
     "share_narrowed",
     "quota_deferred",
+    *(
+        f"tier_{name}"
+        for name in (
+            "spilled_blocks",
+            "spilled_bytes",
+            "restored_blocks",
+            "hit_tokens",
+            "restore_decisions",
+            "recompute_decisions",
+            "auth_failures",
+            "load_misses",
+            "keys_shredded",
+            "evicted_entries",
+            "expired_entries",
+            "spill_us",
+            "restore_us",
+        )
+    ),
 )
 _log = get_logger("vllm.reporting")
 

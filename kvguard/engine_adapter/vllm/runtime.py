@@ -13,6 +13,10 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
 | `commands_url` | control database: commands (`kvguard purge`, the admin API), engine registry and cache statistics (`kvguard.control.engines`) | `ledger_url` |
 | `policy_url` | policy store database (`kvguard.policy.store`): the engine starts with its current version and follows `policy` commands | unset: `policy_file` only |
+| `offload_bytes` | byte budget of the encrypted offload tier (docs/offload.md); 0: no tier | 0 |
+| `offload_dir` | directory for tier entries of tenants whose policy allows `offload.disk` | unset: memory only |
+| `offload_restore_us_per_block` | restore cost per block for the restore-or-recompute decision | measured by the worker at start |
+| `offload_prefill_us_per_token` | prefill cost per token for that decision | measured from the engine's steps |
 | `canary` | test-only: check every block entering a new scope is all-zero before the forward, and the custody invariant (G4) after every step | false |
 
 With `policy_url`, the store's current version wins over `policy_file`; the file (or the defaults) is
@@ -52,6 +56,10 @@ class GuardOptions:
     canary: bool = False
     commands_url: str | None = None
     policy_url: str | None = None
+    offload_bytes: int = 0
+    offload_dir: str | None = None
+    offload_restore_us_per_block: float | None = None
+    offload_prefill_us_per_token: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> GuardOptions:
@@ -80,6 +88,10 @@ class GuardOptions:
             canary=bool(extra.get("canary", False)),
             commands_url=extra.get("commands_url"),
             policy_url=extra.get("policy_url"),
+            offload_bytes=_non_negative_int(extra, "offload_bytes"),
+            offload_dir=str(extra["offload_dir"]) if extra.get("offload_dir") else None,
+            offload_restore_us_per_block=_positive_float(extra, "offload_restore_us_per_block"),
+            offload_prefill_us_per_token=_positive_float(extra, "offload_prefill_us_per_token"),
         )
 
     def to_extra_config(self) -> dict[str, Any]:
@@ -99,6 +111,14 @@ class GuardOptions:
             out["commands_url"] = self.commands_url
         if self.policy_url is not None:
             out["policy_url"] = self.policy_url
+        for name in (
+            "offload_bytes",
+            "offload_dir",
+            "offload_restore_us_per_block",
+            "offload_prefill_us_per_token",
+        ):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
         return out
 
     def deriver(self) -> SaltDeriver:
@@ -146,3 +166,19 @@ class GuardOptions:
             signing_key=SigningKey.load(self.signing_key_file),
             overflow=self.ledger_overflow,
         )
+
+
+def _non_negative_int(extra: dict[str, Any], name: str) -> int:
+    value = extra.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"kv_connector_extra_config.{name}: expected a whole number >= 0")
+    return value
+
+
+def _positive_float(extra: dict[str, Any], name: str) -> float | None:
+    value = extra.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"kv_connector_extra_config.{name}: expected a number > 0")
+    return float(value)

@@ -45,6 +45,7 @@ from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
 from kvguard.engine_adapter.vllm.ranks import RankMerger
 from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S, EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
+from kvguard.engine_adapter.vllm.tier_scheduler import SchedulerTier, TierSettings
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.engine_adapter.vllm.wakeup import WAKE_CHECK_S, IdleWaker
@@ -82,6 +83,12 @@ def _repair_reason(exc: CustodyError) -> str:
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
 __all__ = ["UNGOVERNED_TENANT", "SchedulerGuard", "open_scheduler_guard"]
 SWEEP_INTERVAL_S = 0.25
+_NO_ORDERS: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] = (
+    (),
+    (),
+    (),
+    (),
+)
 
 
 def open_scheduler_guard(
@@ -173,6 +180,22 @@ class SchedulerGuard:
         link.start()
         atexit.register(self.close)
         self.stats = self.reporter.stats  # engine-wide counters, reported with every heartbeat
+        self.tier: SchedulerTier | None = None
+        if options.offload_bytes > 0:
+            self.tier = SchedulerTier(
+                TierSettings(
+                    options.offload_bytes,
+                    options.offload_dir,
+                    options.offload_restore_us_per_block,
+                    options.offload_prefill_us_per_token,
+                ),
+                block_size=block_size,
+                engine_id=self.engine_id,
+                policy_for=self._policy_for,
+                tag_for=self._tag,
+                clock=clock,
+                stats=self.stats,
+            )
 
     # --- wiring ---------------------------------------------------------------------------------
 
@@ -307,6 +330,8 @@ class SchedulerGuard:
         rid = request.request_id
         self._quota_wait.pop(rid, None)
         self._deferred.discard(rid)
+        if self.tier is not None:
+            self.tier.forget_request(rid)
         if rid not in self._begun:
             self._envelopes.pop(rid, None)
             self._live.pop(rid, None)
@@ -321,6 +346,12 @@ class SchedulerGuard:
         self._mark_hashed(b for b in held_by if c.record(b).status is BlockStatus.ACTIVE)
         c.finish(rid, now)
         self._begun.discard(rid)
+        if self.tier is not None:
+            self.tier.forget_request(rid)
+            cached = [b for b in held_by if c.record(b).status is BlockStatus.CACHED]
+            env = self._envelopes.get(rid)
+            if cached and env is not None:
+                self.tier.note_cached(self._live.get(rid), env.scope, cached, self._pool)
         for b in held_by:
             if (
                 c.record(b).status is not BlockStatus.CACHED
@@ -336,6 +367,8 @@ class SchedulerGuard:
         """Bring custody up to date with this step's schedule and say what the worker must clear."""
         c, now = self._c, self._clock()
         self._step += 1
+        if self.tier is not None:
+            self.tier.step_started(int(so.total_num_scheduled_tokens))
         for rid in so.preempted_req_ids or ():
             self.stats["preemptions"] += 1
             if rid in self._begun:
@@ -351,12 +384,17 @@ class SchedulerGuard:
         self._forward(c.take_events())
         if self.options.canary:
             c.check_invariants()  # test-only: G4 after every step (walks the whole pool)
+        spill, drop, shred, load = self.tier.take_orders() if self.tier is not None else _NO_ORDERS
         return GuardStepMeta(
             step=self._step,
             release=plan.release,
             handover=plan.handover,
             verify=self._verify_mode(plan.all_blocks),
             canary=tuple(sorted(set(canary))) if self.options.canary else (),
+            spill=spill,
+            drop=drop,
+            shred=shred,
+            load=load,
         )
 
     def _record_schedule(self, so: Any, now: float) -> list[int]:
@@ -406,7 +444,9 @@ class SchedulerGuard:
             limit = None if env.share_tokens is None else env.share_tokens // self._block_size
             self._c.begin(rid, env.scope, use_cache=env.use_cache, retain_blocks=limit)
             self._begun.add(rid)
-        n_hit = num_computed // self._block_size if env.use_cache else 0
+        # Tokens loaded from the offload tier are computed, but in freshly allocated blocks.
+        external = self.tier.take_external(rid) if self.tier is not None else 0
+        n_hit = (num_computed - external) // self._block_size if env.use_cache else 0
         hits = block_ids[:n_hit]
         return rid, hits, block_ids[n_hit:], num_computed, len(hits)
 
@@ -451,9 +491,14 @@ class SchedulerGuard:
         )
         for b in block_ids:
             self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
+        if self.tier is not None:  # cached blocks vLLM's LRU gave away: spilled before the clears
+            self.tier.on_allocated(block_ids, self._is_cached)
         self._c.allocate(rid, block_ids, now, start=start)
         self._mark_hashed(block_ids)
         return entering
+
+    def _is_cached(self, block_id: int) -> bool:
+        return self._c.record(block_id).status is BlockStatus.CACHED
 
     def _same_owner(self, block_id: int, scope: Scope) -> bool:
         owner = self._c.record(block_id).owner
@@ -482,11 +527,14 @@ class SchedulerGuard:
         # and step would cost more than the engine's own scheduling on small models.
         if now - self._last_sweep >= SWEEP_INTERVAL_S:
             c.sweep(now)
+            if self.tier is not None:
+                self.tier.sweep(now)
             self._last_sweep = now
         if self.commands.due(now):
             self.stats["commands"] += self.commands.run(now, self)
         while self._purges:
-            c.purge(self._purges.pop(0), now)
+            selector = self._purges.pop(0)
+            c.purge(selector, now, details={**self._tier_purge(selector, None)})
         self._hold_quarantined()
         if self.reporter.due(now):
             self.reporter.heartbeat(now, c.summary(), self._counters())
@@ -497,7 +545,13 @@ class SchedulerGuard:
         self, selector: PurgeSelector, now: float, command_id: int
     ) -> dict[str, int]:
         quarantined = self._c.purge(
-            selector, now, details={"command_id": command_id, "engine_id": self.engine_id}
+            selector,
+            now,
+            details={
+                "command_id": command_id,
+                "engine_id": self.engine_id,
+                **self._tier_purge(selector, command_id),
+            },
         )
         events = self._c.take_events()
         doomed = sum(
@@ -510,13 +564,50 @@ class SchedulerGuard:
 
     def use_policy(self, policies: PolicySet, version: int) -> None:
         self.policies, self.policy_version = policies, version
+        if self.tier is not None:
+            self.tier.on_policy()
+
+    def _tier_purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
+        """Crypto-shred the offload tier's domains the purge selects (the purge entry's figures)."""
+        return self.tier.purge(selector, command_id) if self.tier is not None else {}
+
+    # --- offload tier (issue 15) ------------------------------------------------------------------
+
+    def tier_match(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens the request may load from the offload tier (vLLM's `get_num_new_matched_tokens`)."""
+        env = self._envelopes.get(request.request_id)
+        if self.tier is None or env is None or not env.use_cache:
+            return 0
+        with self.timer.phase("tier_match"):
+            return self.tier.match(request, env.scope, num_computed_tokens, env.share_tokens)
+
+    def tier_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.tier is None:
+            return
+        ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
+        self.tier.after_alloc(request, ids, num_external_tokens)
 
     def _counters(self) -> dict[str, int | float]:
         version = {} if self.policy_version is None else {"policy_version": self.policy_version}
         active = sum(int(getattr(r, "num_computed_tokens", 0) or 0) for r in self._live.values())
-        return {"ledger_submitted": self.bridge.submitted, "active_tokens": active, **version}
+        tier: dict[str, int | float] = {}
+        if self.tier is not None:
+            tier = {
+                "tier_bytes": self.tier.index.used,
+                "tier_spill_seconds": self.stats["tier_spill_us"] / 1e6,
+                "tier_restore_seconds": self.stats["tier_restore_us"] / 1e6,
+            }
+        return {
+            "ledger_submitted": self.bridge.submitted,
+            "active_tokens": active,
+            **version,
+            **tier,
+        }
 
     def _forward(self, events: list[CustodyEvent]) -> None:
+        if self.tier is not None and self.tier.events:
+            events = [*events, *self.tier.events]
+            self.tier.events.clear()
         self.reporter.observe(events)
         self.reporter.cache_ages(self._c.take_cache_ages())
         with self.timer.phase("ledger_submit"):
@@ -543,6 +634,11 @@ class SchedulerGuard:
 
     def on_worker_output(self, worker_meta: Any) -> None:
         """The worker cleared blocks: release held ones, record the evidence."""
+        if self.tier is not None:
+            self.tier.step_finished()
+            if isinstance(worker_meta, GuardWorkerMeta) and worker_meta.tier is not None:
+                self.tier.on_report(worker_meta.tier)
+                self._forward([])
         if not isinstance(worker_meta, GuardWorkerMeta):
             return
         c, now = self._c, self._clock()
@@ -587,6 +683,8 @@ class SchedulerGuard:
         """True while blocks wait for zeroization (keeps the engine loop stepping)."""
         if self._wake_requested:  # the idle waker saw a new command or blocks that may expire
             return True
+        if self.tier is not None and self.tier.has_orders():
+            return True
         return bool(self._held) or bool(self._purges) or self._c.has_pending_plan()
 
     def _request_wake(self) -> None:
@@ -611,6 +709,9 @@ class SchedulerGuard:
         if self._closed:
             return
         self._closed = True
+        if self.tier is not None:
+            self.tier.closing_shreds(self._clock())
+            self._forward([])
         if self.custody is not None:
             self.reporter.close(self._clock(), self.custody.summary(), self._counters())
         self.link.close()

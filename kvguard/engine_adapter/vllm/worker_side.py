@@ -28,9 +28,16 @@ from __future__ import annotations
 
 import torch
 
-from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta, ZeroizeResult
+from kvguard.engine_adapter.vllm.metadata import (
+    GuardStepMeta,
+    GuardWorkerMeta,
+    TierOrder,
+    ZeroizeResult,
+)
+from kvguard.engine_adapter.vllm.tier_worker import WorkerTier
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.errors import ZeroizeError
+from kvguard.isolation.keyring import Keyring
 from kvguard.logging import get_logger
 from kvguard.zeroize import KVCacheSpec, zeroize_async
 from kvguard.zeroize.stepper import ClearResult, StepZeroizer, Zeroizer
@@ -44,7 +51,12 @@ class CanaryError(ZeroizeError):
 
 class WorkerGuard:
     def __init__(
-        self, *, canary: bool = False, zeroizer: Zeroizer = zeroize_async, rank: int = 0
+        self,
+        *,
+        canary: bool = False,
+        zeroizer: Zeroizer = zeroize_async,
+        rank: int = 0,
+        offload: tuple[Keyring, int, str | None] | None = None,
     ) -> None:
         self.rank = rank  # tensor-parallel rank: this worker clears its own shard of every block
         self._spec: KVCacheSpec | None = None
@@ -52,6 +64,8 @@ class WorkerGuard:
         self._zeroizer = zeroizer
         self._reported_pending = False
         self._canary = canary
+        self._offload = offload  # (keyring, byte budget, directory) of the offload tier, if any
+        self.tier: WorkerTier | None = None
         self.canary_checked = 0
         self.timer = PhaseTimer()
 
@@ -64,6 +78,9 @@ class WorkerGuard:
         else:
             self._spec = KVCacheSpec.vllm_flash(tensors)
         self._clears = StepZeroizer(self._spec, zeroizer=self._zeroizer)
+        if self._offload is not None:
+            keyring, budget, directory = self._offload
+            self.tier = WorkerTier(keyring, self._spec, budget_bytes=budget, directory=directory)
         _log.info(
             "kv caches registered",
             layers=self._spec.num_layers,
@@ -76,10 +93,26 @@ class WorkerGuard:
             raise ZeroizeError(
                 "kvguard worker got a zeroize plan before the KV caches were registered"
             )
+        if self.tier is not None:  # before the clears: spilled blocks still hold their bytes
+            self.tier.spill(meta.spill)
+            self.tier.drop(meta.drop)
+            self.tier.shred(meta.shred)
         # Raises if an earlier handover clear failed (before anything of this step is enqueued).
         self._clears.submit(handover=meta.handover, release=meta.release, verify=meta.verify)
         if meta.canary:
             self._check_canary(self._spec, meta.canary)
+
+    def load(self, orders: tuple[TierOrder, ...]) -> None:
+        """Restore tier entries into their new blocks (after this step's clears were enqueued)."""
+        if orders and self.tier is not None:
+            self.tier.load(orders)
+
+    def load_errors(self) -> set[int]:
+        return self.tier.take_load_errors() if self.tier is not None else set()
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
 
     def _check_canary(self, spec: KVCacheSpec, block_ids: tuple[int, ...]) -> None:
         for view in spec.segment_views():
@@ -103,10 +136,11 @@ class WorkerGuard:
         clears = self._clears.collect() if self._clears is not None else []
         results = [_result(r, self.rank) for r in clears]
         pending = self.pending
-        if not results and not pending and not self._reported_pending:
+        tier = self.tier.take_report() if self.tier is not None else None
+        if not results and not pending and not self._reported_pending and tier is None:
             return None
         self._reported_pending = pending > 0
-        return GuardWorkerMeta(results=results, pending=pending)
+        return GuardWorkerMeta(results=results, pending=pending, tier=tier)
 
 
 def _result(clear: ClearResult, rank: int) -> ZeroizeResult:

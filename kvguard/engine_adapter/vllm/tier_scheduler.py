@@ -1,0 +1,451 @@
+"""The scheduler half of the offload tier: what to spill, what to restore, what must leave.
+
+`SchedulerTier` lives beside custody in the scheduler guard and decides; the worker's `WorkerTier`
+holds the ciphertexts and carries the orders out (tier_worker.py). Per step:
+
+- **Spill.** When a request ends, its blocks that stay cached for a tenant whose policy allows
+  offload become *candidates* (their engine block hash and position are noted). When vLLM later
+  re-allocates a candidate that is still cached (its LRU evicted it), the block is ordered spilled:
+  the worker reads it out before the step's clears. Blocks that policy retires (expiry, purge) are
+  quarantined, not cached, when vLLM next takes them, so they are never spilled.
+- **Restore or recompute.** `match` runs from vLLM's `get_num_new_matched_tokens`: the consecutive
+  run of the request's own block hashes (salted per scope), in its own reuse domain, that the tier
+  holds after the locally cached prefix. It is restored only when that is cheaper than recomputing:
+  `blocks x restore_s_per_block` (measured by the worker at start, or configured) against
+  `blocks x block_size x prefill_s_per_token` (measured from the engine's own steps, or configured).
+  Both decisions are counted and recorded (`block.restore` with `decision`).
+- **Budget, retention, purges.** The index is authoritative (`kvguard.offload.index`): over the
+  engine's budget or a tenant's `offload.max_bytes`, the oldest entries are dropped; entries older
+  than the tenant's `offload.ttl_s` are dropped and a domain left empty is shredded (`expiry`); a
+  purge shreds every matching domain (`purge`, with the job's command id); a tenant that is disabled
+  or loses `offload.allowed` is shredded at the policy change (`disable` / `policy`).
+
+Ledger events (G5, G6: scope tags, block ids and counts only): `block.spill` per scope tag and step,
+`block.restore` per request, `tier.auth_failure` when an entry fails authentication (recomputed),
+`key.shred` per destroyed key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvguard.engine_adapter.records import CustodyEvent, EventKind, PurgeSelector
+from kvguard.engine_adapter.vllm.metadata import ShredOrder, TierOrder, TierReport
+from kvguard.isolation.scope import Scope
+from kvguard.logging import get_logger
+from kvguard.offload.index import IndexEntry, TierIndex, TierKey
+from kvguard.policy import TenantPolicy
+
+_log = get_logger("vllm.tier")
+_EWMA: Final = 0.2
+_MIN_MEASURED_TOKENS: Final = 2  # blocks' worth of tokens a step needs to count as a prefill sample
+
+
+@dataclass(slots=True)
+class _Candidate:
+    key: TierKey
+    scope: Scope
+    scope_tag: str
+
+
+@dataclass(slots=True)
+class _Match:
+    start: int  # index of the first tier block in the request's block table
+    keys: list[TierKey]
+    scope_tag: str
+    decision: str
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    budget_bytes: int
+    directory: str | None = None
+    restore_us_per_block: float | None = None  # configured; None: measured by the worker
+    prefill_us_per_token: float | None = None  # configured; None: measured from the steps
+
+
+class SchedulerTier:
+    def __init__(
+        self,
+        settings: TierSettings,
+        *,
+        block_size: int,
+        engine_id: str,
+        policy_for: Callable[[str], TenantPolicy],
+        tag_for: Callable[[Scope], str],
+        clock: Callable[[], float] = time.time,
+        stats: MutableMapping[str, int] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.index = TierIndex(settings.budget_bytes)
+        self._bs = block_size
+        self._engine_id = engine_id
+        self._policy_for = policy_for
+        self._tag_for = tag_for
+        self._clock = clock
+        self._candidates: dict[int, _Candidate] = {}
+        self._scopes: dict[bytes, Scope] = {}  # domain -> a scope of it (purge selectors match it)
+        self._generation: Counter[bytes] = Counter()  # shreds so far, per domain
+        self._matches: dict[str, _Match] = {}
+        self._external: dict[str, int] = {}
+        self._loading: dict[int, str] = {}  # block id -> request id, loads ordered and unreported
+        self._spill: list[TierOrder] = []
+        self._load: list[TierOrder] = []
+        self._drop: list[TierOrder] = []
+        self._shred: list[ShredOrder] = []
+        self.events: list[CustodyEvent] = []
+        self.stats: MutableMapping[str, int] = Counter() if stats is None else stats
+        self.restore_s_per_block = (
+            None if settings.restore_us_per_block is None else settings.restore_us_per_block / 1e6
+        )
+        self.prefill_s_per_token = (
+            None if settings.prefill_us_per_token is None else settings.prefill_us_per_token / 1e6
+        )
+        self._step_started: tuple[float, int] | None = None
+
+    # --- spill ----------------------------------------------------------------------------------
+
+    def allowed(self, tenant: str) -> bool:
+        policy = self._policy_for(tenant)
+        return policy.enabled and policy.offload.allowed
+
+    def note_cached(self, request: Any, scope: Scope, block_ids: list[int], pool: Any) -> None:
+        """The request ended and `block_ids` stay cached: note where each belongs in the tier."""
+        if not block_ids or not self.allowed(scope.tenant_id):
+            return
+        hashes = getattr(request, "block_hashes", None) or ()
+        positions = {bytes(h): i for i, h in enumerate(hashes)}
+        tag = self._tag_for(scope)
+        self._scopes.setdefault(scope.domain_key, scope)
+        for b in block_ids:
+            block_hash = pool.blocks[b].block_hash
+            if block_hash is None:
+                continue
+            raw = bytes(block_hash)[:-4]  # vLLM's hash with its 4-byte KV cache group id
+            position = positions.get(raw)
+            if position is not None:
+                self._candidates[b] = _Candidate(
+                    TierKey(scope.domain_key, raw, position), scope, tag
+                )
+
+    def on_allocated(self, block_ids: list[int], still_cached: Callable[[int], bool]) -> None:
+        """vLLM gave these blocks to a request: cached candidates among them were evicted by its LRU
+        and are spilled before the clears (their bytes are intact until this step's forward)."""
+        for b in block_ids:
+            candidate = self._candidates.pop(b, None)
+            if candidate is None or not still_cached(b):
+                continue
+            scope = candidate.scope
+            if not self.allowed(scope.tenant_id):
+                continue
+            disk = (
+                self.settings.directory is not None
+                and self._policy_for(scope.tenant_id).offload.disk
+            )
+            self._spill.append(
+                TierOrder(
+                    b, candidate.key, candidate.scope_tag, disk, self._generation[scope.domain_key]
+                )
+            )
+
+    def forget_block(self, block_id: int) -> None:
+        self._candidates.pop(block_id, None)
+
+    # --- restore --------------------------------------------------------------------------------
+
+    def match(self, request: Any, scope: Scope, num_computed: int, share_tokens: int | None) -> int:
+        """Tokens vLLM may load from the tier for `request` (0: none, or recompute is cheaper)."""
+        rid = request.request_id
+        self._matches.pop(rid, None)
+        if not self.index or not self.allowed(scope.tenant_id):
+            return 0
+        hashes = getattr(request, "block_hashes", None) or ()
+        start = num_computed // self._bs
+        # vLLM computes at least the last token itself; a share group only shares its listed prefix.
+        stop = (int(request.num_tokens) - 1) // self._bs
+        if share_tokens is not None:
+            stop = min(stop, share_tokens // self._bs)
+        keys = self.index.run(scope.domain_key, hashes, start, stop)
+        if not keys:
+            return 0
+        decision, restore_s, recompute_s = self._decide(len(keys))
+        match = _Match(start, keys, self._tag_for(scope), decision)
+        if decision == "recompute":
+            self._record_recompute(rid, match, restore_s, recompute_s)
+            return 0
+        self._matches[rid] = match
+        return len(keys) * self._bs
+
+    def _decide(self, blocks: int) -> tuple[str, float | None, float | None]:
+        restore = None if self.restore_s_per_block is None else blocks * self.restore_s_per_block
+        recompute = (
+            None
+            if self.prefill_s_per_token is None
+            else blocks * self._bs * self.prefill_s_per_token
+        )
+        if restore is None or recompute is None or restore <= recompute:
+            return "restore", restore, recompute  # unknown cost: the tier is the cheaper bet
+        return "recompute", restore, recompute
+
+    def _record_recompute(
+        self, rid: str, match: _Match, restore_s: float | None, recompute_s: float | None
+    ) -> None:
+        key = f"recompute:{rid}"
+        if key in self._matches:  # vLLM may ask again for a request it could not schedule yet
+            return
+        self._matches[key] = match
+        self.stats["tier_recompute_decisions"] += 1
+        self.events.append(
+            CustodyEvent(
+                EventKind.RESTORE,
+                self._clock(),
+                match.scope_tag,
+                rid,
+                (),
+                {
+                    "decision": "recompute",
+                    "tier_hit_block_count": len(match.keys),
+                    "restore_us_estimate": _us(restore_s),
+                    "recompute_us_estimate": _us(recompute_s),
+                    "engine_id": self._engine_id,
+                },
+            )
+        )
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        """vLLM allocated the request's blocks: order the matched entries loaded into them."""
+        rid = request.request_id
+        match = self._matches.pop(rid, None)
+        if match is None or num_external <= 0:
+            return
+        count = num_external // self._bs
+        for i, key in enumerate(match.keys[:count]):
+            block = block_ids[match.start + i]
+            self._load.append(TierOrder(block, key, match.scope_tag))
+            self._loading[block] = rid
+        self.index.touch(match.keys[:count])
+        self._external[rid] = count * self._bs
+        self.stats["tier_restore_decisions"] += 1
+
+    def take_external(self, rid: str) -> int:
+        """Tokens of `rid`'s computed prefix that came from the tier (custody counts them as new
+        allocations, not prefix hits)."""
+        return self._external.pop(rid, 0)
+
+    def forget_request(self, rid: str) -> None:
+        self._matches.pop(rid, None)
+        self._matches.pop(f"recompute:{rid}", None)
+        self._external.pop(rid, None)
+
+    # --- orders and reports ---------------------------------------------------------------------
+
+    def take_orders(
+        self,
+    ) -> tuple[
+        tuple[TierOrder, ...], tuple[TierOrder, ...], tuple[ShredOrder, ...], tuple[TierOrder, ...]
+    ]:
+        """(spill, drop, shred, load) for this step's metadata."""
+        out = (tuple(self._spill), tuple(self._drop), tuple(self._shred), tuple(self._load))
+        self._spill, self._drop, self._shred, self._load = [], [], [], []
+        return out
+
+    def step_started(self, tokens: int) -> None:
+        self._step_started = (time.perf_counter(), tokens)
+
+    def step_finished(self) -> None:
+        """Sample the prefill cost per token from a step that computed at least a few blocks."""
+        if self._step_started is None or self.settings.prefill_us_per_token is not None:
+            return
+        started, tokens = self._step_started
+        self._step_started = None
+        if tokens < _MIN_MEASURED_TOKENS * self._bs:
+            return
+        sample = (time.perf_counter() - started) / tokens
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = sample if old is None else old + _EWMA * (sample - old)
+
+    def on_report(self, report: TierReport) -> None:
+        now = self._clock()
+        if report.restore_s_per_block is not None and self.settings.restore_us_per_block is None:
+            self.restore_s_per_block = report.restore_s_per_block
+        self._spilled(report, now)
+        self._restored(report, now)
+        for done in report.shredded:
+            self.stats["tier_keys_shredded"] += int(done.destroyed_epoch is not None)
+            details: dict[str, str | int | float | bool | None] = {
+                "engine_id": self._engine_id,
+                "reason": done.order.reason,
+                "entry_count": done.entries,
+                "bytes_deleted": done.bytes,
+            }
+            if done.destroyed_epoch is not None:
+                details["destroyed_epoch"] = done.destroyed_epoch
+            if done.order.command_id is not None:
+                details["command_id"] = done.order.command_id
+            self.events.append(
+                CustodyEvent(EventKind.KEY_SHRED, now, done.order.scope_tag, None, (), details)
+            )
+
+    def _spilled(self, report: TierReport, now: float) -> None:
+        per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
+        for order, size in report.spilled:
+            if order.generation != self._generation[order.key.domain]:
+                continue  # shredded after it was ordered: the worker deleted it with the domain
+            scope = self._scopes.get(order.key.domain)
+            if scope is None:
+                continue
+            tenant = scope.tenant_id
+            entry = IndexEntry(order.key, tenant, order.scope_tag, size, now, order.to_disk)
+            cap = self._policy_for(tenant).offload.max_bytes
+            for gone in self.index.add(entry, tenant_cap=cap):
+                self._drop.append(TierOrder(-1, gone.key, gone.scope_tag))
+                self.stats["tier_evicted_entries"] += 1
+            per_tag[order.scope_tag].append((order, size))
+        share = report.spill_s / max(1, len(report.spilled))
+        for tag, items in per_tag.items():
+            nbytes = sum(size for _, size in items)
+            self.stats["tier_spilled_blocks"] += len(items)
+            self.stats["tier_spilled_bytes"] += nbytes
+            self.events.append(
+                CustodyEvent(
+                    EventKind.SPILL,
+                    now,
+                    tag,
+                    None,
+                    tuple(o.block_id for o, _ in items),
+                    {
+                        "block_count": len(items),
+                        "bytes_stored": nbytes,
+                        "spill_us": _us(share * len(items)),
+                        "to_disk": any(o.to_disk for o, _ in items),
+                        "engine_id": self._engine_id,
+                    },
+                )
+            )
+        self.stats["tier_spill_us"] += int(report.spill_s * 1e6)
+
+    def _restored(self, report: TierReport, now: float) -> None:
+        per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for order in report.restored:
+            rid = self._loading.pop(order.block_id, "")
+            per_request[(rid, order.scope_tag)].append(order.block_id)
+        share = report.restore_s / max(1, len(report.restored) + len(report.failed))
+        for (rid, tag), blocks in per_request.items():
+            self.stats["tier_restored_blocks"] += len(blocks)
+            self.stats["tier_hit_tokens"] += len(blocks) * self._bs
+            self.events.append(
+                CustodyEvent(
+                    EventKind.RESTORE,
+                    now,
+                    tag,
+                    rid or None,
+                    tuple(blocks),
+                    {
+                        "decision": "restore",
+                        "block_count": len(blocks),
+                        "restored_token_count": len(blocks) * self._bs,
+                        "restore_us": _us(share * len(blocks)),
+                        "engine_id": self._engine_id,
+                    },
+                )
+            )
+        for order, reason in report.failed:
+            rid = self._loading.pop(order.block_id, "")
+            self.index.remove(order.key)
+            if reason == "missing":  # dropped or shredded after the match: recomputed, no harm
+                self.stats["tier_load_misses"] += 1
+                continue
+            self.stats["tier_auth_failures"] += 1
+            _log.warning(
+                "offloaded block failed authentication; recomputed", scope_tag=order.scope_tag
+            )
+            self.events.append(
+                CustodyEvent(
+                    EventKind.TIER_AUTH_FAILURE,
+                    now,
+                    order.scope_tag,
+                    rid or None,
+                    (order.block_id,),
+                    {"reason": reason, "engine_id": self._engine_id},
+                )
+            )
+        self.stats["tier_restore_us"] += int(report.restore_s * 1e6)
+
+    # --- retention ------------------------------------------------------------------------------
+
+    def purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
+        """Shred every domain the purge selects; returns the purge entry's tier figures."""
+        keys = entries = nbytes = 0
+        for domain, scope in list(self._scopes.items()):
+            if not selector.matches(scope):
+                continue
+            held, size = self.index.domain_usage(domain)
+            self._shred_domain(domain, scope, "purge", command_id)
+            keys, entries, nbytes = keys + 1, entries + held, nbytes + size
+        for b in [b for b, c in self._candidates.items() if selector.matches(c.scope)]:
+            del self._candidates[b]
+        return {"tier_key_count": keys, "tier_entry_count": entries, "tier_bytes": nbytes}
+
+    def sweep(self, now: float) -> None:
+        gone = self.index.expire(now, lambda tenant: self._policy_for(tenant).offload.ttl_s)
+        emptied: set[bytes] = set()
+        for entry in gone:
+            self._drop.append(TierOrder(-1, entry.key, entry.scope_tag))
+            self.stats["tier_expired_entries"] += 1
+            emptied.add(entry.key.domain)
+        for domain in emptied:
+            scope = self._scopes.get(domain)
+            if scope is not None and not self.index.has_domain(domain):
+                self._shred_domain(domain, scope, "expiry", None)
+
+    def on_policy(self) -> None:
+        """A new policy is in force: a tenant disabled, or no longer allowed to offload, loses its
+        tier entries and keys now."""
+        for domain, scope in list(self._scopes.items()):
+            policy = self._policy_for(scope.tenant_id)
+            if not policy.enabled:
+                self._shred_domain(domain, scope, "disable", None)
+            elif not policy.offload.allowed:
+                self._shred_domain(domain, scope, "policy", None)
+
+    def _shred_domain(
+        self, domain: bytes, scope: Scope, reason: str, command_id: int | None
+    ) -> None:
+        self.index.remove_domain(domain)
+        self._generation[domain] += 1
+        self._scopes.pop(domain, None)
+        self._shred.append(ShredOrder(domain, self._tag_for(scope), reason, command_id))
+
+    def has_orders(self) -> bool:
+        return bool(self._spill or self._drop or self._shred or self._load)
+
+    def closing_shreds(self, now: float) -> None:
+        """The engine stops: every data key dies with the process (its epoch secrets exist only in
+        memory); record that for each domain the tier still held."""
+        for domain, scope in list(self._scopes.items()):
+            held, size = self.index.domain_usage(domain)
+            self.index.remove_domain(domain)
+            self.events.append(
+                CustodyEvent(
+                    EventKind.KEY_SHRED,
+                    now,
+                    self._tag_for(scope),
+                    None,
+                    (),
+                    {
+                        "engine_id": self._engine_id,
+                        "reason": "shutdown",
+                        "entry_count": held,
+                        "bytes_deleted": size,
+                    },
+                )
+            )
+        self._scopes.clear()
+
+
+def _us(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1e6)
