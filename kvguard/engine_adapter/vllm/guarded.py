@@ -69,8 +69,8 @@ class GuardedLLM:
             if llm_kwargs.get(refused) is not None:
                 raise ConfigError(
                     f"GuardedLLM refuses {refused}: vLLM's KV offloading would move KV state off "
-                    "the device unencrypted and outside purges; kvguard does not govern it yet "
-                    "(docs/offload.md)"
+                    "the device unencrypted and outside purges; use kvguard's governed tier "
+                    "instead (GuardOptions.offload_bytes, docs/offload.md)"
                 )
         self.options = options
         self._deriver = options.deriver()

@@ -35,7 +35,7 @@ MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
 DEFAULT_ORIGIN = "kvguard.local/ledger"
 _NO_OFFLOAD = (
     "vLLM's KV offloading would move KV state off the device unencrypted and outside purges and "
-    "certificates; kvguard does not govern it yet (docs/offload.md)"
+    "certificates; use kvguard's governed tier instead (KVGUARD_OFFLOAD_BYTES, docs/offload.md)"
 )
 _OWNED = {
     "--kv-transfer-config": "kvguard configures its own KV connector",
