@@ -36,8 +36,11 @@ tenants:
     quota:
       max_blocks: 4
       when_full: reject
+  offl:
+    offload: {allowed: true, ttl_s: 3600}
 """
-TENANTS = ("acme", "globex", "disabled-co", "rev", "initech", "tight")
+TENANTS = ("acme", "globex", "disabled-co", "rev", "initech", "tight", "offl")
+OFFLOAD_BYTES = 32 << 20  # kvguard's encrypted tier: only `offl` may use it
 
 
 @dataclass
@@ -113,6 +116,7 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
         "KVGUARD_SALT_KEYRING_FILE": str(workdir / "salt.keys"),
         "KVGUARD_SIGNING_KEY_FILE": str(workdir / "sign.key"),
         "KVGUARD_POLICY_FILE": str(workdir / "policy.yaml"),
+        "KVGUARD_OFFLOAD_BYTES": str(OFFLOAD_BYTES),
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs the engine core as vLLM does
     argv = [

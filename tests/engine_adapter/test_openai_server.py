@@ -290,3 +290,42 @@ def test_a_tenant_whose_quota_says_reject_gets_429_while_its_requests_fill_it(se
         assert rows == 1
     finally:
         engine.dispose()
+
+
+def test_offload_tier_serves_a_tenants_evicted_prefix_and_nobody_elses(server, keys) -> None:
+    """Issue 15 through the real server: `offl` (policy: offload allowed) sends a prompt, a flood of
+    long prompts from another tenant evicts every cached block from the device, and `offl`'s repeat
+    is served from kvguard's encrypted tier with the same greedy output; the same prompt from a
+    tenant without the tier, and from one whose repeat was flooded, gets nothing cached."""
+    offl = _client(server, server.keys().issue("offl").api_key)
+    globex = _client(server, keys["globex"])
+    prompt = " ".join(["lo la li lu le"] * 60) + " q1 q2"  # 302 tokens: two full blocks of 128
+
+    def once(client, text: str = prompt):
+        return client.completions.create(
+            model=server.model, prompt=text, max_tokens=4, temperature=0.0
+        )
+
+    first = once(offl)
+    assert _cached(first.usage) == 0
+    # 8 MiB of KV: about 16,000 tokens. Ten distinct 1,900-token prompts evict everything (words
+    # of the tiny tokenizer's vocabulary: single letters and digits; unknown words are all <unk>).
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    for i in range(10):
+        once(globex, " ".join(alphabet[(7 * i + j * j + 3 * j) % 36] for j in range(1900)))
+    again = once(offl)
+    assert _cached(again.usage) == 256  # both blocks restored from the tier
+    assert again.choices[0].text == first.choices[0].text
+    assert _cached(once(globex).usage) == 0  # another tenant: its own domain, no tier entries
+    registry = EngineRegistry.open(server.db_url)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        totals = registry.engines()[-1].totals
+        if totals.get("tier_restored_blocks", 0) >= 2:
+            break
+        once(globex, SHORT)  # heartbeats are written while the engine steps
+        time.sleep(0.5)
+    assert totals["tier_restored_blocks"] >= 2 and totals["tier_spilled_blocks"] >= 2, {
+        k: v for k, v in totals.items() if "tier" in k or k == "requests"
+    }
+    assert totals["tier_auth_failures"] == 0
