@@ -42,6 +42,14 @@ ENGINE_COUNTERS = {
     "kvguard_engine_zeroize_failures_total",
     "kvguard_engine_custody_repairs_total",
     "kvguard_engine_ledger_submitted_events_total",
+    "kvguard_engine_offload_spilled_blocks_total",
+    "kvguard_engine_offload_spilled_bytes_total",
+    "kvguard_engine_offload_restored_blocks_total",
+    "kvguard_engine_offload_hit_tokens_total",
+    "kvguard_engine_offload_restore_decisions_total",
+    "kvguard_engine_offload_recompute_decisions_total",
+    "kvguard_engine_offload_auth_failures_total",
+    "kvguard_engine_offload_keys_shredded_total",
 }
 ENGINE_GAUGES = {
     "kvguard_engine_blocks_free",
@@ -53,12 +61,15 @@ ENGINE_GAUGES = {
     "kvguard_engine_policy_version",
     "kvguard_engine_cleanup_max_seconds",
     "kvguard_engine_heartbeat_age_seconds",
+    "kvguard_engine_offload_tier_bytes",
 }
 ENGINE_HISTOGRAM_NAMES = {
     "kvguard_engine_cleanup_seconds",
     "kvguard_engine_zeroize_seconds",
     "kvguard_engine_zeroize_device_seconds",
     "kvguard_engine_cache_block_age_seconds",
+    "kvguard_engine_offload_spill_seconds",
+    "kvguard_engine_offload_restore_seconds",
 }
 CACHE_AGE_REASONS = ("reused", "evicted", "expired", "purged")
 TENANT_SERIES = {

@@ -33,6 +33,8 @@ from kvguard.control.engine_metrics import (
     CACHE_AGE,
     CLEANUP,
     ENGINE_HISTOGRAMS,
+    OFFLOAD_RESTORE,
+    OFFLOAD_SPILL,
     ZEROIZE,
     ZEROIZE_DEVICE,
     BucketCounts,
@@ -133,8 +135,13 @@ class EngineReporter:
 
     def observe(self, events: Iterable[CustodyEvent]) -> None:
         for event in events:
-            if event.kind is EventKind.EVICT:
+            kind = event.kind
+            if kind is EventKind.EVICT:
                 self.counts["evictions"] += len(event.block_ids)
+            elif kind is EventKind.SPILL:
+                self._observe_us(OFFLOAD_SPILL, event.details.get("spill_us"))
+            elif kind is EventKind.RESTORE and event.details.get("decision") == "restore":
+                self._observe_us(OFFLOAD_RESTORE, event.details.get("restore_us"))
 
     def cache_ages(self, ages: Iterable[CacheAge]) -> None:
         for age in ages:
@@ -174,6 +181,10 @@ class EngineReporter:
         seconds = max(0.0, seconds)
         self._observe(CLEANUP, seconds)
         self.cleanup_max_s = max(self.cleanup_max_s, seconds)
+
+    def _observe_us(self, spec: HistogramSpec, micros: object) -> None:
+        if isinstance(micros, int) and not isinstance(micros, bool):
+            self._observe(spec, micros / 1e6)
 
     def _observe(self, spec: HistogramSpec, value: float, labels: tuple[str, ...] = ()) -> None:
         if math.isfinite(value):  # a NaN would make every later heartbeat fail (`_totals_json`)

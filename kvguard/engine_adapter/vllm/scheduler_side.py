@@ -590,13 +590,7 @@ class SchedulerGuard:
     def _counters(self) -> dict[str, int | float]:
         version = {} if self.policy_version is None else {"policy_version": self.policy_version}
         active = sum(int(getattr(r, "num_computed_tokens", 0) or 0) for r in self._live.values())
-        tier: dict[str, int | float] = {}
-        if self.tier is not None:
-            tier = {
-                "tier_bytes": self.tier.index.used,
-                "tier_spill_seconds": self.stats["tier_spill_us"] / 1e6,
-                "tier_restore_seconds": self.stats["tier_restore_us"] / 1e6,
-            }
+        tier = {"tier_bytes": self.tier.index.used} if self.tier is not None else {}
         return {
             "ledger_submitted": self.bridge.submitted,
             "active_tokens": active,
