@@ -264,3 +264,13 @@ def test_closing_records_that_every_key_dies_with_the_process() -> None:
     h.tier.closing_shreds(h.now)
     (event,) = h.tier.events
     assert event.kind is EventKind.KEY_SHRED and event.details["reason"] == "shutdown"
+
+
+def test_a_purge_of_a_domain_that_never_spilled_has_nothing_to_shred() -> None:
+    h = Harness(policies(a=OFFLOAD))
+    h.finish("r1", "a", [1], 1)  # cached, a candidate, never evicted
+    figures = h.tier.purge(PurgeSelector(PurgeKind.TENANT, "a"), command_id=3)
+    assert figures == {"tier_key_count": 0, "tier_entry_count": 0, "tier_bytes": 0}
+    assert h.tier.take_orders() == ((), (), (), ())
+    h.evict([1])  # the purge dropped the candidate too
+    assert h.tier.take_orders()[0] == ()

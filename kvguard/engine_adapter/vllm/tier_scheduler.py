@@ -88,7 +88,9 @@ class SchedulerTier:
         self._tag_for = tag_for
         self._clock = clock
         self._candidates: dict[int, _Candidate] = {}
-        self._scopes: dict[bytes, Scope] = {}  # domain -> a scope of it (purge selectors match it)
+        # Domains that may have a data key in the worker (a spill was ordered since their last
+        # shred) -> a scope of the domain (purge selectors match it). What purges shred.
+        self._scopes: dict[bytes, Scope] = {}
         self._generation: Counter[bytes] = Counter()  # shreds so far, per domain
         self._matches: dict[str, _Match] = {}
         self._external: dict[str, int] = {}
@@ -120,7 +122,6 @@ class SchedulerTier:
         hashes = getattr(request, "block_hashes", None) or ()
         positions = {bytes(h): i for i, h in enumerate(hashes)}
         tag = self._tag_for(scope)
-        self._scopes.setdefault(scope.domain_key, scope)
         for b in block_ids:
             block_hash = pool.blocks[b].block_hash
             if block_hash is None:
@@ -146,6 +147,7 @@ class SchedulerTier:
                 self.settings.directory is not None
                 and self._policy_for(scope.tenant_id).offload.disk
             )
+            self._scopes.setdefault(scope.domain_key, scope)
             self._spill.append(
                 TierOrder(
                     b, candidate.key, candidate.scope_tag, disk, self._generation[scope.domain_key]
