@@ -33,33 +33,11 @@ from kvguard.errors import OffloadKeyError, TierAuthError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import get_logger
 from kvguard.offload import BlockAddress, EncryptedTier, OffloadKeys
+from kvguard.offload.blocks import BlockCopier
 from kvguard.zeroize import KVCacheSpec
 
 _log = get_logger("vllm.tier")
 _PROFILE_BLOCKS = 4
-
-
-class BlockCopier:
-    """Whole blocks (every layer, K and V) as bytes, out of and into a paged KV cache."""
-
-    def __init__(self, spec: KVCacheSpec) -> None:
-        self.spec = spec
-        self._views = spec.segment_views()
-        self.block_bytes = spec.bytes_per_block
-
-    def read(self, block_ids: Sequence[int]) -> list[bytes]:
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.spec.device)
-        rows = torch.stack([v.index_select(0, idx) for v in self._views], dim=1).cpu()
-        flat = rows.reshape(len(block_ids), -1).numpy()
-        return [flat[i].tobytes() for i in range(len(block_ids))]
-
-    def write(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        n, segments = len(block_ids), len(self._views)
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        rows = data.view(n, segments, -1).to(self.spec.device)
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.spec.device)
-        for s, view in enumerate(self._views):
-            view.index_copy_(0, idx, rows[:, s])
 
 
 class WorkerTier:
