@@ -67,7 +67,7 @@ class DataKey:
     def __repr__(self) -> str:
         return f"DataKey(epoch={self.epoch}, shredded={self._aead is None})"
 
-    def encrypt(self, plaintext: bytes, aad: bytes) -> tuple[bytes, bytes]:
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> tuple[bytes, bytes]:
         """(nonce, ciphertext with its 16-byte tag)."""
         with self._lock:
             aead = self._aead

@@ -119,7 +119,9 @@ class EncryptedTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, address: BlockAddress, payload: bytes, *, to_disk: bool = False) -> Removal:
+    def put(
+        self, address: BlockAddress, payload: bytes | memoryview, *, to_disk: bool = False
+    ) -> Removal:
         """Encrypt and store `payload` (replacing an entry at the same address); returns what the
         budget evicted to make room. A payload larger than the whole budget is not stored."""
         if to_disk and self._dir is None:
