@@ -213,6 +213,31 @@ TENANT_FIGURES: Final = (
     Figure(
         "bytes_zeroized", "zeroized_bytes_total", _C, "Bytes of the tenant's data zeroized", "bytes"
     ),
+    Figure(
+        "tier_spilled_blocks",
+        "offload_spilled_blocks_total",
+        _C,
+        "Evicted blocks of the tenant kept in the encrypted offload tier",
+    ),
+    Figure(
+        "tier_spilled_bytes",
+        "offload_spilled_bytes_total",
+        _C,
+        "Ciphertext bytes of the tenant written to the offload tier",
+        "bytes",
+    ),
+    Figure(
+        "tier_restored_blocks",
+        "offload_restored_blocks_total",
+        _C,
+        "Blocks of the tenant restored from the offload tier",
+    ),
+    Figure(
+        "tier_hit_tokens",
+        "offload_hit_tokens_total",
+        _C,
+        "Prompt tokens of the tenant served from the offload tier",
+    ),
 )
 
 

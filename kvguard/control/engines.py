@@ -70,6 +70,10 @@ class TenantCacheStats:
     prompt_tokens: int = 0
     blocks_zeroized: int = 0
     bytes_zeroized: int = 0
+    tier_spilled_blocks: int = 0
+    tier_spilled_bytes: int = 0
+    tier_restored_blocks: int = 0
+    tier_hit_tokens: int = 0
     oldest_cached_at: float | None = None
     updated_at: float = 0.0
 
@@ -82,6 +86,10 @@ _STAT_FIELDS = (
     "prompt_tokens",
     "blocks_zeroized",
     "bytes_zeroized",
+    "tier_spilled_blocks",
+    "tier_spilled_bytes",
+    "tier_restored_blocks",
+    "tier_hit_tokens",
 )
 
 

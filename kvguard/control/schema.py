@@ -142,6 +142,11 @@ class EngineTenantStatsRow(ControlBase):
     prompt_tokens: Mapped[int] = mapped_column(sa.BigInteger)
     blocks_zeroized: Mapped[int] = mapped_column(sa.BigInteger)
     bytes_zeroized: Mapped[int] = mapped_column(sa.BigInteger)
+    # The offload tier (docs/offload.md): migration 0003.
+    tier_spilled_blocks: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+    tier_spilled_bytes: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+    tier_restored_blocks: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+    tier_hit_tokens: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
     oldest_cached_at: Mapped[float | None] = mapped_column(sa.Double, nullable=True)
     updated_at: Mapped[float] = mapped_column(sa.Double)
 

@@ -81,6 +81,10 @@ TENANT_SERIES = {
     "kvguard_tenant_prefix_hit_tokens_total": "counter",
     "kvguard_tenant_zeroized_blocks_total": "counter",
     "kvguard_tenant_zeroized_bytes_total": "counter",
+    "kvguard_tenant_offload_spilled_blocks_total": "counter",
+    "kvguard_tenant_offload_spilled_bytes_total": "counter",
+    "kvguard_tenant_offload_restored_blocks_total": "counter",
+    "kvguard_tenant_offload_hit_tokens_total": "counter",
 }
 FLEET = {
     "kvguard_engines_known": "gauge",

@@ -245,14 +245,50 @@ def test_the_tenant_budget_sends_drop_orders() -> None:
     assert h.tier.index.tenant_bytes("a") == 2000
 
 
-def test_prefill_cost_is_sampled_from_prefill_sized_steps() -> None:
+def test_prefill_cost_is_the_marginal_cost_per_token_of_the_steps() -> None:
+    """Steps cost 5 ms fixed plus 80 us per token: the decision must see 80 us, not the average
+    (which a small batch inflates with the fixed cost)."""
     h = Harness(policies(a=OFFLOAD))
-    h.tier.step_started(1)  # a decode step: not a sample
-    h.tier.step_finished()
     assert h.tier.prefill_s_per_token is None
+    for tokens in [1, 64, 3, 128, 2, 96, 1, 256, 5, 32, 200]:
+        h.tier._steps.append((tokens, 0.005 + 80e-6 * tokens))
+    h.tier._fitted = False
+    assert h.tier.prefill_s_per_token == pytest.approx(80e-6)
+
+
+def test_without_a_slope_the_cheapest_prefill_sized_step_stands_in() -> None:
+    h = Harness(policies(a=OFFLOAD))
+    h.tier.step_started(1)  # a decode step
+    h.tier.step_finished()
+    assert h.tier.prefill_s_per_token is None  # nothing prefill-sized yet
     h.tier.step_started(4 * BS)
     h.tier.step_finished()
-    assert h.tier.prefill_s_per_token is not None and h.tier.prefill_s_per_token >= 0
+    first = h.tier.prefill_s_per_token
+    assert first is not None and first >= 0
+
+
+def test_a_configured_cost_wins_over_measurement() -> None:
+    h = Harness(policies(a=OFFLOAD), prefill_us_per_token=7, restore_us_per_block=9)
+    h.tier.step_started(4 * BS)
+    h.tier.step_finished()
+    h.tier.on_report(TierReport(restore_s_per_block=1.0))
+    assert h.tier.prefill_s_per_token == pytest.approx(7e-6)
+    assert h.tier.restore_s_per_block == pytest.approx(9e-6)
+
+
+def test_the_restore_estimate_follows_real_restores() -> None:
+    h = Harness(policies(a=OFFLOAD))
+    h.tier.on_report(TierReport(restore_s_per_block=10e-6))  # the start-up profile: optimistic
+    req = h.finish("r1", "a", [1, 2], 2)
+    h.evict([1, 2])
+    h.worker_does()
+    again = FakeRequest("r2", req.block_hashes, req.num_tokens)
+    h.tier.match(again, scope_for("a"), 0, None)
+    h.tier.after_alloc(again, [5, 6, 7], 2 * BS)
+    *_, load = h.tier.take_orders()
+    h.tier.on_report(TierReport(restored=list(load), restore_s=2 * 500e-6))
+    # An exponential average moves a fifth of the way from 10 us towards the 500 us measured.
+    assert h.tier.restore_s_per_block == pytest.approx(10e-6 + 0.2 * 490e-6)
 
 
 def test_closing_records_that_every_key_dies_with_the_process() -> None:

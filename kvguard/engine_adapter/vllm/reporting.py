@@ -103,6 +103,7 @@ class EngineReporter:
         self.prefix_hit_tokens: Counter[str] = Counter()
         self.blocks_zeroized: Counter[str] = Counter()
         self.bytes_zeroized: Counter[str] = Counter()
+        self.tier: dict[str, Counter[str]] = {}  # tenant -> offload tier figures (TenantCacheStats)
         self.stats: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)  # kept by the scheduler
         self.counts: Counter[str] = Counter(evictions=0, bytes_zeroized=0)  # engine-wide, kept here
         self.histograms: dict[str, BucketCounts] = {
@@ -132,6 +133,10 @@ class EngineReporter:
 
     def prefix_hit(self, tenant: str, tokens: int) -> None:
         self.prefix_hit_tokens[tenant] += tokens
+
+    def tier_figure(self, tenant: str, figure: str, amount: int) -> None:
+        """One of the tenant's offload tier figures (`tier_spilled_blocks`, ...) grows."""
+        self.tier.setdefault(tenant, Counter())[figure] += amount
 
     def observe(self, events: Iterable[CustodyEvent]) -> None:
         for event in events:
@@ -264,6 +269,7 @@ class EngineReporter:
             | set(self.prompt_tokens)
             | set(self.prefix_hit_tokens)
             | set(self.blocks_zeroized)
+            | set(self.tier)
         )
         rows = []
         for tenant in sorted(tenants):
@@ -281,6 +287,7 @@ class EngineReporter:
                     blocks_zeroized=self.blocks_zeroized[tenant],
                     bytes_zeroized=self.bytes_zeroized[tenant],
                     oldest_cached_at=held.oldest_cached_at if held else None,
+                    **self.tier.get(tenant, Counter()),
                 )
             )
         return rows

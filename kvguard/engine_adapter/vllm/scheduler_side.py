@@ -195,6 +195,7 @@ class SchedulerGuard:
                 tag_for=self._tag,
                 clock=clock,
                 stats=self.stats,
+                tenant_figure=self.reporter.tier_figure,
             )
 
     # --- wiring ---------------------------------------------------------------------------------

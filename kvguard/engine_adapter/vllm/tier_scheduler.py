@@ -28,7 +28,7 @@ Ledger events (G5, G6: scope tags, block ids and counts only): `block.spill` per
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -43,6 +43,7 @@ from kvguard.policy import TenantPolicy
 _log = get_logger("vllm.tier")
 _EWMA: Final = 0.2
 _MIN_MEASURED_TOKENS: Final = 2  # blocks' worth of tokens a step needs to count as a prefill sample
+_STEP_SAMPLES: Final = 256  # recent steps the prefill slope is fitted to
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class SchedulerTier:
         tag_for: Callable[[Scope], str],
         clock: Callable[[], float] = time.time,
         stats: MutableMapping[str, int] | None = None,
+        tenant_figure: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.index = TierIndex(settings.budget_bytes)
@@ -104,10 +106,12 @@ class SchedulerTier:
         self.restore_s_per_block = (
             None if settings.restore_us_per_block is None else settings.restore_us_per_block / 1e6
         )
-        self.prefill_s_per_token = (
-            None if settings.prefill_us_per_token is None else settings.prefill_us_per_token / 1e6
-        )
+        self._prefill: float | None = None  # measured, fitted on demand (`prefill_s_per_token`)
+        self._fitted = True
         self._step_started: tuple[float, int] | None = None
+        self._steps: deque[tuple[int, float]] = deque(maxlen=_STEP_SAMPLES)
+        # (tenant, figure, amount): the per-tenant metrics (the engine reporter's `tier_figure`)
+        self._tenant_figure = tenant_figure or (lambda _tenant, _figure, _amount: None)
 
     # --- spill ----------------------------------------------------------------------------------
 
@@ -259,21 +263,42 @@ class SchedulerTier:
         self._step_started = (time.perf_counter(), tokens)
 
     def step_finished(self) -> None:
-        """Sample the prefill cost per token from a step that computed at least a few blocks."""
+        """Sample a step's (tokens, seconds) for the prefill cost (`prefill_s_per_token`)."""
         if self._step_started is None or self.settings.prefill_us_per_token is not None:
             return
         started, tokens = self._step_started
         self._step_started = None
-        if tokens < _MIN_MEASURED_TOKENS * self._bs:
-            return
-        sample = (time.perf_counter() - started) / tokens
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = sample if old is None else old + _EWMA * (sample - old)
+        if tokens > 0:
+            self._steps.append((tokens, time.perf_counter() - started))
+            self._fitted = False
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """The configured prefill cost per token, or the *marginal* one measured: the least-squares
+        slope of step time over scheduled tokens in the recent steps, so a step's fixed cost (paid
+        whether a request restores or recomputes) and noise spread over a small batch do not count
+        as prefill. Until the steps vary enough to fit a slope, the cheapest per-token step of at
+        least a few blocks stands in. Fitted when asked (a decision), not per step."""
+        if self.settings.prefill_us_per_token is not None:
+            return self.settings.prefill_us_per_token / 1e6
+        if not self._fitted:
+            self._prefill = _slope(self._steps)
+            if self._prefill is None:
+                big = [s / t for t, s in self._steps if t >= _MIN_MEASURED_TOKENS * self._bs]
+                self._prefill = min(big) if big else None
+            self._fitted = True
+        return self._prefill
 
     def on_report(self, report: TierReport) -> None:
         now = self._clock()
-        if report.restore_s_per_block is not None and self.settings.restore_us_per_block is None:
-            self.restore_s_per_block = report.restore_s_per_block
+        if self.settings.restore_us_per_block is None:
+            if report.restore_s_per_block is not None:  # the worker's profile at start
+                self.restore_s_per_block = report.restore_s_per_block
+            loaded = len(report.restored) + len(report.failed)
+            if loaded:  # then what restores really cost here (lookup, decrypt, copies)
+                sample = report.restore_s / loaded
+                old = self.restore_s_per_block
+                self.restore_s_per_block = sample if old is None else old + _EWMA * (sample - old)
         self._spilled(report, now)
         self._restored(report, now)
         for done in report.shredded:
@@ -307,6 +332,8 @@ class SchedulerTier:
                 self._drop.append(TierOrder(-1, gone.key, gone.scope_tag))
                 self.stats["tier_evicted_entries"] += 1
             per_tag[order.scope_tag].append((order, size))
+            self._tenant_figure(tenant, "tier_spilled_blocks", 1)
+            self._tenant_figure(tenant, "tier_spilled_bytes", size)
         share = report.spill_s / max(1, len(report.spilled))
         for tag, items in per_tag.items():
             nbytes = sum(size for _, size in items)
@@ -335,6 +362,10 @@ class SchedulerTier:
         for order in report.restored:
             rid = self._loading.pop(order.block_id, "")
             per_request[(rid, order.scope_tag)].append(order.block_id)
+            scope = self._scopes.get(order.key.domain)
+            if scope is not None:
+                self._tenant_figure(scope.tenant_id, "tier_restored_blocks", 1)
+                self._tenant_figure(scope.tenant_id, "tier_hit_tokens", self._bs)
         share = report.restore_s / max(1, len(report.restored) + len(report.failed))
         for (rid, tag), blocks in per_request.items():
             self.stats["tier_restored_blocks"] += len(blocks)
@@ -451,3 +482,18 @@ class SchedulerTier:
 
 def _us(seconds: float | None) -> int | None:
     return None if seconds is None else round(seconds * 1e6)
+
+
+def _slope(samples: deque[tuple[int, float]]) -> float | None:
+    """Least-squares seconds per token over (tokens, seconds) samples; None when the token counts
+    do not vary enough (all decode steps, say) or the fit is not positive."""
+    n = len(samples)
+    if n < 8:
+        return None
+    mean_t = sum(t for t, _ in samples) / n
+    mean_s = sum(s for _, s in samples) / n
+    var = sum((t - mean_t) ** 2 for t, _ in samples)
+    if var < n * 4.0:  # token counts within about +-2 of each other: no slope to fit
+        return None
+    slope = sum((t - mean_t) * (s - mean_s) for t, s in samples) / var
+    return slope if slope > 0 else None
