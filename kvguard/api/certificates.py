@@ -10,6 +10,11 @@ names no session id (a certificate may be shown to third parties; the job record
 allowed to read it); model and adapter purges name the model or adapter, which are the operator's
 catalogue names. The evidence leaves carry ids, counts, scope tags and zeroization facts only; the
 erasable payloads of the ledger (where tenant ids live) are never included.
+
+Engines with an offload tier (issue 15) crypto-shred the encrypted copies a purge selects: such a
+certificate also has an offload part (`media.offload`, and `offload` on each of those engines) with
+the figures of the `key.shred` entries it carries. A certificate of a purge that had no offload keys
+to destroy has none, so it is exactly what it was before offload tiers existed.
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ from kvguard import __version__
 from kvguard.api.purge_jobs import JobReport, PurgeJob
 from kvguard.api.services import Services
 from kvguard.audit import erasure
-from kvguard.audit.certificate import CLAIMS, ENGINE_CLAIMS, FORMAT, VERSION, set_path
+from kvguard.audit.certificate import (
+    CLAIMS,
+    ENGINE_CLAIMS,
+    ENGINE_OFFLOAD_CLAIMS,
+    FORMAT,
+    OFFLOAD_CLAIMS,
+    OFFLOAD_PATH,
+    VERSION,
+    set_path,
+)
 from kvguard.audit.erasure_query import prove
 from kvguard.control.commands import PurgeKind
 
@@ -37,6 +51,17 @@ METHOD_DETAILS: Final = (
     "Each block was held out of the engine's free pool (quarantined) and overwritten with zeros on "
     "its device, in every layer, before the engine could hand it to another owner; the clear was "
     "read back per the tenant's policy (verification modes) and recorded in the audit ledger."
+)
+OFFLOAD_MEDIA_TYPE: Final = (
+    "Encrypted copies of KV cache blocks in the offload tiers (host memory, local disk) of LLM "
+    "serving engines"
+)
+OFFLOAD_METHOD: Final = "Cryptographic erase"
+OFFLOAD_METHOD_DETAILS: Final = (
+    "Each copy was encrypted (AES-256-GCM) under a data key of its reuse domain that existed only "
+    "in the engine's memory; the purge destroyed the key of every domain it selected (its epoch "
+    "secret overwritten, so the key cannot be derived again from anything kvguard holds) and deleted "
+    "the domain's ciphertexts; each destroyed key is a key.shred entry in the audit ledger."
 )
 
 
@@ -59,7 +84,11 @@ def selector(services: Services, job: PurgeJob) -> dict[str, Any]:
     return {"kind": job.kind.value, "tenant_tag": None, "value": job.value, "value_disclosed": True}
 
 
-def _engines(report: JobReport, facts: dict[str | None, dict[str, Any]]) -> list[dict[str, Any]]:
+def _engines(
+    report: JobReport,
+    facts: dict[str | None, dict[str, Any]],
+    offload: dict[str | None, dict[str, Any]],
+) -> list[dict[str, Any]]:
     out = []
     for e in report.engines:
         shown = facts.get(e.engine_id)
@@ -74,11 +103,24 @@ def _engines(report: JobReport, facts: dict[str | None, dict[str, Any]]) -> list
         }
         if shown is not None:  # named in its purge entries: the ledger's figures
             entry.update({name: shown[name] for name in ENGINE_CLAIMS})
+        shredded = offload.get(e.engine_id)
+        if shredded is not None:  # only engines whose key.shred entries are evidence
+            entry["offload"] = {name: shredded[name] for name in ENGINE_OFFLOAD_CLAIMS}
         out.append(entry)
     return out
 
 
-def _notes(report: JobReport, deferred: int) -> list[str]:
+def _offload(shown: dict[str, Any]) -> dict[str, Any]:
+    """The certificate's offload part (`media.offload`): reported text, then the leaves' figures."""
+    return {
+        "type": OFFLOAD_MEDIA_TYPE,
+        "method_used": OFFLOAD_METHOD,
+        "method_details": OFFLOAD_METHOD_DETAILS,
+        **{name: shown[name] for name in OFFLOAD_CLAIMS},
+    }
+
+
+def _notes(report: JobReport, deferred: int, offload: dict[str, Any] | None) -> list[str]:
     notes = []
     if report.no_live_engines:
         notes.append("No engine was live when the job was created: no KV cache held data to clear.")
@@ -87,6 +129,12 @@ def _notes(report: JobReport, deferred: int) -> list[str]:
             f"Blocks in use by running requests when the purge ran ({deferred}) were marked to be "
             "quarantined and cleared when those requests end, like every released block; they are "
             "counted here without being linked block by block."
+        )
+    if offload is not None:
+        notes.append(
+            "Encrypted copies in the engines' offload tiers were crypto-shredded (media.offload): "
+            f"data keys destroyed: {offload['keys_destroyed']}; ciphertexts deleted with them: "
+            f"{offload['entries_deleted']} ({offload['bytes_deleted']} bytes)."
         )
     notes.append(
         "Request and acknowledgement times and engine models are reported from the control "
@@ -99,6 +147,7 @@ def _evidence(report: JobReport, services: Services) -> dict[str, Any]:
     ev = report.evidence
     proven = prove(services.ledger, ev.indices())
     roles = {p.index: "purge" for p in ev.purges} | {z.index: "zeroize" for z in ev.zeroizes}
+    roles |= {s.index: "shred" for s in ev.shreds}
     if ev.request is not None:
         roles[ev.request] = "request"
     entries = [
@@ -118,6 +167,8 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
     ev, job = report.evidence, report.job
     shown = erasure.summary(ev.purges, ev.zeroizes, ev.coverage)
     facts = erasure.engine_facts(ev.purges, ev.zeroizes, ev.coverage)
+    offload = erasure.offload_summary(ev.purges, ev.shreds, ev.offload)
+    offload_facts = erasure.offload_engine_facts(ev.shreds, ev.offload)
     evidence = _evidence(report, services)
     origin = services.ledger.origin
     acks = [e.acknowledged_at for e in report.engines if e.acknowledged_at is not None]
@@ -136,7 +187,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
             "no_live_engines": report.no_live_engines,
         },
         "selector": selector(services, job),
-        "media": {"type": MEDIA_TYPE, "engines": _engines(report, facts)},
+        "media": {"type": MEDIA_TYPE, "engines": _engines(report, facts, offload_facts)},
         "sanitization": {
             "method_type": "Clear",
             "method_used": "Overwrite with zeros",
@@ -148,7 +199,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
             "acknowledged_first": _iso(min(acks, default=None)),
             "acknowledged_last": _iso(max(acks, default=None)),
         },
-        "notes": _notes(report, shown["blocks_active_deferred"]),
+        "notes": _notes(report, shown["blocks_active_deferred"], offload),
         "evidence": evidence,
         "verify": {
             "command": f"kvguard verify <this file> --key <verifier key of {origin}> --origin {origin}",
@@ -157,4 +208,6 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
     }
     for path, key in CLAIMS.items():
         set_path(document, path, shown[key])
+    if offload is not None:
+        set_path(document, OFFLOAD_PATH, _offload(offload))
     return document

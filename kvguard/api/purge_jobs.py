@@ -6,7 +6,9 @@ job id. Status, worked out on every read:
 
 - `queued`: no engine has acknowledged it yet;
 - `running`: some engine acknowledged it, but not every expected engine has, or the ledger does not
-  yet hold an acknowledging engine's purge entry and a clear of every block it quarantined;
+  yet hold an acknowledging engine's purge entry, a clear of every block it quarantined and, for an
+  engine with an offload tier, a `key.shred` entry of every data key the purge had to destroy there
+  (`kvguard.audit.erasure`); each engine's `missing` says what the ledger still lacks;
 - `done`: every expected engine (and any other that ran the job) acknowledged it, its evidence is
   complete in the ledger, and so is the request's own entry (`purge.create` / `tenant.disable`,
   committed with the job and drained from the outbox): no certificate is issued without it. A job created while no engine was live is done at once with nothing to
@@ -37,6 +39,7 @@ import sqlalchemy as sa
 
 from kvguard.api.deps import Access
 from kvguard.api.services import Services
+from kvguard.audit.erasure import PurgeEntry
 from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, Window, find_evidence
 from kvguard.control.commands import PurgeKind
 from kvguard.control.engines import EngineInfo
@@ -77,6 +80,9 @@ class EngineProgress:
     acknowledged_at: float | None = None
     blocks_quarantined: int | None = None
     blocks_active_deferred: int | None = None
+    offload_keys: int | None = None  # data keys its purge entry must destroy (None: no tier)
+    offload_keys_destroyed: int | None = None  # their key.shred entries found so far
+    missing: tuple[str, ...] = ()  # what the ledger does not hold yet for this engine
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,7 @@ def _report(
             state = PurgeEngineState.ACKNOWLEDGED if ack else PurgeEngineState.PENDING
         else:
             state = PurgeEngineState.LOST
+        offload = _offload_keys(engine_id, evidence)
         engines.append(
             EngineProgress(
                 engine_id=engine_id,
@@ -210,6 +217,11 @@ def _report(
                 acknowledged_at=float(ack["done_at"]) if ack else None,
                 blocks_quarantined=_count(ack, "blocks_quarantined"),
                 blocks_active_deferred=_count(ack, "blocks_active_doomed"),
+                offload_keys=offload[0] if offload else None,
+                offload_keys_destroyed=offload[1] if offload else None,
+                missing=()
+                if state is PurgeEngineState.DONE
+                else missing_evidence(engine_id, ack is not None, evidence),
             )
         )
     status = job_status([e.state for e in engines])
@@ -224,19 +236,66 @@ def _count(ack: dict[str, Any] | None, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def evidenced(acked: Sequence[str], evidence: JobEvidence) -> set[str]:
-    """Acknowledging engines whose purge entries are in the ledger with every block cleared. Entries
-    without an engine id (older engines) stand for the acknowledging engines that no entry names."""
-    missing = evidence.coverage.missing
-    named: dict[str, list[int]] = {}
-    anonymous: list[int] = []
+def _purges_by_engine(
+    evidence: JobEvidence,
+) -> tuple[dict[str, list[PurgeEntry]], list[PurgeEntry]]:
+    """The job's purge entries per named engine, and those without an engine id."""
+    named: dict[str, list[PurgeEntry]] = {}
+    anonymous: list[PurgeEntry] = []
     for p in evidence.purges:
-        (named.setdefault(p.engine_id, []) if p.engine_id else anonymous).append(p.index)
-    done = {e for e in acked if e in named and not any(i in missing for i in named[e])}
+        (named.setdefault(p.engine_id, []) if p.engine_id else anonymous).append(p)
+    return named, anonymous
+
+
+def _complete(evidence: JobEvidence, entries: Sequence[PurgeEntry]) -> bool:
+    """Every block of `entries` cleared and every offload key they name shredded."""
+    return not any(
+        p.index in evidence.coverage.missing or p.index in evidence.offload.missing for p in entries
+    )
+
+
+def evidenced(acked: Sequence[str], evidence: JobEvidence) -> set[str]:
+    """Acknowledging engines whose purge entries are in the ledger with every block cleared and
+    every offload key shredded. Entries without an engine id (older engines) stand for the
+    acknowledging engines that no entry names."""
+    named, anonymous = _purges_by_engine(evidence)
+    done = {e for e in acked if e in named and _complete(evidence, named[e])}
     rest = [e for e in acked if e not in named]
-    if rest and len(anonymous) >= len(rest) and not any(i in missing for i in anonymous):
+    if rest and len(anonymous) >= len(rest) and _complete(evidence, anonymous):
         done.update(rest)
     return done
+
+
+def _offload_keys(engine_id: str, evidence: JobEvidence) -> tuple[int, int] | None:
+    """(keys its purge entries must destroy, key.shred entries found for them), or None when its
+    entries name no offload key. A purge entry split into parts may repeat the figure: an engine
+    runs a job once, so its largest figure is the one."""
+    entries = [p for p in evidence.purges if p.engine_id == engine_id and p.tier_key_count > 0]
+    if not entries:
+        return None
+    needed = max(p.tier_key_count for p in entries)
+    found = {i for p in entries for i in evidence.offload.links.get(p.index, ())}
+    return needed, len(found)
+
+
+def missing_evidence(engine_id: str, acknowledged: bool, evidence: JobEvidence) -> tuple[str, ...]:
+    """What is still missing before the engine's part of the job is done, in words."""
+    named, anonymous = _purges_by_engine(evidence)
+    entries = named.get(engine_id) or anonymous
+    out = [] if acknowledged else ["acknowledgement"]
+    if not entries:
+        return (*out, "purge entry in the ledger")
+    blocks = sum(len(evidence.coverage.missing.get(p.index, ())) for p in entries)
+    keys = max((evidence.offload.missing.get(p.index, 0) for p in entries), default=0)
+    if blocks:
+        out.append(f"zeroize entries for {_count_of(blocks, 'quarantined block')}")
+    if keys:
+        out.append(f"key.shred entries for {_count_of(keys, 'offload data key')}")
+    return tuple(out)
+
+
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def job_status(states: Sequence[PurgeEngineState]) -> PurgeStatus:

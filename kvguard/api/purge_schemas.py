@@ -76,6 +76,19 @@ class EngineProgressPublic(BaseModel):
     blocks_active_deferred: int | None = Field(
         description="Blocks in use by running requests: cleared when those requests end"
     )
+    offload_keys: int | None = Field(
+        default=None,
+        description="Offload data keys its purge entry says the purge must destroy (engines "
+        "with an offload tier; null: none)",
+    )
+    offload_keys_destroyed: int | None = Field(
+        default=None, description="Of those, the keys whose key.shred entry is in the ledger"
+    )
+    missing: list[str] = Field(
+        default_factory=list,
+        description="What this engine's part still lacks (acknowledgement, its purge entry, "
+        "zeroize entries, key.shred entries); empty once done",
+    )
 
 
 class PurgeJobPublic(BaseModel):
@@ -155,6 +168,21 @@ class CertSelector(_Doc):
     value_disclosed: bool
 
 
+class CertEngineOffload(_Doc):
+    keys_destroyed: int = Field(description="Offload data keys destroyed (key.shred entries)")
+    entries_deleted: int = Field(description="Ciphertexts deleted with them")
+    bytes_deleted: int
+    key_shred_entries: list[int] = Field(description="Ledger indices of the key.shred entries")
+
+
+class CertOffload(CertEngineOffload):
+    type: str
+    method_used: str = Field(description="Cryptographic erase")
+    method_details: str
+    shredded_first: str | None
+    shredded_last: str | None
+
+
 class CertEngine(_Doc):
     engine_id: str
     model: str | None
@@ -163,6 +191,9 @@ class CertEngine(_Doc):
     blocks_active_deferred: int | None
     bytes_cleared: int | None
     devices: list[str]
+    offload: CertEngineOffload | None = Field(
+        default=None, description="Only for engines whose key.shred entries are evidence"
+    )
 
 
 class CertBlocks(_Doc):
@@ -176,6 +207,11 @@ class CertMedia(_Doc):
     type: str
     engines: list[CertEngine]
     kv_cache_blocks: CertBlocks
+    offload: CertOffload | None = Field(
+        default=None,
+        description="Encrypted copies in offload tiers, crypto-shredded: only when the purge "
+        "had offload keys to destroy",
+    )
 
 
 class CertVerification(_Doc):
@@ -203,7 +239,7 @@ class CertTimestamps(_Doc):
 
 
 class CertEntry(_Doc):
-    role: str = Field(description="request, purge or zeroize")
+    role: str = Field(description="request, purge, zeroize or shred")
     index: int
     leaf: str = Field(description="The exact leaf bytes, base64")
     inclusion_proof: list[str]

@@ -19,8 +19,12 @@ Verification (`verify_certificate`), failing closed at the first problem with `V
    and kind, the request entry (if any) this job, requester and tenant tag;
 5. every block a purge entry quarantined is covered by a zeroize entry (`kvguard.audit.erasure`)
    that passed verification, and no zeroize entry is there for nothing;
-6. every claim the leaves can back (`CLAIMS`, the engines and their counts) equals what the leaves
-   show. Claims the ledger does not hold (model names, acknowledgement times) are reported values.
+6. every offload data key a purge entry says it must destroy (`tier_key_count`) has its `key.shred`
+   entry of this job and engine after it, and no `key.shred` entry is there for nothing;
+7. every claim the leaves can back (`CLAIMS`, the engines and their counts, the offload part
+   `media.offload` and each engine's `offload`: `OFFLOAD_CLAIMS`, `ENGINE_OFFLOAD_CLAIMS`) equals
+   what the leaves show; a certificate whose purges had no offload keys has no offload part. Claims
+   the ledger does not hold (model names, acknowledgement times) are reported values.
 
 Standard library and `cryptography` only, like the bundle verifier (it reuses the same checkpoint,
 signed-note and Merkle functions).
@@ -40,7 +44,7 @@ from kvguard.errors import VerificationError
 
 FORMAT: Final = "kvguard/erasure-certificate"
 VERSION: Final = 1
-ROLES: Final = ("request", "purge", "zeroize")
+ROLES: Final = ("request", "purge", "zeroize", "shred")
 REQUEST_ACTIONS: Final = {"purge.create": "job_id", "tenant.disable": "purge_job_id"}
 MAX_BYTES: Final = 64 << 20
 
@@ -60,6 +64,24 @@ CLAIMS: Final = {
 }
 # Per-engine fields the leaves back (for engines named in their purge entries).
 ENGINE_CLAIMS: Final = ("blocks_quarantined", "blocks_active_deferred", "bytes_cleared", "devices")
+# The offload part (`media.offload`, present only when a purge entry had offload keys to destroy):
+# each field must equal `erasure.offload_summary`'s; the rest of it (type, method) is reported text.
+OFFLOAD_PATH: Final = "media.offload"
+OFFLOAD_CLAIMS: Final = (
+    "keys_destroyed",
+    "entries_deleted",
+    "bytes_deleted",
+    "key_shred_entries",
+    "shredded_first",
+    "shredded_last",
+)
+# Each engine's `offload` (present only for engines whose key.shred entries the evidence holds).
+ENGINE_OFFLOAD_CLAIMS: Final = (
+    "keys_destroyed",
+    "entries_deleted",
+    "bytes_deleted",
+    "key_shred_entries",
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,7 @@ class CertificateReport:
     entries: int
     engines: int
     blocks_cleared: int
+    offload_keys_destroyed: int = 0
 
 
 def get_path(document: Mapping[str, Any], path: str) -> Any:
@@ -118,12 +141,45 @@ def verify_certificate(
         raise VerificationError("job.job_id is not an integer")
     purges = [erasure.purge_entry(i, obj) for role, i, obj in entries if role == "purge"]
     zeroizes = [erasure.zeroize_entry(i, obj) for role, i, obj in entries if role == "zeroize"]
+    shreds = [erasure.shred_entry(i, obj) for role, i, obj in entries if role == "shred"]
     requests = [(i, obj) for role, i, obj in entries if role == "request"]
     _check_purges(document, purges, job_id)
+    for s in shreds:
+        if s.command_id != job_id:
+            raise VerificationError(f"entry {s.index}: a key shred of another job")
     if len(requests) > 1:
         raise VerificationError("evidence holds more than one request entry")
     for index, obj in requests:
         _check_request(document, index, obj, job_id)
+    coverage, offload = _cover(purges, zeroizes, shreds)
+    shown = erasure.summary(purges, zeroizes, coverage)
+    for path, key in CLAIMS.items():
+        if get_path(document, path) != shown[key]:
+            raise VerificationError(f"{path}: the certificate's value is not what the entries show")
+    shown_offload = erasure.offload_summary(purges, shreds, offload)
+    _check_offload(document, shown_offload)
+    engines = _check_engines(
+        document,
+        erasure.engine_facts(purges, zeroizes, coverage),
+        erasure.offload_engine_facts(shreds, offload),
+    )
+    return CertificateReport(
+        job_id,
+        cp.origin,
+        cp.size,
+        len(entries),
+        engines,
+        shown["blocks_quarantined"],
+        shown_offload["keys_destroyed"] if shown_offload else 0,
+    )
+
+
+def _cover(
+    purges: Sequence[erasure.PurgeEntry],
+    zeroizes: Sequence[erasure.ZeroizeEntry],
+    shreds: Sequence[erasure.ShredEntry],
+) -> tuple[erasure.Coverage, erasure.OffloadCoverage]:
+    """Steps 5 and 6: every block cleared and every offload key shredded, no entry for nothing."""
     coverage = erasure.cover(purges, zeroizes)
     if not coverage.complete:
         first = min(coverage.missing)
@@ -133,14 +189,16 @@ def verify_certificate(
     idle = {z.index for z in zeroizes} - set(coverage.zeroize_indices())
     if idle:
         raise VerificationError(f"entry {min(idle)}: a zeroize entry that covers no purged block")
-    shown = erasure.summary(purges, zeroizes, coverage)
-    for path, key in CLAIMS.items():
-        if get_path(document, path) != shown[key]:
-            raise VerificationError(f"{path}: the certificate's value is not what the entries show")
-    engines = _check_engines(document, erasure.engine_facts(purges, zeroizes, coverage))
-    return CertificateReport(
-        job_id, cp.origin, cp.size, len(entries), engines, shown["blocks_quarantined"]
-    )
+    offload = erasure.cover_offload(purges, shreds)
+    if not offload.complete:
+        first = min(offload.missing)
+        raise VerificationError(
+            f"entry {first}: offload data keys without a key.shred entry: {offload.missing[first]}"
+        )
+    idle = {s.index for s in shreds} - set(offload.shred_indices())
+    if idle:
+        raise VerificationError(f"entry {min(idle)}: a key.shred entry that no purge entry needs")
+    return coverage, offload
 
 
 def _checkpoint(
@@ -223,9 +281,49 @@ def _check_request(
         raise VerificationError(f"entry {index}: fewer engines than were live at the request")
 
 
-def _check_engines(document: Mapping[str, Any], facts: dict[str | None, dict[str, Any]]) -> int:
-    """Engines named in purge entries match one certificate engine each, field for field; the rest
-    of the certificate's engines (older engines record no id) number the anonymous purge entries."""
+def _check_offload(document: Mapping[str, Any], shown: Mapping[str, Any] | None) -> None:
+    """`media.offload` is there exactly when the purges had offload keys, with the leaves' figures."""
+    media = get_path(document, "media")
+    if not isinstance(media, Mapping):
+        raise VerificationError("media is not an object")
+    if shown is None:
+        if "offload" in media:
+            raise VerificationError(
+                f"{OFFLOAD_PATH}: claimed, but no purge entry had offload keys to destroy"
+            )
+        return
+    claimed = get_path(document, OFFLOAD_PATH)
+    if not isinstance(claimed, Mapping):
+        raise VerificationError(f"{OFFLOAD_PATH} is not an object")
+    for name in OFFLOAD_CLAIMS:
+        if claimed.get(name) != shown[name]:
+            raise VerificationError(
+                f"{OFFLOAD_PATH}.{name}: the certificate's value is not what the entries show"
+            )
+
+
+def _check_engine_offload(
+    engine_id: str, claimed: Mapping[str, Any], shown: Mapping[str, Any] | None
+) -> None:
+    value = claimed.get("offload")
+    if shown is None:
+        if value is not None:
+            raise VerificationError(f"engine {engine_id}: offload is not what the entries show")
+        return
+    if not isinstance(value, Mapping) or any(
+        value.get(name) != shown[name] for name in ENGINE_OFFLOAD_CLAIMS
+    ):
+        raise VerificationError(f"engine {engine_id}: offload is not what the entries show")
+
+
+def _check_engines(
+    document: Mapping[str, Any],
+    facts: dict[str | None, dict[str, Any]],
+    offload: dict[str | None, dict[str, Any]],
+) -> int:
+    """Engines named in purge entries match one certificate engine each, field for field (their
+    offload part included); the rest of the certificate's engines (older engines record no id)
+    number the anonymous purge entries."""
     listed = get_path(document, "media.engines")
     if not isinstance(listed, list) or not all(isinstance(e, Mapping) for e in listed):
         raise VerificationError("media.engines is not a list of engines")
@@ -242,6 +340,7 @@ def _check_engines(document: Mapping[str, Any], facts: dict[str | None, dict[str
         for name in ENGINE_CLAIMS:
             if claimed.get(name) != shown[name]:
                 raise VerificationError(f"engine {engine_id}: {name} is not what the entries show")
+        _check_engine_offload(engine_id, claimed, offload.get(engine_id))
     anonymous = facts.get(None, {}).get("purge_entries", 0)
     if len(by_id) != anonymous:
         raise VerificationError("media.engines: an engine without a purge entry, or one missing")

@@ -21,6 +21,18 @@ purge entry that
 Blocks that were in use when the purge ran (`blocks_active_doomed`) are quarantined when their
 request ends and cleared like any released block; their ids are not in the purge entry, so they are
 counted here, not linked.
+
+Offloaded copies (issue 15, docs/offload.md). An engine with an offload tier keeps evicted blocks
+encrypted under one data key per reuse domain; a purge crypto-shreds the domains it selects. Its
+purge entry then also carries `tier_key_count` (keys this purge must destroy on the engine),
+`tier_entry_count` and `tier_bytes` (ciphertexts the tier held for those domains); engines without
+a tier leave them out (0). For each key the engine later records one `key.shred` entry (details
+`engine_id`, `command_id` of the job, `reason: "purge"`, `destroyed_epoch`, `entry_count`,
+`bytes_deleted`). A purge entry with `tier_key_count = k > 0` is *covered for its offloaded copies*
+when at least k `key.shred` entries with reason `purge` come after it, name its `command_id` and
+come from the same engine (rule 2 above). Every such entry counts: the offload figures
+(`keys_destroyed`, `entries_deleted`, `bytes_deleted`) are those of the `key.shred` entries
+themselves, so a purge entry split into parts (each repeating the tier figures) counts no key twice.
 """
 
 from __future__ import annotations
@@ -35,6 +47,8 @@ from kvguard.errors import VerificationError
 LEAF_VERSION: Final = 1
 PURGE_KINDS: Final = ("session.purge", "tenant.purge", "model.purge", "adapter.purge")
 ZEROIZE_KIND: Final = "block.zeroize"
+SHRED_KIND: Final = "key.shred"
+SHRED_PURGE_REASON: Final = "purge"
 VERIFY_MODES: Final = frozenset({"none", "sample", "full"})
 
 
@@ -49,6 +63,9 @@ class PurgeEntry:
     engine_id: str | None
     block_ids: tuple[int, ...]
     blocks_active_doomed: int
+    tier_key_count: int = 0  # offload data keys this purge must destroy (0: no tier)
+    tier_entry_count: int = 0
+    tier_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +85,20 @@ class ZeroizeEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class ShredEntry:
+    """One `key.shred` entry: an offload data key destroyed and its domain's ciphertexts deleted."""
+
+    index: int
+    ts: str
+    engine_id: str | None
+    command_id: int | None  # the purge job that caused it (None: expiry, disable, shutdown, ...)
+    reason: str
+    destroyed_epoch: int | None
+    entry_count: int
+    bytes_deleted: int
+
+
+@dataclass(frozen=True, slots=True)
 class Coverage:
     """`links[(purge index, block)]` is the covering zeroize entry; `missing` what is not covered."""
 
@@ -80,6 +111,25 @@ class Coverage:
 
     def zeroize_indices(self) -> list[int]:
         return sorted(set(self.links.values()))
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadCoverage:
+    """`links[purge index]` are the `key.shred` entries that count for a purge entry with offload
+    keys; `missing[purge index]` how many of its keys have no such entry yet."""
+
+    links: dict[int, tuple[int, ...]]
+    missing: dict[int, int]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def shred_indices(self) -> list[int]:
+        return sorted({i for found in self.links.values() for i in found})
+
+
+NO_OFFLOAD: Final = OffloadCoverage({}, {})
 
 
 # --- leaves -----------------------------------------------------------------------------------------
@@ -115,6 +165,10 @@ def _int(details: dict[str, Any], name: str, where: str) -> int:
     return value
 
 
+def _optional_int(details: dict[str, Any], name: str, where: str) -> int | None:
+    return None if details.get(name) is None else _int(details, name, where)
+
+
 def _engine(details: dict[str, Any], where: str) -> str | None:
     value = details.get("engine_id")
     if value is not None and (not isinstance(value, str) or not value):
@@ -148,6 +202,9 @@ def purge_entry(index: int, obj: dict[str, Any]) -> PurgeEntry:
         engine_id=_engine(details, where),
         block_ids=ids,
         blocks_active_doomed=_int(details, "blocks_active_doomed", where),
+        tier_key_count=_optional_int(details, "tier_key_count", where) or 0,
+        tier_entry_count=_optional_int(details, "tier_entry_count", where) or 0,
+        tier_bytes=_optional_int(details, "tier_bytes", where) or 0,
     )
 
 
@@ -177,6 +234,27 @@ def zeroize_entry(index: int, obj: dict[str, Any]) -> ZeroizeEntry:
         verify_mode=mode,
         verified=verified,
         bytes_cleared=_int(details, "bytes_cleared", where),
+    )
+
+
+def shred_entry(index: int, obj: dict[str, Any]) -> ShredEntry:
+    """A `key.shred` leaf as a `ShredEntry` (VerificationError if it is not one)."""
+    where = f"entry {index}"
+    if obj.get("kind") != SHRED_KIND:
+        raise VerificationError(f"{where}: not a key.shred entry")
+    details = obj["details"]
+    reason = details.get("reason")
+    if not isinstance(reason, str) or not reason:
+        raise VerificationError(f"{where}: details.reason is not a non-empty string")
+    return ShredEntry(
+        index=index,
+        ts=obj["ts"],
+        engine_id=_engine(details, where),
+        command_id=_optional_int(details, "command_id", where),
+        reason=reason,
+        destroyed_epoch=_optional_int(details, "destroyed_epoch", where),
+        entry_count=_int(details, "entry_count", where),
+        bytes_deleted=_int(details, "bytes_deleted", where),
     )
 
 
@@ -214,6 +292,31 @@ def cover(purges: Iterable[PurgeEntry], zeroizes: Iterable[ZeroizeEntry]) -> Cov
         if left:
             missing[p.index] = frozenset(left)
     return Coverage(links, missing)
+
+
+def counts_for(purge: PurgeEntry, shred: ShredEntry) -> bool:
+    """Whether `shred` destroys one of `purge`'s offload keys (module docstring)."""
+    return (
+        shred.index > purge.index
+        and shred.command_id == purge.command_id
+        and shred.reason == SHRED_PURGE_REASON
+        and same_engine(purge.engine_id, shred.engine_id)
+    )
+
+
+def cover_offload(purges: Iterable[PurgeEntry], shreds: Iterable[ShredEntry]) -> OffloadCoverage:
+    """Link every purge entry with offload keys to the `key.shred` entries that destroyed them."""
+    ordered = sorted(shreds, key=lambda s: s.index)
+    links: dict[int, tuple[int, ...]] = {}
+    missing: dict[int, int] = {}
+    for p in purges:
+        if p.tier_key_count <= 0:
+            continue
+        found = tuple(s.index for s in ordered if counts_for(p, s))
+        links[p.index] = found
+        if len(found) < p.tier_key_count:
+            missing[p.index] = p.tier_key_count - len(found)
+    return OffloadCoverage(links, missing)
 
 
 # --- what the entries prove --------------------------------------------------------------------------
@@ -280,4 +383,47 @@ def summary(
         "purged_last": max((p.ts for p in purges), default=None),
         "zeroized_first": min((z.ts for z in used), default=None),
         "zeroized_last": max((z.ts for z in used), default=None),
+    }
+
+
+def _shreds_used(shreds: Sequence[ShredEntry], coverage: OffloadCoverage) -> list[ShredEntry]:
+    used = set(coverage.shred_indices())
+    return sorted((s for s in shreds if s.index in used), key=lambda s: s.index)
+
+
+def _offload_figures(shreds: Sequence[ShredEntry]) -> dict[str, Any]:
+    return {
+        "keys_destroyed": len(shreds),
+        "entries_deleted": sum(s.entry_count for s in shreds),
+        "bytes_deleted": sum(s.bytes_deleted for s in shreds),
+        "key_shred_entries": [s.index for s in shreds],
+    }
+
+
+def offload_engine_facts(
+    shreds: Sequence[ShredEntry], coverage: OffloadCoverage
+) -> dict[str | None, dict[str, Any]]:
+    """Per engine id (None: entries without one), what its linked `key.shred` entries show:
+    `keys_destroyed`, `entries_deleted`, `bytes_deleted` and their ledger indices
+    (`key_shred_entries`). Engines without offload keys to destroy are absent."""
+    per_engine: dict[str | None, list[ShredEntry]] = {}
+    for s in _shreds_used(shreds, coverage):
+        per_engine.setdefault(s.engine_id, []).append(s)
+    return {engine: _offload_figures(found) for engine, found in per_engine.items()}
+
+
+def offload_summary(
+    purges: Sequence[PurgeEntry], shreds: Sequence[ShredEntry], coverage: OffloadCoverage
+) -> dict[str, Any] | None:
+    """The offload totals (`_offload_figures` plus the first and last shred time), or None when no
+    purge entry had offload keys to destroy (complete coverage only)."""
+    if not coverage.complete:
+        raise VerificationError("not every offload data key has a key.shred entry")
+    if not any(p.tier_key_count > 0 for p in purges):
+        return None
+    used = _shreds_used(shreds, coverage)
+    return {
+        **_offload_figures(used),
+        "shredded_first": min((s.ts for s in used), default=None),
+        "shredded_last": max((s.ts for s in used), default=None),
     }

@@ -7,9 +7,13 @@ The linking rules are `kvguard.audit.erasure`'s; this module only fetches candid
   (through the block-link table), read in index order only until every block is covered;
 - the request: the first `admin.action` entry that created the job (`purge.create`, or
   `tenant.disable` for the purge it queues) between `since` and `until`; jobs queued by the command
-  line have none.
+  line have none;
+- key shreds (engines with an offload tier): `key.shred` entries from `since` on whose `command_id`
+  is the job, kept where they count for one of its purge entries (`erasure.cover_offload`). A
+  `key.shred` leaf that does not parse is skipped: it proves nothing, and the job waits for the
+  keys it should have proven.
 
-Purge and request entries are found by job id through the command-link table
+Purge, request and key shred entries are found by job id through the command-link table
 (`ledger_entry_commands`, one primary-key range read per job, `find_evidence` reads a page of jobs
 at once), so the cost of a job's evidence is that of its own entries, whatever else the ledger holds
 (issue 11: the scan of every purge entry since the job's creation took 18 s for a page of 100
@@ -35,6 +39,7 @@ from kvguard.audit.db import read_connection
 from kvguard.audit.leaf import ts_micros
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.query import select_indices
+from kvguard.errors import VerificationError
 
 CLOCK_SKEW_S: Final = timedelta(minutes=5)  # engines and the API keep time by NTP
 _PAGE: Final = 500
@@ -45,16 +50,20 @@ _JOBS_PER_READ: Final = 500  # bound the IN (...) list of one link read
 
 @dataclass(frozen=True)
 class JobEvidence:
-    """The ledger entries of one purge job; `zeroizes` holds only the clears that cover a block."""
+    """The ledger entries of one purge job; `zeroizes` holds only the clears that cover a block,
+    `shreds` only the `key.shred` entries that count for a purge entry (`offload`)."""
 
     purges: list[erasure.PurgeEntry]
     zeroizes: list[erasure.ZeroizeEntry]
     coverage: erasure.Coverage
     request: int | None
     leaves: dict[int, bytes] = field(repr=False)
+    shreds: list[erasure.ShredEntry] = field(default_factory=list)
+    offload: erasure.OffloadCoverage = erasure.NO_OFFLOAD
 
     def indices(self) -> list[int]:
         found = [p.index for p in self.purges] + [z.index for z in self.zeroizes]
+        found += [s.index for s in self.shreds]
         return sorted(found + ([self.request] if self.request is not None else []))
 
 
@@ -125,10 +134,19 @@ def _evidence(
         if e.ts_us >= since_us
     ]
     purges = []
+    shreds: dict[int, tuple[erasure.ShredEntry, bytes]] = {}
     for index, leaf, obj, _ in found:
-        if obj.get("kind") in erasure.PURGE_KINDS and obj["details"].get("command_id") == job_id:
+        kind = obj.get("kind")
+        if obj["details"].get("command_id") != job_id:
+            continue
+        if kind in erasure.PURGE_KINDS:
             purges.append(erasure.purge_entry(index, obj))
             leaves[index] = leaf
+        elif kind == erasure.SHRED_KIND:
+            try:
+                shreds[index] = (erasure.shred_entry(index, obj), leaf)
+            except VerificationError:
+                continue
     candidates: dict[int, erasure.ZeroizeEntry] = {}
     for p in purges:
         candidates.update(_clears_for(conn, p, leaves))
@@ -139,15 +157,19 @@ def _evidence(
             break
     coverage = erasure.cover(purges, candidates.values())
     used = coverage.zeroize_indices()
+    offload = erasure.cover_offload(purges, (entry for entry, _ in shreds.values()))
+    shredded = offload.shred_indices()
+    for i in shredded:
+        leaves[i] = shreds[i][1]
+    kept = [p.index for p in purges] + used + shredded + ([request] if request is not None else [])
     return JobEvidence(
         purges=purges,
         zeroizes=[candidates[i] for i in used],
         coverage=coverage,
         request=request,
-        leaves={
-            i: leaves[i]
-            for i in [p.index for p in purges] + used + ([request] if request is not None else [])
-        },
+        leaves={i: leaves[i] for i in kept},
+        shreds=[shreds[i][0] for i in shredded],
+        offload=offload,
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from kvguard.audit import merkle, payloads
 from kvguard.audit.certificate import REQUEST_ACTIONS
-from kvguard.audit.erasure import PURGE_KINDS
+from kvguard.audit.erasure import PURGE_KINDS, SHRED_KIND
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
 from kvguard.audit.store import PreparedEntry
 from kvguard.errors import SensitiveFieldError, VerificationError
@@ -201,19 +201,21 @@ def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry
 
 
 _REQUEST_KIND: Final = EventKind.ADMIN_ACTION.value
-_LINKED_KINDS: Final = frozenset((*PURGE_KINDS, _REQUEST_KIND))
+_LINKED_KINDS: Final = frozenset((*PURGE_KINDS, SHRED_KIND, _REQUEST_KIND))
 _MAX_ID: Final = (1 << 63) - 1  # a BIGINT column: a larger number in details is no job id
 
 
 def command_links(kind: str, details: Mapping[str, Any]) -> tuple[int, ...]:
     """The purge jobs (command ids) an entry belongs to, for `ledger_entry_commands`.
 
-    A `<kind>.purge` entry belongs to its `details.command_id`; an `admin.action` entry to the job
-    it created when it is a successful request (`certificate.REQUEST_ACTIONS`: `purge.create`'s
-    `job_id`, `tenant.disable`'s `purge_job_id`). These are exactly the entries
-    `kvguard.audit.erasure_query` looks up by job id; the migration `0003_entry_commands` runs this
-    on the stored leaves, so old and new entries are linked by the same rule. One frozenset test
-    for every other kind (the append path's hot loop).
+    A `<kind>.purge` entry belongs to its `details.command_id`, and so does a `key.shred` entry
+    that a purge caused (an offload data key it destroyed; shreds for other reasons carry no
+    `command_id`); an `admin.action` entry to the job it created when it is a successful request
+    (`certificate.REQUEST_ACTIONS`: `purge.create`'s `job_id`, `tenant.disable`'s `purge_job_id`).
+    These are exactly the entries `kvguard.audit.erasure_query` looks up by job id; the migrations
+    `0003_entry_commands` and `0005_shred_links` run this on the stored leaves, so old and new
+    entries are linked by the same rule. One frozenset test for every other kind (the append
+    path's hot loop).
     """
     if kind not in _LINKED_KINDS:
         return ()

@@ -13,10 +13,11 @@ The live schema is created and upgraded by the Alembic migrations in `kvguard/au
   indexed by (scope tag, idx), (kind, idx), ts and request id.
 - `ledger_entry_blocks`: (block id, index) pairs for block-id queries.
 - `ledger_entry_commands`: (command id, index) pairs linking a purge job (an `engine_commands` id)
-  to its entries: every engine's `<kind>.purge` entry (`details.command_id`) and the successful
+  to its entries: every engine's `<kind>.purge` entry (`details.command_id`), the `key.shred`
+  entries of the offload keys it destroyed (`details.command_id`, issue 15) and the successful
   `admin.action` that requested it (`leaf.command_links` says which). Listing jobs finds a job's
   entries through it in O(its entries) instead of scanning every purge entry (migration
-  `0003_entry_commands`, issue 11).
+  `0003_entry_commands`, issue 11; `0005_shred_links` for the key shreds).
 - `ledger_hashes`: the hash of every *complete* subtree of 2 or more leaves, keyed by
   `hash_key(level, index)`; any root or proof needs O(log n) of them (the sumdb `StoredHashIndex`
   idea with a simpler key). Level 0 lives in `ledger_entries.leaf_hash`, one row fewer per entry.

@@ -174,9 +174,11 @@ def _verify_certificate(path: Path, trust: _Trust) -> _Outcome:
         )
     cosigned = _check_witnesses(checkpoint, trust)
     engines = f"{report.engines} engine{'' if report.engines == 1 else 's'}"
+    keys = report.offload_keys_destroyed
+    shredded = f", {keys} offload data key{'' if keys == 1 else 's'} destroyed" if keys else ""
     human = (
         f"valid: erasure certificate of purge job {report.job_id}: {report.blocks_cleared} blocks "
-        f"cleared on {engines}, {report.entries} entries proven against checkpoint "
+        f"cleared on {engines}{shredded}, {report.entries} entries proven against checkpoint "
         f"{report.origin} size {report.tree_size}{_witnessed(cosigned)}"
     )
     result = {
@@ -188,6 +190,7 @@ def _verify_certificate(path: Path, trust: _Trust) -> _Outcome:
         "entries": report.entries,
         "engines": report.engines,
         "blocks_cleared": report.blocks_cleared,
+        "offload_keys_destroyed": report.offload_keys_destroyed,
         "cosigned_by": cosigned,
     }
     return _Outcome(checkpoint, result, human)

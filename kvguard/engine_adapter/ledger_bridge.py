@@ -67,7 +67,13 @@ def to_audit_event(event: CustodyEvent) -> AuditEvent:
 _PER_BLOCK_COUNTS: Final = ("blocks_quarantined", "block_count")
 # Figures that belong to the event as a whole: kept on the first part, zero on the others, so that
 # summing the parts gives the event's figure.
-_ONCE: Final = ("blocks_active_doomed", "blocks_verified")
+_ONCE: Final = (
+    "blocks_active_doomed",
+    "blocks_verified",
+    "tier_key_count",
+    "tier_entry_count",
+    "tier_bytes",
+)
 
 
 def to_audit_events(event: CustodyEvent, per_entry: int = MAX_BLOCK_IDS) -> list[AuditEvent]:

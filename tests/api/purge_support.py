@@ -1,6 +1,8 @@
 """An engine for the purge API tests without vLLM: a real `Custody`, its events converted and submitted
 exactly as the vLLM adapter's ledger bridge does, purge commands acknowledged through the real
-`CommandQueue`, heartbeats in the real engine registry, zeroization evidence in the worker's format."""
+`CommandQueue`, heartbeats in the real engine registry, zeroization evidence in the worker's format,
+and optionally an offload tier's ledger figures (the purge entry's `tier_*` details and the worker's
+later `key.shred` entries, as docs/offload.md describes them)."""
 
 from __future__ import annotations
 
@@ -68,11 +70,23 @@ class SimEngine:
     """One engine process's kvguard side, driven by hand."""
 
     def __init__(
-        self, services: Services, engine_id: str, *, num_blocks: int = 16, names: bool = True
+        self,
+        services: Services,
+        engine_id: str,
+        *,
+        num_blocks: int = 16,
+        names: bool = True,
+        tier: bool = False,
     ) -> None:
         self.services = services
         self.engine_id = engine_id
         self.names = names  # False: an engine that predates `engine_id` in its ledger details
+        self.tier = tier  # an offload tier: purge entries carry its figures
+        self.offloaded: dict[Scope, tuple[int, int]] = {}  # domain -> (ciphertexts, bytes)
+        self.epochs: dict[Scope, int] = {}
+        self.shreds: list[
+            tuple[Scope, int, int, int]
+        ] = []  # ordered: (domain, job, entries, bytes)
         self.custody = Custody(
             num_blocks, policy=PolicySet().policy_for, tagger=services.deriver.scope_tag
         )
@@ -117,7 +131,9 @@ class SimEngine:
             self.last_command = command.seq
             if not isinstance(command, PurgeCommand):
                 continue
-            details = {"command_id": command.id, **self._details()}
+            details: dict[str, str | int] = {"command_id": command.id, **self._details()}
+            if self.tier:
+                details.update(self._tier_purge(command))
             quarantined = self.custody.purge(command.selector, time.time(), details=details)
             events = self.custody.take_events()
             doomed = sum(
@@ -145,6 +161,46 @@ class SimEngine:
         details = {**evidence(len(blocks)), **self._details()}
         self.custody.zeroized(blocks, time.time(), details, handover=True)
         self.forward(self.custody.take_events())
+
+    def spill(self, s: Scope, entries: int, nbytes: int) -> None:
+        """The tier now holds `entries` ciphertexts (`nbytes`) of the domain `s` (it has a key)."""
+        assert self.tier
+        held = self.offloaded.get(s, (0, 0))
+        self.offloaded[s] = (held[0] + entries, held[1] + nbytes)
+        self.epochs.setdefault(s, 1)
+
+    def _tier_purge(self, command: PurgeCommand) -> dict[str, int]:
+        """The scheduler's part of a purge: shred every domain it selects (orders for the worker),
+        and the purge entry's tier figures."""
+        keys = entries = nbytes = 0
+        for s in [s for s in self.offloaded if command.selector.matches(s)]:
+            held, size = self.offloaded.pop(s)
+            self.shreds.append((s, command.id, held, size))
+            keys, entries, nbytes = keys + 1, entries + held, nbytes + size
+        return {"tier_key_count": keys, "tier_entry_count": entries, "tier_bytes": nbytes}
+
+    def shred(self, limit: int | None = None, **override: str | int | None) -> int:
+        """The worker reports the ordered shreds (at most `limit`), a step after the purge: one
+        `key.shred` entry each. `override` changes their details (None: leave the field out)."""
+        done, self.shreds = self.shreds[:limit], self.shreds[len(self.shreds[:limit]) :]
+        events = []
+        for s, job, entries, nbytes in done:
+            epoch = self.epochs[s]
+            self.epochs[s] = epoch + 1
+            details: dict[str, str | int | None] = {
+                "engine_id": self.engine_id,
+                "command_id": job,
+                "reason": "purge",
+                "destroyed_epoch": epoch,
+                "entry_count": entries,
+                "bytes_deleted": nbytes,
+                **override,
+            }
+            details = {k: v for k, v in details.items() if v is not None}
+            tag = self.services.deriver.scope_tag(s)
+            events.append(CustodyEvent(EventKind.KEY_SHRED, time.time(), tag, None, (), details))
+        self.forward(events)
+        return len(done)
 
     def beat(self) -> None:
         self.services.engines.touch(self.engine_id, time.time())

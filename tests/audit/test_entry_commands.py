@@ -212,6 +212,9 @@ def scenario(seed: int) -> list[AuditEvent]:
         ("admin.action", {"action": 3, "outcome": "ok", "job_id": 9}, ()),
         ("policy.change", {"command_id": 7}, ()),
         ("block.zeroize", {"command_id": 7}, ()),
+        ("key.shred", {"command_id": 7, "reason": "purge"}, (7,)),
+        ("key.shred", {"reason": "expiry"}, ()),
+        ("block.spill", {"command_id": 7}, ()),
     ],
 )
 def test_which_entries_link_to_a_job(
@@ -312,6 +315,58 @@ def test_upgrade_from_0002_backfills_the_links(db_url: str, open_ledger: Opener)
     assert ledger.verify().size == len(events) + 1
     with ledger.store.engine.connect() as conn, pytest.raises(sa.exc.DBAPIError):
         conn.exec_driver_sql("DELETE FROM ledger_entry_commands")
+
+
+def _shred(job: int | None, engine: str, ts: datetime) -> AuditEvent:
+    details: dict[str, Any] = {
+        "engine_id": engine,
+        "reason": "purge" if job is not None else "expiry",
+        "destroyed_epoch": 1,
+        "entry_count": 2,
+        "bytes_deleted": 8192,
+    }
+    if job is not None:
+        details["command_id"] = job
+    return AuditEvent(kind="key.shred", scope_tag="st-acme", details=details, ts=ts)
+
+
+def test_upgrade_from_0004_links_the_key_shreds_stored_before_it(
+    db_url: str, open_ledger: Opener
+) -> None:
+    """`key.shred` entries appended before 0005 (not linked then) are linked by the upgrade, so
+    `verify()` agrees and a job's evidence finds them; later appends link them at once."""
+    events = scenario(8)[:40]
+    events += [_shred(3, "eng-a", _created(3)), _shred(None, "eng-a", _created(3))]
+    events += [_shred(5, "eng-b", _created(5)) for _ in range(3)] + scenario(8)[40:60]
+    engine = create_engine(db_url)
+    try:
+        cfg = alembic_config()
+        with write_transaction(engine) as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0004_append_guards")
+        LedgerStore(engine).append(
+            [
+                prepare_entry(e)._replace(command_ids=())
+                if e.kind == "key.shred"
+                else prepare_entry(e)
+                for e in events
+            ]
+        )
+    finally:
+        engine.dispose()
+    ledger = open_ledger(db_url)  # migrates to the newest revision
+    with ledger.store.engine.connect() as conn:
+        stored = set(conn.execute(sa.select(t.entry_commands.c.command_id, t.entry_commands.c.idx)))
+    expected = {(c, i) for i, e in enumerate(events) for c in command_links(e.kind, e.details)}
+    shreds = {(c, i) for c, i in expected if events[i].kind == "key.shred"}
+    assert stored == expected and len(shreds) == 4
+    assert ledger.verify().size == len(events)
+    ledger.append(_shred(5, "eng-b", _created(5)))
+    with ledger.store.engine.connect() as conn:
+        linked = conn.execute(
+            sa.select(t.entry_commands.c.idx).where(t.entry_commands.c.command_id == 5)
+        ).scalars()
+        assert len(events) in set(linked)
 
 
 @pytest.mark.postgres

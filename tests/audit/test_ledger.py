@@ -184,7 +184,7 @@ def test_schema_migrations_are_idempotent_and_match_the_models(
     with first.store.engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": "ledger_alembic_version"})
         diff = compare_metadata(ctx, t.metadata)
-        assert ctx.get_current_revision() == "0004_append_guards"
+        assert ctx.get_current_revision() == "0005_shred_links"
     assert [d for d in diff if "ledger_alembic_version" not in str(d)] == []
 
 

