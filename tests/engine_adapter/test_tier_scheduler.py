@@ -310,3 +310,17 @@ def test_a_purge_of_a_domain_that_never_spilled_has_nothing_to_shred() -> None:
     assert h.tier.take_orders() == ((), (), (), ())
     h.evict([1])  # the purge dropped the candidate too
     assert h.tier.take_orders()[0] == ()
+
+
+def test_disk_only_where_the_policy_allows_it_and_the_engine_has_a_directory() -> None:
+    disk = {"offload": {"allowed": True, "disk": True}}
+    h = Harness(policies(a=disk, b=OFFLOAD), directory="/var/lib/kvguard/tier")
+    h.finish("r1", "a", [1], 1)
+    h.finish("r2", "b", [2], 1)
+    h.evict([1, 2])
+    spill, *_ = h.tier.take_orders()
+    assert [(o.block_id, o.to_disk) for o in spill] == [(1, True), (2, False)]
+    memory_only = Harness(policies(a=disk))  # no directory: memory, whatever the policy says
+    memory_only.finish("r1", "a", [1], 1)
+    memory_only.evict([1])
+    assert [o.to_disk for o in memory_only.tier.take_orders()[0]] == [False]

@@ -92,3 +92,19 @@ def test_drop_orders_delete_entries() -> None:
     worker.on_step(GuardStepMeta(step=1, spill=(order(3, 0), order(4, 1))))
     worker.on_step(GuardStepMeta(step=2, drop=(TierOrder(-1, order(3, 0).key, "st_a"),)))
     assert len(worker.tier.tier) == 1
+
+
+def test_disk_entries_are_private_files_without_plaintext(tmp_path) -> None:
+    worker = WorkerGuard(offload=(Keyring.generate(), 1 << 20, str(tmp_path / "tier")))
+    layer = torch.randint(1, 100, (NUM_BLOCKS, 2, 4, 16), dtype=torch.int16).to(torch.bfloat16)
+    worker.register({"layer.0": layer})
+    plain = bytes(worker.tier.copier.read([3])[0])
+    disk = TierOrder(3, order(3, 0).key, "st_a", to_disk=True)
+    worker.on_step(GuardStepMeta(step=1, spill=(disk,)))
+    (path,) = list((tmp_path / "tier").iterdir())
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "tier").stat().st_mode & 0o777 == 0o700
+    assert plain[:64] not in path.read_bytes()
+    layer[9].zero_()
+    worker.load((TierOrder(9, disk.key, "st_a"),))
+    assert worker.load_errors() == set() and torch.equal(layer[9], layer[3])
