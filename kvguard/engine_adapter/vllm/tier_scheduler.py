@@ -158,9 +158,6 @@ class SchedulerTier:
                 )
             )
 
-    def forget_block(self, block_id: int) -> None:
-        self._candidates.pop(block_id, None)
-
     # --- restore --------------------------------------------------------------------------------
 
     def match(self, request: Any, scope: Scope, num_computed: int, share_tokens: int | None) -> int:
