@@ -96,6 +96,9 @@ class ActionLog:
             with write_transaction(self.outbox.engine) as own:
                 self.outbox.add(own, [event])
             self.deliver_hook()
+        self.log(principal, action, outcome)
+
+    def log(self, principal: Principal, action: str, outcome: str) -> None:
         _log.info("admin action", action=action, outcome=outcome, principal=principal.name)
 
     def event(

@@ -26,7 +26,7 @@ from kvguard.api.auth import Principal, Role, authenticate_bearer
 from kvguard.api.errors import status_for
 from kvguard.api.limits import PRINCIPAL_STATE
 from kvguard.api.services import Services
-from kvguard.audit.events import DetailValue
+from kvguard.audit.events import AuditEvent, DetailValue
 from kvguard.errors import (
     NotFoundError,
     PermissionDeniedError,
@@ -149,6 +149,9 @@ class Action:
         self.name = name
         self.tenant_id: str | None = None
         self.delivered = False  # an entry of its own transaction was recorded for this call
+        # The route drained the outbox after its last write (the answer then waits for no
+        # second drain, each of which is a ledger transaction on the delivery thread).
+        self.drained = False
 
     def done(
         self,
@@ -159,6 +162,18 @@ class Action:
     ) -> None:
         self.tenant_id = tenant_id or self.tenant_id
         self._record("ok", target, conn)
+
+    def ok_event(self, *, tenant_id: str | None = None, **target: DetailValue) -> AuditEvent:
+        """The `ok` entry of this call, for a writer that commits it with the change itself
+        (`kvguard.control.publish`): what `done(conn, ...)` would queue."""
+        self.tenant_id = tenant_id or self.tenant_id
+        return self.access.services.actions.event(
+            self.access.principal, self.name, "ok", tenant_id=self.tenant_id, target=target
+        )
+
+    def committed(self) -> None:
+        """The `ok_event` committed with its change: log it as `done` does."""
+        self.access.services.actions.log(self.access.principal, self.name, "ok")
 
     def _record(
         self, outcome: str, target: dict[str, DetailValue], conn: sa.Connection | None = None
@@ -200,7 +215,8 @@ def audited(name: str, *roles: Role) -> Any:
             if not action.delivered:
                 await anyio.to_thread.run_sync(action._record, _outcome(exc), {})
             raise
-        await anyio.to_thread.run_sync(services.deliver)
+        if not action.drained:
+            await anyio.to_thread.run_sync(services.deliver)
 
     # scope="function": the failure is recorded before the response is sent.
     return Depends(dependency, scope="function")

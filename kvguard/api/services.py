@@ -12,14 +12,18 @@ Writes: a route makes its change, its engine commands and its ledger events in o
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
@@ -35,6 +39,7 @@ from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.engines import EngineRegistry
 from kvguard.control.keys import TenantKeys
 from kvguard.control.outbox import Deliverer, Outbox
+from kvguard.control.publish import PolicyPublisher
 from kvguard.control.tenants import TenantRegistry
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
@@ -45,6 +50,7 @@ DEFAULT_ORIGIN = "kvguard.local/ledger"
 OUTBOX_DRAIN_S = 5.0
 _log = get_logger("kvguard.api.services")
 _in_write = threading.local()
+T = TypeVar("T")
 
 
 def _plain(value: object) -> object:
@@ -95,6 +101,26 @@ class ApiConfig:
         return cls(**data)
 
 
+class SerialWriter:
+    """Runs this process's policy writes one at a time on one thread, awaited from the event loop.
+
+    One at a time: a policy write is a compare-and-set on the policy head (`kvguard.control.
+    publish`), so two writers of one process would only make each other redo their edit. On a
+    thread of its own: a write waiting for its turn holds none of the request threads (a waiting
+    writer on a request thread is one thread fewer for reads; with the head's row lock as the
+    queue, measured in docs/benchmarks.md, most request threads ended up waiting on it)."""
+
+    def __init__(self, name: str = "kvguard-policy") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        context = contextvars.copy_context()  # the request's log context, as anyio's threads get
+        return await asyncio.wrap_future(self._pool.submit(context.run, fn))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 @dataclass
 class Services:
     config: ApiConfig
@@ -111,7 +137,9 @@ class Services:
     actions: ActionLog
     metrics: CollectorRegistry
     outbox: Outbox
+    publisher: PolicyPublisher
     clock: Callable[[], float] = field(default=time.time)
+    policy_writer: SerialWriter = field(default_factory=SerialWriter)
     _deliverer: Deliverer | None = None
 
     @classmethod
@@ -130,6 +158,7 @@ class Services:
         registry, append_seconds = new_registry()
         outbox = Outbox(db)
         policies = PolicyStore(db, clock=clock)
+        commands = CommandQueue(db)
         services = cls(
             config=config,
             db=db,
@@ -138,7 +167,7 @@ class Services:
             tenants=TenantRegistry(db, clock=clock),
             keys=ApiKeys(db, clock=clock),
             inference_keys=TenantKeys(db),
-            commands=CommandQueue(db),
+            commands=commands,
             engines=EngineRegistry(db),
             deriver=deriver,
             limiter=FailureLimiter(
@@ -147,6 +176,7 @@ class Services:
             actions=ActionLog(ledger, deriver, clock, outbox=outbox, append_seconds=append_seconds),
             metrics=registry,
             outbox=outbox,
+            publisher=PolicyPublisher(policies, outbox, commands, clock=clock),
             clock=clock,
         )
         registry.register(FleetCollector(services))  # reads the fleet at scrape time
@@ -184,6 +214,7 @@ class Services:
         )
 
     def close(self) -> None:
+        self.policy_writer.close()
         if self._deliverer is not None:
             self._deliverer.close()
             self._deliverer = None

@@ -94,6 +94,11 @@ def record_operator_change(
     return result
 
 
+def event_json(event: AuditEvent) -> str:
+    """An event as the outbox stores it (and `drain` reads it back)."""
+    return event.model_dump_json()
+
+
 class _RacedError(Exception):
     """Another drainer delivered one of our rows first: roll back and read again."""
 
@@ -108,20 +113,16 @@ class Outbox:
         return self._engine
 
     def add(self, conn: sa.Connection, events: Sequence[AuditEvent]) -> list[int]:
-        """Queue `events` inside the caller's write transaction; returns their outbox ids."""
+        """Queue `events` inside the caller's write transaction; returns their outbox ids, in the
+        order of `events` (one statement for all of them: SQLAlchemy's multi-row VALUES)."""
+        if not events:
+            return []
         now = time.time()
-        ids = []
-        for event in events:
-            ids.append(
-                int(
-                    conn.execute(
-                        sa.insert(OutboxRow)
-                        .values(created_at=now, event=event.model_dump_json())
-                        .returning(OutboxRow.id)
-                    ).scalar_one()
-                )
-            )
-        return ids
+        rows = conn.execute(
+            sa.insert(OutboxRow).returning(OutboxRow.id, sort_by_parameter_order=True),
+            [{"created_at": now, "event": event_json(event)} for event in events],
+        )
+        return [int(outbox_id) for outbox_id in rows.scalars()]
 
     def pending(self) -> int:
         """How many committed events are not in the ledger yet."""
@@ -160,14 +161,17 @@ class Outbox:
             ids = [int(r.id) for r in rows]
 
             def stamp(conn: sa.Connection, first: int, ids: list[int] = ids) -> None:
-                for offset, outbox_id in enumerate(ids):
-                    done = conn.execute(
-                        sa.update(OutboxRow)
-                        .where(OutboxRow.id == outbox_id, OutboxRow.ledger_index.is_(None))
-                        .values(ledger_index=first + offset)
-                    ).rowcount
-                    if done != 1:
-                        raise _RacedError
+                # One statement for the batch (a round trip per row before, each under the
+                # ledger's head lock): a row another drainer stamped first is not matched, so
+                # fewer rows than ids means a race.
+                index = {outbox_id: first + n for n, outbox_id in enumerate(ids)}
+                done = conn.execute(
+                    sa.update(OutboxRow)
+                    .where(OutboxRow.id.in_(ids), OutboxRow.ledger_index.is_(None))
+                    .values(ledger_index=sa.case(index, value=OutboxRow.id))
+                ).rowcount
+                if done != len(ids):
+                    raise _RacedError
 
             try:
                 ledger.store.append(prepared, after=stamp)

@@ -163,8 +163,7 @@ class PolicyStore:
         still be that version, and only if another writer got in between is the edit redone under
         the lock. The lock is thus held for the inserts, not for the validation, and writers do not
         queue behind each other's CPU work."""
-        _check_text("author", author, AUTHOR_MAX)
-        _check_text("reason", reason, REASON_MAX)
+        check_metadata(author, reason)
         if conn is None:
             try:
                 with write_transaction(self._engine) as own:
@@ -223,6 +222,61 @@ class PolicyStore:
         if version is None:
             raise PolicyStoreError("policy store has no head row: run the control migrations")
         return int(version)
+
+    def latest_and_limits(
+        self, conn: sa.Connection | None = None
+    ) -> tuple[PolicyVersion | None, PolicyVersion | None]:
+        """`current()` and `limits()` in one query: the latest version and the latest an admin
+        wrote, both as of one statement (so the limits are those of the latest version)."""
+        t = PolicyVersionRow
+        latest = sa.select(sa.func.max(t.version)).scalar_subquery()
+        by_admin = (
+            sa.select(sa.func.max(t.version))
+            .where(sa.or_(t.author_role.is_(None), t.author_role != "tenant_admin"))
+            .scalar_subquery()
+        )
+        with self._reading(conn) as c:
+            rows = c.execute(
+                sa.select(
+                    t.version,
+                    t.author,
+                    t.reason,
+                    t.digest,
+                    t.created_at,
+                    (t.version == by_admin).label("by_admin"),
+                )
+                .where(t.version.in_([latest, by_admin]))
+                .order_by(t.version.desc())
+            ).all()
+            versions = [self._cached(c, row) for row in rows]
+        if not versions:
+            return None, None
+        limits = next((v for v, row in zip(versions, rows, strict=True) if row.by_admin), None)
+        return versions[0], limits
+
+    def _cached(self, conn: sa.Connection, row: Any) -> PolicyVersion:
+        cached = self._parsed.get(int(row.version))
+        if cached is not None and cached.change == _to_change(row):
+            return cached
+        return self._version(conn, int(row.version), row.digest)
+
+    def validated_document(self, policy_set: PolicySet) -> tuple[str, str]:
+        """The canonical JSON of `policy_set` and its digest, validated as a reader will parse it
+        (see `_edited`); what a writer stores as a version."""
+        document = self._edited(lambda _current: policy_set, None)
+        return document, _digest(document)
+
+    def remember_committed(self, change: PolicyChange) -> PolicyVersion | None:
+        """Cache a version this process has just committed (its document validated by
+        `validated_document`), so that its first read does not parse it again; None if that
+        document is no longer cached."""
+        with self._subscribers_lock:
+            policy = self._documents.get(change.digest)
+        if policy is None:
+            return None
+        version = PolicyVersion(change=change, policy=policy)
+        self._remember(version)
+        return version
 
     def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version written by an admin (or the seed): the limits a tenant_admin may
@@ -343,6 +397,12 @@ def _notify(subscribers: list[Subscriber], change: PolicyChange) -> None:
             raise PolicyStoreError(
                 f"policy version {change.version} not stored: a change subscriber failed"
             ) from exc
+
+
+def check_metadata(author: str, reason: str) -> None:
+    """Refuse a change without an author or a reason, or with one over its column's size."""
+    _check_text("author", author, AUTHOR_MAX)
+    _check_text("reason", reason, REASON_MAX)
 
 
 def _check_text(name: str, value: str, limit: int) -> None:

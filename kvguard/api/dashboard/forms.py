@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
@@ -89,19 +90,21 @@ def revoke_inference_key(
 
 
 @router.post("/policies")
-def store_policy(
+async def store_policy(
     form: FormDep, action: Annotated[Action, audited("policy.put", *ADMINS)]
 ) -> RedirectResponse:
     """A whole policy document, as YAML or JSON (JSON is read as JSON, so its errors say so)."""
     text = form.get("policy", "")
     fmt: Format = "json" if text.lstrip().startswith("{") else "yaml"
+    # Parsed on a worker thread: a large document would hold the event loop for milliseconds.
+    policy = await anyio.to_thread.run_sync(lambda: parse_policy(text, "form.policy", fmt=fmt))
     body = _model(
         policies.PolicyPut,
-        policy=parse_policy(text, "form.policy", fmt=fmt),  # 422 naming each bad field
+        policy=policy,  # 422 naming each bad field
         reason=form.get("reason", "").strip(),
         expected_version=_int_or_none(form.get("expected_version", "")),
     )
-    stored = policies.put_policy(body, action, Response())
+    stored = await policies.put_policy(body, action, Response())
     return _see(f"/policies/{stored.version}", "policy-stored")
 
 

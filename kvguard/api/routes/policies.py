@@ -4,14 +4,15 @@ Every stored version is announced to engines as a `policy` command, so they swit
 next poll (PostgreSQL: at once, through LISTEN/NOTIFY). The version, its `policy.change` and
 `admin.action` ledger events and the engine command commit in one transaction.
 
-Concurrency: a tenant PUT edits the latest version under the policy store's write lock, so concurrent
-writers never revert each other's changes. A writer that wants to be sure it edits what it read sends
+Concurrency: a PUT edits the latest version and stores the result only if no other version was
+stored meanwhile (a compare-and-set on the policy head, `kvguard.control.publish`; otherwise it edits
+the newer version), so concurrent writers never revert each other's changes. A writer that wants to be sure it edits what it read sends
 `If-Match: "<version>"` (the `ETag` of `GET /v1/policies/current` or of the tenant's policy) or
 `expected_version`; a newer version answers 412 and nothing is stored.
 
 A tenant_admin may only tighten its own tenant's entry against the limits the admin set (the tenant's
-entry in the latest version an admin wrote, `kvguard.policy.tighten`), checked inside the writing
-transaction; it may change neither `enabled` (it cannot re-enable a tenant the admin disabled) nor
+entry in the latest version an admin wrote, `kvguard.policy.tighten`), checked against the version
+the write replaces (the compare-and-set makes that the latest one when it commits); it may change neither `enabled` (it cannot re-enable a tenant the admin disabled) nor
 `groups` (joining a share group exposes other tenants).
 """
 
@@ -21,6 +22,7 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import anyio.to_thread
 import sqlalchemy as sa
 from fastapi import APIRouter, Header, Path, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +40,9 @@ from kvguard.api.deps import (
 )
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.services import Services
+from kvguard.audit.events import AuditEvent
+from kvguard.control.policy_seed import policy_change_event
+from kvguard.control.publish import PolicyBase, PolicyEdit
 from kvguard.control.tenants import TENANT_ID_PATTERN
 from kvguard.errors import (
     NotFoundError,
@@ -153,10 +158,20 @@ def edit_tenant(
 
     def edit(current: PolicyVersion | None) -> PolicySet:
         policy_set = current.policy if current else PolicySet()
-        data = policy_set.model_dump(mode="json")
         new = change(policy_set.policy_for(tenant_id))
-        data["tenants"][tenant_id] = new.model_dump(mode="json")
-        return PolicySet.model_validate(data)
+        # Built from the parsed models (pydantic takes model instances as they are), so only the
+        # set's own rules run here, not a dump and re-validation of every tenant's entry: 0.6 ms
+        # -> 0.1 ms with 32 tenants. The store still parses the whole stored document as every
+        # reader will (`PolicyStore.validated_document`), the new entry included.
+        return PolicySet.model_validate(
+            {
+                "version": policy_set.version,
+                "epoch": policy_set.epoch,
+                "default": policy_set.default,
+                "tenants": {**policy_set.tenants, tenant_id: new},
+                "share_groups": policy_set.share_groups,
+            }
+        )
 
     return edit
 
@@ -198,27 +213,47 @@ def current_policy(
 
 
 @router.put("/v1/policies", status_code=status.HTTP_201_CREATED, response_model=PolicyChangePublic)
-def put_policy(
+async def put_policy(
     body: PolicyPut,
     action: Annotated[Action, audited("policy.put", *ADMINS)],
     response: Response,
     match: IfMatch = None,
 ) -> PolicyChangePublic:
     """Store a new version of the whole policy set (admin)."""
-    services = action.access.services
     expected = if_match(match, body.expected_version)
-    with services.write() as conn:
-        change = store_policy(
-            services,
-            conn,
-            lambda _current: body.policy,
-            author=action.access.principal.name,
-            reason=body.reason,
-            expected_version=expected,
-        )
-        action.done(conn, policy_version=change.version)
+    change = await publish_policy(
+        action, lambda _base: body.policy, reason=body.reason, expected_version=expected
+    )
     response.headers.update(_etag(change.version))
     return PolicyChangePublic.model_validate(change)
+
+
+async def publish_policy(
+    action: Action,
+    edit: PolicyEdit,
+    *,
+    reason: str,
+    expected_version: int | None,
+) -> PolicyChange:
+    """Store `edit(<base>)` with its `policy.change` and `admin.action` entries and its engine
+    command, in one transaction, on this process's policy writer (`services.SerialWriter`)."""
+    services, principal = action.access.services, action.access.principal
+
+    def events(change: PolicyChange) -> list[AuditEvent]:
+        return [policy_change_event(change), action.ok_event(policy_version=change.version)]
+
+    change = await services.policy_writer.run(
+        lambda: services.publisher.publish(
+            edit,
+            author=principal.name,
+            reason=reason,
+            author_role=principal.role.value,
+            events=events,
+            expected_version=expected_version,
+        )
+    )
+    action.committed()
+    return change
 
 
 @router.get("/v1/policies/history", response_model=list[PolicyChangePublic])
@@ -296,7 +331,7 @@ def tenant_policy(
     status_code=status.HTTP_201_CREATED,
     response_model=PolicyChangePublic,
 )
-def put_tenant_policy(
+async def put_tenant_policy(
     tenant_id: TenantIdPath,
     body: TenantPolicyPut,
     action: Annotated[Action, audited("tenant.policy.put", *TENANT_WRITERS)],
@@ -306,44 +341,33 @@ def put_tenant_policy(
     """Store a new policy set version that changes only this tenant's entry (a tenant_admin may only
     tighten what the admin set)."""
     access, services = action.access, action.access.services
-    services.tenants.get(access.tenant(tenant_id))
+    await anyio.to_thread.run_sync(services.tenants.get, access.tenant(tenant_id))
     action.tenant_id = tenant_id
     role = access.principal.role
     expected = if_match(match, body.expected_version)
-    with services.write() as conn:
 
+    def edit(base: PolicyBase) -> PolicySet:
         def change(old: TenantPolicy) -> TenantPolicy:
             if role is Role.TENANT_ADMIN:
-                _check_tenant_admin(services, conn, tenant_id, old, body.policy)
+                _check_tenant_admin(base.limits, tenant_id, old, body.policy)
             return body.policy
 
-        stored = store_policy(
-            services,
-            conn,
-            edit_tenant(tenant_id, change),
-            author=access.principal.name,
-            reason=body.reason,
-            author_role=role,
-            expected_version=expected,
-        )
-        action.done(conn, policy_version=stored.version)
+        return edit_tenant(tenant_id, change)(base.current)
+
+    stored = await publish_policy(action, edit, reason=body.reason, expected_version=expected)
     response.headers.update(_etag(stored.version))
     return PolicyChangePublic.model_validate(stored)
 
 
 def _check_tenant_admin(
-    services: Services,
-    conn: sa.Connection,
-    tenant_id: str,
-    old: TenantPolicy,
-    new: TenantPolicy,
+    limits: PolicyVersion | None, tenant_id: str, old: TenantPolicy, new: TenantPolicy
 ) -> None:
-    """Refuse what a tenant_admin may not do, against state read in the writing transaction."""
+    """Refuse what a tenant_admin may not do, against the version its write replaces and the
+    limits as of that version."""
     if new.enabled != old.enabled or new.groups != old.groups:
         raise PermissionDeniedError(
             "a tenant_admin may not change `enabled` or `groups`; ask an admin"
         )
-    limits = services.policies.limits(conn)
     limit = (limits.policy if limits else PolicySet()).policy_for(tenant_id)
     looser = loosened(limit, new)
     if looser:

@@ -26,6 +26,7 @@ from kvguard.api.purge_schemas import (
     PurgeJobPublic,
 )
 from kvguard.control.commands import PurgeSelector
+from kvguard.control.publish import submit_purge
 from kvguard.errors import ConflictError, PermissionDeniedError
 
 router = APIRouter(prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES)
@@ -57,14 +58,20 @@ def create_purge(
             services.engines.engines(), services.clock(), services.config.engine_max_age_s
         )
     )
-    with services.write() as conn:
-        job_id = services.commands.submit_purge(
-            PurgeSelector(body.kind, body.value, tenant),
-            requested_by=access.principal.name,
-            conn=conn,
-        )
-        action.done(conn, job_id=job_id, purge_kind=body.kind.value, engines_expected=expected)
+    # The command and its `admin.action` entry commit together (one statement on PostgreSQL:
+    # the command head's row lock is never held across a round trip, `kvguard.control.publish`).
+    job_id = submit_purge(
+        services.commands,
+        services.outbox,
+        PurgeSelector(body.kind, body.value, tenant),
+        requested_by=access.principal.name,
+        events=lambda job_id: [
+            action.ok_event(job_id=job_id, purge_kind=body.kind.value, engines_expected=expected)
+        ],
+    )
+    action.committed()
     services.deliver()  # the request's entry, so that the status below can see it
+    action.drained = True  # nothing is written after this
     report = jobs.report(services, jobs.get_job(access, job_id))
     return PurgeCreated(
         job_id=job_id, status=report.status, engines_expected=report.engines_expected

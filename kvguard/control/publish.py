@@ -1,0 +1,363 @@
+"""Admin writes that step a shared head row: a policy version, a purge command. Each commits with
+its engine command and its ledger events (outbox rows) in one transaction, and on PostgreSQL that
+transaction is one statement.
+
+Why one statement. `policy_head` and `command_head` are single rows that every policy write (and,
+for `command_head`, every purge) locks until it commits: whatever a writer does between taking the
+lock and committing is time every other writer waits. The first version of the API held
+`policy_head` across about ten round trips (lock, inserts, outbox rows, command head, command,
+NOTIFY, commit), and under load each reply waited for the GIL behind the request threads: policy
+writes were serialised at about 20 per second (docs/benchmarks.md, "Control plane under load").
+Here everything that can be computed without the lock is computed first (the edited policy set,
+its validation, its canonical JSON and digest, the events), and the write is one data-modifying
+`WITH` statement run in autocommit: the rows are locked and released inside the server, without a
+round trip to the client while they are held.
+
+Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
+
+1. The base: the latest version and the latest one an admin wrote (the limits a tenant_admin may
+   only tighten), as this process last wrote them, else read in one query.
+2. `edit(base)` gives the new policy set (the caller's checks, against the base, raise here);
+   it is validated and its events are built for version `base + 1`.
+3. PostgreSQL: one statement steps `policy_head` from `base` to `base + 1` only if it still is at
+   `base` (`UPDATE ... WHERE version = :base`; READ COMMITTED re-checks the condition after a
+   concurrent writer commits), inserts the version, the outbox rows, steps `command_head`, inserts
+   the engine command and notifies engines; all of it or, if the head has moved, none of it. A
+   write that finds the head moved starts again from a fresh base, at most `OPTIMISTIC_TRIES`
+   times; then it locks the head first (`SELECT ... FOR UPDATE` in a transaction), so it cannot
+   be overtaken again. The admin API runs its policy writes on one thread per process
+   (`kvguard.api.services`), so only writers of other processes ever move the head under it.
+
+   The version a write stores is therefore always an edit of the version it replaces, and a
+   tenant_admin's entry is checked against the limits as of that version: the same guarantees as
+   editing under the head's row lock, with the lock held for microseconds.
+4. SQLite: the same rows, as separate statements in one `BEGIN IMMEDIATE` transaction (its
+   database lock serialises writers anyway, and there are no network round trips to save).
+
+`events(change)` stands in for `PolicyStore.subscribe`: the publisher calls no store subscribers
+(the admin API registers none); what a write must record goes into its own outbox rows.
+
+Purges (`submit_purge`): the job id is drawn from the command id sequence first (no lock), so that
+the `admin.action` event can name it; then one statement steps `command_head`, inserts the command
+and the events and notifies engines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import sqlalchemy as sa
+
+from kvguard.audit.events import AuditEvent
+from kvguard.control.commands import NOTIFY_CHANNEL, CommandQueue, PurgeKind, PurgeSelector
+from kvguard.control.db import read_connection, write_transaction
+from kvguard.control.outbox import Outbox, event_json
+from kvguard.control.schema import (
+    HEAD_ID,
+    PolicyHead,
+    PolicyVersionRow,
+)
+from kvguard.errors import ConfigError, PolicyStoreError, PolicyVersionConflictError
+from kvguard.logging import get_logger
+from kvguard.policy.models import PolicySet
+from kvguard.policy.store import PolicyChange, PolicyStore, PolicyVersion, check_metadata
+
+# Fresh bases tried before locking the head: only writers in other processes can move it.
+OPTIMISTIC_TRIES: Final = 3
+CONTENDED_S: Final = 5.0  # after a failed compare-and-set, bases are read first for this long
+_log = get_logger("control.publish")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBase:
+    """What a policy write edits: the latest version and the limits as of it (None: none)."""
+
+    current: PolicyVersion | None
+    limits: PolicyVersion | None
+
+    @property
+    def version(self) -> int:
+        return self.current.change.version if self.current else 0
+
+
+PolicyEdit = Callable[[PolicyBase], PolicySet]
+PolicyEvents = Callable[[PolicyChange], Sequence[AuditEvent]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    change: PolicyChange
+    document: str
+    author_role: str
+
+
+def _is_postgres(engine: sa.Engine) -> bool:
+    return engine.dialect.name == "postgresql"
+
+
+class PolicyPublisher:
+    """Stores policy versions with their command and events (module docstring)."""
+
+    def __init__(
+        self,
+        store: PolicyStore,
+        outbox: Outbox,
+        commands: CommandQueue,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._outbox = outbox
+        self._commands = commands
+        self._engine = store.engine
+        self._clock = clock
+        self._lock = threading.Lock()  # guards `_base`
+        # The base as of this process's last committed write: the next write's compare-and-set
+        # checks it, so it needs no read while this process is the only writer.
+        self._base: PolicyBase | None = None
+        # Until then, another process has been writing too: read the base before each write
+        # rather than find out from a failed compare-and-set (an edit and a round trip wasted).
+        self._contended_until = 0.0
+
+    def _contended(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._contended_until
+
+    def publish(
+        self,
+        edit: PolicyEdit,
+        *,
+        author: str,
+        reason: str,
+        author_role: str,
+        events: PolicyEvents,
+        expected_version: int | None = None,
+    ) -> PolicyChange:
+        """Store `edit(<base>)` as the next version with its engine command and `events(change)`
+        in one transaction. PolicyVersionConflictError (nothing stored) when `expected_version`
+        is given and the latest version is another one."""
+        check_metadata(author, reason)
+        if _is_postgres(self._engine):
+            for attempt in range(OPTIMISTIC_TRIES):
+                fresh = attempt > 0 or expected_version is not None or self._contended()
+                with read_connection(self._engine) as conn:  # autocommit: one statement, one commit
+                    base = self._base_for(conn, fresh=fresh)
+                    draft = self._draft(
+                        edit,
+                        base,
+                        author=author,
+                        reason=reason,
+                        author_role=author_role,
+                        expected_version=expected_version,
+                    )
+                    if self._write(conn, base.version, draft, events(draft.change)):
+                        return self._committed(base, draft)
+                _log.debug("policy head moved; editing the new version", attempt=attempt)
+                with self._lock:
+                    self._contended_until = time.monotonic() + CONTENDED_S
+        with write_transaction(self._engine) as conn:
+            self._store.lock_head(conn)  # SQLite: `BEGIN IMMEDIATE` already holds the database
+            base = self._base_for(conn, fresh=True)
+            draft = self._draft(
+                edit,
+                base,
+                author=author,
+                reason=reason,
+                author_role=author_role,
+                expected_version=expected_version,
+            )
+            if not self._write(conn, base.version, draft, events(draft.change)):
+                raise PolicyStoreError("the policy head moved while it was locked")
+        return self._committed(base, draft)
+
+    def _base_for(self, conn: sa.Connection, *, fresh: bool) -> PolicyBase:
+        with self._lock:
+            known = self._base
+        if known is not None and not fresh:
+            return known
+        current, limits = self._store.latest_and_limits(conn)
+        return PolicyBase(current, limits)
+
+    def _draft(
+        self,
+        edit: PolicyEdit,
+        base: PolicyBase,
+        *,
+        author: str,
+        reason: str,
+        author_role: str,
+        expected_version: int | None,
+    ) -> _Draft:
+        if expected_version is not None and base.version != expected_version:
+            raise PolicyVersionConflictError(
+                f"the policy store is at version {base.version}, not {expected_version}"
+            )
+        document, digest = self._store.validated_document(edit(base))
+        change = PolicyChange(
+            version=base.version + 1, author=author, reason=reason, digest=digest, at=self._clock()
+        )
+        return _Draft(change, document, author_role)
+
+    def _committed(self, base: PolicyBase, draft: _Draft) -> PolicyChange:
+        current = self._store.remember_committed(draft.change)
+        limits = current if draft.author_role != "tenant_admin" else base.limits
+        with self._lock:
+            if self._base is None or self._base.version < draft.change.version:
+                self._base = PolicyBase(current, limits) if current is not None else None
+        _log.info("policy.stored", version=draft.change.version, digest=draft.change.digest)
+        return draft.change
+
+    def forget(self) -> None:
+        """Read the base from the database at the next write (tests; a restore)."""
+        with self._lock:
+            self._base = None
+
+    def _write(
+        self, conn: sa.Connection, base: int, draft: _Draft, events: Sequence[AuditEvent]
+    ) -> bool:
+        """The version, its command and `events`, if the head is still at `base`; False (and
+        nothing written) if it is not."""
+        change = draft.change
+        version_row = {
+            "version": change.version,
+            "created_at": change.at,
+            "author": change.author,
+            "reason": change.reason,
+            "digest": change.digest,
+            "document": draft.document,
+            "author_role": draft.author_role,
+        }
+        if _is_postgres(self._engine):
+            written = conn.execute(
+                _PG_POLICY_WRITE,
+                {
+                    **version_row,
+                    "head_id": HEAD_ID,
+                    "base": base,
+                    "now": time.time(),
+                    "selector_value": str(change.version),
+                    "requested_by": change.author,
+                    "events": [event_json(e) for e in events],
+                    "channel": NOTIFY_CHANNEL,
+                },
+            ).scalar_one_or_none()
+            return written is not None
+        stepped = conn.execute(
+            sa.update(PolicyHead)
+            .where(PolicyHead.id == HEAD_ID, PolicyHead.version == base)
+            .values(version=change.version)
+        ).rowcount
+        if stepped != 1:
+            return False
+        conn.execute(sa.insert(PolicyVersionRow).values(**version_row))
+        self._outbox.add(conn, events)
+        self._commands.submit_policy(change.version, requested_by=change.author, conn=conn)
+        return True
+
+
+def submit_purge(
+    commands: CommandQueue,
+    outbox: Outbox,
+    selector: PurgeSelector,
+    *,
+    requested_by: str,
+    events: Callable[[int], Sequence[AuditEvent]],
+) -> int:
+    """Queue a purge for every engine with `events(job_id)` in one transaction; returns the job
+    id (one statement on PostgreSQL, module docstring)."""
+    if not selector.value:
+        raise ConfigError("a purge needs a non-empty session, tenant, model or adapter id")
+    if selector.kind is PurgeKind.SESSION and not selector.tenant_id:
+        raise ConfigError("a session purge needs the tenant the session belongs to")
+    engine = commands.engine
+    if not _is_postgres(engine):
+        with write_transaction(engine) as conn:
+            job_id = commands.submit_purge(selector, requested_by=requested_by, conn=conn)
+            outbox.add(conn, events(job_id))
+        return job_id
+    with read_connection(engine) as conn:  # autocommit
+        job_id = int(conn.execute(_PG_NEXT_COMMAND_ID).scalar_one())
+        written = conn.execute(
+            _PG_PURGE_WRITE,
+            {
+                "head_id": HEAD_ID,
+                "id": job_id,
+                "now": time.time(),
+                "selector_kind": selector.kind.value,
+                "selector_value": selector.value,
+                "tenant_id": selector.tenant_id,
+                "requested_by": requested_by,
+                "events": [event_json(e) for e in events(job_id)],
+                "channel": NOTIFY_CHANNEL,
+            },
+        ).scalar_one()
+    if written != job_id:
+        raise PolicyStoreError("the purge command was not stored")
+    return job_id
+
+
+# --- PostgreSQL statements ------------------------------------------------------------------------
+# Data-modifying WITH: every part runs once, on one snapshot, and commits together. Each insert
+# selects from the step before it, so a head that has moved (`head` empty) writes nothing (the
+# table names are those of `kvguard.control.schema`). The
+# outbox rows are inserted in the order given (ids ascending), as `Outbox.add` does. PostgreSQL runs
+# every data-modifying part whether or not the final SELECT reads it. `pg_notify` is sent at commit,
+# as NOTIFY is.
+
+_PG_POLICY_WRITE: Final = sa.text(
+    """
+WITH head AS (
+    UPDATE policy_head SET version = :version
+    WHERE id = :head_id AND version = :base
+    RETURNING version
+), stored AS (
+    INSERT INTO policy_versions
+        (version, created_at, author, reason, digest, document, author_role)
+    SELECT version, :created_at, :author, :reason, :digest, :document, :author_role FROM head
+    RETURNING version
+), events AS (
+    INSERT INTO control_outbox (created_at, event)
+    SELECT :now, e.event
+    FROM stored CROSS JOIN unnest(CAST(:events AS text[])) WITH ORDINALITY AS e(event, n)
+    ORDER BY e.n
+), seq AS (
+    UPDATE command_head SET seq = seq + 1
+    WHERE id = :head_id AND EXISTS (SELECT 1 FROM stored)
+    RETURNING seq
+), command AS (
+    INSERT INTO engine_commands
+        (created_at, seq, kind, selector_kind, selector_value, tenant_id, requested_by)
+    SELECT :now, seq, 'policy', 'version', :selector_value, NULL, :requested_by FROM seq
+    RETURNING id
+)
+SELECT command.id FROM command CROSS JOIN LATERAL (SELECT pg_notify(:channel, '')) AS notified
+"""
+)
+
+_PG_NEXT_COMMAND_ID: Final = sa.text(
+    "SELECT nextval(pg_get_serial_sequence('engine_commands', 'id'))"
+)
+
+_PG_PURGE_WRITE: Final = sa.text(
+    """
+WITH seq AS (
+    UPDATE command_head SET seq = seq + 1 WHERE id = :head_id RETURNING seq
+), command AS (
+    INSERT INTO engine_commands
+        (id, created_at, seq, kind, selector_kind, selector_value, tenant_id, requested_by)
+    SELECT :id, :now, seq, 'purge', :selector_kind, :selector_value, :tenant_id, :requested_by
+    FROM seq
+    RETURNING id
+), events AS (
+    INSERT INTO control_outbox (created_at, event)
+    SELECT :now, e.event
+    FROM command CROSS JOIN unnest(CAST(:events AS text[])) WITH ORDINALITY AS e(event, n)
+    ORDER BY e.n
+)
+SELECT command.id FROM command CROSS JOIN LATERAL (SELECT pg_notify(:channel, '')) AS notified
+"""
+)

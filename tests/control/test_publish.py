@@ -1,0 +1,212 @@
+"""One-statement admin writes (`kvguard.control.publish`): a policy version with its engine command
+and outbox events, all or nothing; a compare-and-set on the policy head that never loses another
+process's version; purges with their events."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+
+from kvguard.audit.events import AuditEvent, EventKind
+from kvguard.control.commands import CommandQueue, PolicyCommand, PurgeKind, PurgeSelector
+from kvguard.control.db import open_engine
+from kvguard.control.outbox import Outbox
+from kvguard.control.policy_seed import policy_change_event
+from kvguard.control.publish import PolicyBase, PolicyPublisher, submit_purge
+from kvguard.control.schema import EngineCommand, OutboxRow
+from kvguard.errors import PermissionDeniedError, PolicyVersionConflictError
+from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy.store import PolicyChange, PolicyStore
+
+
+def _publisher(url: str) -> PolicyPublisher:
+    """A publisher as one API process holds it (a second one stands for another process)."""
+    engine = open_engine(url)
+    return PolicyPublisher(PolicyStore(engine), Outbox(engine), CommandQueue(engine))
+
+
+def _set_ttl(tenant: str, ttl: int):  # type: ignore[no-untyped-def]
+    def edit(base: PolicyBase) -> PolicySet:
+        policy_set = base.current.policy if base.current else PolicySet()
+        entry = TenantPolicy.model_validate({"retention": {"ttl_s": ttl, "idle_s": 10}})
+        return PolicySet.model_validate(
+            {**policy_set.model_dump(mode="json"), "tenants": {**policy_set.tenants, tenant: entry}}
+        )
+
+    return edit
+
+
+def _events(change: PolicyChange) -> list[AuditEvent]:
+    marker = AuditEvent(
+        kind=EventKind.ADMIN_ACTION,
+        ts=datetime.fromtimestamp(change.at, UTC),
+        details={"action": "test", "policy_version": change.version},
+    )
+    return [policy_change_event(change), marker]
+
+
+def _publish(publisher: PolicyPublisher, tenant: str, ttl: int, **kw: object) -> PolicyChange:
+    return publisher.publish(
+        _set_ttl(tenant, ttl),
+        author="key:a",
+        reason="r",
+        author_role="admin",
+        events=_events,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _rows(url: str) -> tuple[list[dict[str, object]], list[tuple[str, str]]]:
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        events = [
+            json.loads(e)
+            for e in conn.execute(sa.select(OutboxRow.event).order_by(OutboxRow.id)).scalars()
+        ]
+        commands = [
+            (r.kind, r.selector_value)
+            for r in conn.execute(
+                sa.select(EngineCommand.kind, EngineCommand.selector_value).order_by(
+                    EngineCommand.seq
+                )
+            )
+        ]
+    engine.dispose()
+    return events, commands
+
+
+def test_a_version_commits_with_its_command_and_events_in_order(db_url: str) -> None:
+    publisher = _publisher(db_url)
+    first = _publish(publisher, "acme", 100)
+    second = _publish(publisher, "globex", 200)
+    assert (first.version, second.version) == (1, 2)
+    events, commands = _rows(db_url)
+    assert [e["kind"] for e in events] == ["policy.change", "admin.action"] * 2
+    assert [e["details"]["policy_version"] for e in events] == [1, 1, 2, 2]
+    assert commands == [("policy", "1"), ("policy", "2")]
+    command = CommandQueue.open(db_url).pending_after(0)[1]
+    assert isinstance(command, PolicyCommand) and command.version == 2
+
+
+def test_another_process_version_is_edited_never_reverted(db_url: str) -> None:
+    """Process A remembers version 1 as its base; process B stores version 2; A's next write must
+    edit version 2 (on PostgreSQL its compare-and-set finds the head moved and it starts again)."""
+    a, b = _publisher(db_url), _publisher(db_url)
+    _publish(a, "acme", 100)
+    _publish(b, "globex", 200)
+    third = _publish(a, "acme", 150)
+    assert third.version == 3
+    latest = PolicyStore(open_engine(db_url)).get(3).policy
+    assert latest.policy_for("globex").retention.ttl_s == 200
+    assert latest.policy_for("acme").retention.ttl_s == 150
+    events, commands = _rows(db_url)
+    assert len(events) == 6 and len(commands) == 3  # the redone write left nothing extra
+
+
+def test_concurrent_publishers_of_several_processes_lose_nothing(db_url: str) -> None:
+    publishers = [_publisher(db_url) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def write(publisher: PolicyPublisher, tenant: str) -> None:
+        try:
+            for i in range(5):
+                _publish(publisher, tenant, 100 + i)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(p, f"t{n}")) for n, p in enumerate(publishers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    store = PolicyStore(open_engine(db_url))
+    assert [c.version for c in store.history()] == list(range(1, 16))
+    final = store.get(15).policy
+    assert {t: final.policy_for(t).retention.ttl_s for t in ("t0", "t1", "t2")} == {
+        "t0": 104,
+        "t1": 104,
+        "t2": 104,
+    }
+    events, commands = _rows(db_url)
+    assert len(events) == 30 and len(commands) == 15
+
+
+def test_an_expected_version_that_is_not_the_latest_stores_nothing(db_url: str) -> None:
+    a, b = _publisher(db_url), _publisher(db_url)
+    _publish(a, "acme", 100, expected_version=0)
+    _publish(b, "acme", 90, expected_version=1)
+    with pytest.raises(PolicyVersionConflictError):
+        _publish(a, "acme", 80, expected_version=1)  # A still remembers version 1
+    assert _publish(a, "acme", 80, expected_version=2).version == 3
+    events, commands = _rows(db_url)
+    assert len(events) == 6 and len(commands) == 3
+
+
+def test_an_edit_that_refuses_stores_nothing(db_url: str) -> None:
+    publisher = _publisher(db_url)
+
+    def refuse(_base: PolicyBase) -> PolicySet:
+        raise PermissionDeniedError("no")
+
+    with pytest.raises(PermissionDeniedError):
+        publisher.publish(refuse, author="a", reason="r", author_role="admin", events=_events)
+    assert _rows(db_url) == ([], [])
+    assert PolicyStore(open_engine(db_url)).current() is None
+
+
+def test_the_limits_are_those_of_the_version_edited(db_url: str) -> None:
+    """The base's limits are the latest admin-written version at or below the base: a tenant_admin
+    version on top does not move them, an admin version does."""
+    publisher = _publisher(db_url)
+    _publish(publisher, "acme", 100)
+    publisher.publish(
+        _set_ttl("acme", 50), author="key:t", reason="r", author_role="tenant_admin", events=_events
+    )
+    seen: list[tuple[int, int | None]] = []
+
+    def record(base: PolicyBase) -> PolicySet:
+        seen.append((base.version, base.limits.change.version if base.limits else None))
+        return _set_ttl("acme", 40)(base)
+
+    publisher.publish(
+        record, author="key:t", reason="r", author_role="tenant_admin", events=_events
+    )
+    publisher.forget()
+    publisher.publish(
+        record, author="key:t", reason="r", author_role="tenant_admin", events=_events
+    )
+    assert seen == [(2, 1), (3, 1)]
+
+
+def test_a_purge_commits_with_its_events_naming_the_job(db_url: str) -> None:
+    engine = open_engine(db_url)
+    queue, outbox = CommandQueue(engine), Outbox(engine)
+
+    def events(job_id: int) -> list[AuditEvent]:
+        return [
+            AuditEvent(
+                kind=EventKind.ADMIN_ACTION,
+                ts=datetime.now(UTC),
+                details={"action": "purge.create", "job_id": job_id},
+            )
+        ]
+
+    first = submit_purge(
+        queue, outbox, PurgeSelector(PurgeKind.TENANT, "acme"), requested_by="k", events=events
+    )
+    second = submit_purge(
+        queue,
+        outbox,
+        PurgeSelector(PurgeKind.SESSION, "s1", tenant_id="acme"),
+        requested_by="k",
+        events=events,
+    )
+    stored, commands = _rows(db_url)
+    assert [e["details"]["job_id"] for e in stored] == [first, second]
+    assert commands == [("purge", "acme"), ("purge", "s1")]
+    assert [c.id for c in queue.pending_after(0)] == [first, second]
