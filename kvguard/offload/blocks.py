@@ -8,9 +8,9 @@ read returns host bytes, so on a GPU it waits for its device-to-host copy.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvguard.zeroize import KVCacheSpec
@@ -37,7 +37,8 @@ class BlockCopier:
         )
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Each block's bytes, in segment order. The views are valid until the next `read`."""
+        """Each block's bytes, in segment order. The views alias the staging buffer: its contents
+        change with the next `read` (copy them first to keep them)."""
         n = len(block_ids)
         self._out = stage = _grow(self._out, n, self._views, self._cuda)
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self._device)
@@ -48,8 +49,7 @@ class BlockCopier:
         if self._cuda:
             stage.host[:n].copy_(stage.by_block[:n], non_blocking=True)
             torch.cuda.current_stream(self._device).synchronize()  # the bytes are needed now
-        rows = stage.host[:n].reshape(n, -1).numpy()
-        return [memoryview(rows[i]) for i in range(n)]
+        return [_view(stage.host[i]) for i in range(n)]
 
     def write(self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
         """Copy each payload into its block (on the cache's current stream)."""
@@ -57,9 +57,12 @@ class BlockCopier:
         if self._in_copied is not None:  # the host buffer is reused: its last upload must be done
             self._in_copied.synchronize()
         self._in = stage = _grow(self._in, n, self._views, self._cuda)
-        rows = stage.host[:n].reshape(n, -1).numpy()
+        size = self.block_bytes
         for i, payload in enumerate(payloads):
-            rows[i] = np.frombuffer(payload, dtype=np.uint8)  # one memcpy (a memoryview: per byte)
+            data = payload if isinstance(payload, bytes) else bytes(payload)
+            if len(data) != size:
+                raise ValueError(f"a block payload is {len(data)} bytes, the cache's blocks {size}")
+            ctypes.memmove(stage.host[i].data_ptr(), data, size)  # one memcpy, no NumPy needed
         source = stage.host[:n]
         if self._cuda:
             stage.by_block[:n].copy_(source, non_blocking=True)
@@ -94,3 +97,11 @@ def _grow(stage: _Staging | None, n: int, views: list[torch.Tensor], cuda: bool)
         torch.cuda.current_stream(views[0].device).synchronize()  # nothing still reads the old one
     capacity = max(n, 2 * stage.capacity if stage is not None else 16)
     return _Staging(capacity, len(views), int(views[0].shape[1]), views[0].device)
+
+
+def _view(row: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes as a memoryview (no copy; valid while the tensor lives)."""
+    size = row.numel() * row.element_size()
+    array = (ctypes.c_ubyte * size).from_address(row.data_ptr())
+    array._tensor = row  # type: ignore[attr-defined]  # the view keeps the memory alive
+    return memoryview(array).cast("B")
