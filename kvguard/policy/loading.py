@@ -51,6 +51,16 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            if key is None or isinstance(key, bool):
+                # YAML 1.1 reads unquoted `off`, `no`, `yes`, `on`, `null`, `~` as booleans / null:
+                # a tenant named `off` would otherwise fail later as "not a valid string".
+                raw = getattr(key_node, "value", "")
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key '{raw}' is read by YAML as {key!r}, not a name; quote it: '\"{raw}\"'",
+                    key_node.start_mark,
+                )
             if isinstance(key, str | int | float | bool) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key '{key}'", key_node.start_mark

@@ -123,3 +123,12 @@ def test_errors_do_not_echo_long_or_nested_input() -> None:
     secret = "You are the internal assistant of ACME; the launch code is 1234 " * 3
     problems = _problems(f"default:\n  reuse: '{secret}'\n")
     assert all(secret not in message for _, message in problems)
+
+
+@pytest.mark.parametrize("name", ["off", "no", "yes", "on", "null"])
+def test_an_unquoted_yaml_boolean_key_is_named_with_a_fix(name: str) -> None:
+    text = f"version: 1\ntenants:\n  {name}:\n    reuse: none\n"
+    with pytest.raises(PolicyValidationError, match=rf"key '{name}' is read by YAML as .*quote it"):
+        parse_policy(text, "policy.yaml")
+    quoted = parse_policy(f'version: 1\ntenants:\n  "{name}":\n    reuse: none\n', "policy.yaml")
+    assert name in quoted.tenants
