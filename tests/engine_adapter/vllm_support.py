@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,3 +95,35 @@ def wait_for(what: Callable[[], Any], timeout: float, procs: Sequence[subprocess
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for the child engine")
         time.sleep(0.1)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_commands_child(directory: Path, spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """A `vllm_child governed-commands` engine process for `spec` (written to directory/spec.json;
+    its results go to directory/out.json), in-process mode, stderr kept for `wait_for`."""
+    (directory / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "tests.engine_adapter.vllm_child", "governed-commands"]
+    command += [str(directory / "work"), str(directory / "spec.json"), str(directory / "out.json")]
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def child_ready(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """What a commands child wrote to its ready file (its engine id), or None until it has."""
+    path = Path(spec["ready_file"])
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def purge_done(env: Any, job_id: int) -> dict[str, Any] | None:
+    """The purge job's report once its status is `done` (through the admin API of `env`)."""
+    r = env.call("acme", "GET", f"/v1/purges/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json() if r.json()["status"] == "done" else None
