@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/control_load.py [--db URL] [--clients 50 200] [--seconds 20]
         [--warmup 3] [--tenants 32] [--policy-share 0.15] [--purge-share 0.05]
-        [--client aiohttp|httpx] [--access-log] [--keep]
+        [--rate REQ_PER_S] [--workers N] [--client aiohttp|httpx] [--access-log] [--keep]
 
 1. Creates a fresh PostgreSQL database (or uses `--db`), a signing key and a salt keyring (0600 files
    in a temporary directory), an admin and an auditor key, and starts `kvguard serve` on it as a child
@@ -14,7 +14,14 @@
    state, audit entries) by admin, auditor and tenant_admin keys; 15% tenant policy PUTs
    (tenant_admins tightening retention on their own tenant, admins setting it on any tenant); 5%
    purge creates (tenant_admins: their tenant or one of its sessions; admins: any tenant or a model).
-   Latency counts the requests started after the warm-up; throughput the answers that arrived in
+   With `--rate R` the clients are paced instead (an open loop per client): together they offer R
+   requests/s as Poisson arrivals (R / clients each), each request is sent at its scheduled time or,
+   if the client's previous answer came later, as soon as it came, and its latency is counted from
+   the scheduled time, so a server that falls behind shows it in the latency (no coordinated
+   omission). With a closed loop and no think time, mean latency is clients / throughput (Little's
+   law): at 50 clients a p99 under 100 ms would need well over 500 req/s, whatever the server; the
+   paced mode measures latency at a given load, the closed loop the saturation throughput.
+   Latency counts the requests started (paced: scheduled) after the warm-up; throughput the answers that arrived in
    the measured window; every acknowledged write, warm-up included, counts towards the checks. The
    CPU seconds of the server, the load generator and the database's backends in the window are
    printed, since all three share the machine's cores; `--access-log` adds the server's own
@@ -115,8 +122,9 @@ class Server:
                 self.proc.wait(10)
 
     def cpu_seconds(self) -> float:
+        """CPU seconds of `kvguard serve` and its worker processes (`--workers N`), so far."""
         assert self.proc is not None
-        return _proc_cpu(self.proc.pid)
+        return sum(_proc_cpu(pid) for pid in _process_tree(self.proc.pid))
 
 
 def _proc_cpu(pid: int) -> float:
@@ -125,6 +133,23 @@ def _proc_cpu(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and its descendants (uvicorn's worker processes and what they start)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])  # field 4 of stat: the parent pid
+    tree, frontier = [root], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    return tree
 
 
 def _backend_cpu(db_url: str) -> dict[int, float]:
@@ -275,6 +300,7 @@ class Sample(NamedTuple):
 class Phase:
     clients: int
     seconds: float  # the measured window
+    rate: float | None = None  # offered requests/s over all clients; None: closed loop
     completed: int = 0  # answers that arrived within the window
     drain_s: float = 0.0  # how long after the window the last request took to end
     samples: list[Sample] = field(default_factory=list)  # requests started in the window
@@ -344,10 +370,25 @@ async def transport(kind: str, url: str, clients: int) -> AsyncIterator[Send]:
 
 
 async def _client(n: int, run: Run, send: Send, phase: Phase, clock: dict[str, float]) -> None:
+    """One client. Closed loop (`phase.rate` None): the next request as soon as the answer came.
+    Paced: requests at the times of a Poisson process of `rate / clients` per second; a request is
+    sent at its time, or as soon as the previous answer came if that is later, and its latency is
+    counted from its scheduled time, so a slow server's queueing shows in the latency instead of
+    silently lowering the offered load (coordinated omission)."""
     r, acked = random.Random(1000 * phase.clients + n), run.acked
+    per_client = phase.rate / phase.clients if phase.rate else None
+    due = clock["start"] + (r.expovariate(per_client) if per_client else 0.0)
     while time.perf_counter() < clock["end"]:
         op = choose(r, run.keys, run.mix)
-        start = time.perf_counter()
+        if per_client is not None:
+            if due >= clock["end"]:
+                break
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            start = due
+            due += r.expovariate(per_client)
+        else:
+            start = time.perf_counter()
         try:
             status, body = await send(op)
         except Exception as exc:  # a transport error is a result: counted by its type
@@ -399,12 +440,14 @@ class CpuSample:
         }
 
 
-async def run_phase(run: Run, clients: int, seconds: float, warmup: float) -> Phase:
-    phase, server = Phase(clients, seconds), run.server
+async def run_phase(
+    run: Run, clients: int, seconds: float, warmup: float, rate: float | None = None
+) -> Phase:
+    phase, server = Phase(clients, seconds, rate), run.server
     log_from = server.log_path.stat().st_size
     async with transport(run.client, server.url, clients) as send:
         now = time.perf_counter()
-        clock = {"measure_from": now + warmup, "end": now + warmup + seconds}
+        clock = {"start": now, "measure_from": now + warmup, "end": now + warmup + seconds}
         measure_wall = time.time() + warmup
         tasks = [asyncio.create_task(_client(n, run, send, phase, clock)) for n in range(clients)]
         await asyncio.sleep(max(0.0, clock["measure_from"] - time.perf_counter()))
@@ -552,7 +595,8 @@ def report(phase: Phase, writes_expected: bool) -> list[Check]:
     """Print the phase's tables; return its checks against the issue's targets."""
     samples, rate = phase.samples, phase.completed / phase.seconds
     fives = sum(n for code, n in phase.statuses.items() if code >= 500)
-    print(f"\n### {phase.clients} clients: {phase.completed:,} answers in the {phase.seconds:g} s "
+    mode = "closed loop" if not phase.rate else f"paced at {phase.rate:g} req/s offered"
+    print(f"\n### {phase.clients} clients, {mode}: {phase.completed:,} answers in the {phase.seconds:g} s "
           f"window = {rate:.0f} req/s; last request ended {phase.drain_s:.1f} s after it; statuses "
           f"(warm-up included) {dict(sorted(phase.statuses.items()))}; transport errors "
           f"{dict(phase.errors) or 0}")  # fmt: skip
@@ -603,6 +647,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--purge-share", type=float, default=0.05, help="of all requests")
     parser.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp")
     parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="offered requests/s over all clients (Poisson arrivals, latency from the scheduled "
+        "send time); default: closed loop, each client sends as soon as its answer came",
+    )
+    parser.add_argument(
         "--keep", action="store_true", help="keep the fresh database and the directory (serve.log)"
     )
     parser.add_argument(
@@ -626,7 +677,7 @@ def drive(args: argparse.Namespace, url: str, directory: Path) -> tuple[Run, lis
         print(f"seeded {args.tenants} tenants; server pid {server.proc and server.proc.pid}")
         for clients in args.clients:
             print(f"{clients} clients: {args.warmup:g} s warm-up + {args.seconds:g} s", flush=True)
-            phase = asyncio.run(run_phase(run, clients, args.seconds, args.warmup))
+            phase = asyncio.run(run_phase(run, clients, args.seconds, args.warmup, args.rate))
             checks += report(phase, writes_expected=mix.policy + mix.purge > 0)
         checks.append(wait_drained(url))
     finally:

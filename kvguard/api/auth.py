@@ -35,6 +35,8 @@ __all__ = [
     "Role",
     "TooManyFailuresError",
     "authenticate_bearer",
+    "bearer_key",
+    "cached_bearer",
 ]
 
 _log = get_logger("kvguard.api.auth")
@@ -127,6 +129,18 @@ class FailureLimiter:
                 self._key_ids.add(key_id, now)
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header value, else None."""
+    scheme, _, value = (authorization or "").partition(" ")
+    return (value.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def cached_bearer(keys: ApiKeys, authorization: str | None) -> Principal | None:
+    """The principal behind the header if its key is in the revocation-coherent cache and its
+    secret matches (no I/O, no failure counted); None: call `authenticate_bearer`."""
+    return keys.cached(bearer_key(authorization))
+
+
 def authenticate_bearer(
     keys: ApiKeys,
     limiter: FailureLimiter,
@@ -138,8 +152,7 @@ def authenticate_bearer(
     """The principal behind an `Authorization: Bearer <key>` header value. Raises
     AuthenticationError (401), or TooManyFailuresError (429) when the client address or the key id
     is over the failure limit; a key that authenticates is never refused (module docstring)."""
-    scheme, _, value = (authorization or "").partition(" ")
-    api_key = value.strip() if scheme.lower() == "bearer" else None
+    api_key = bearer_key(authorization)
     principal = keys.authenticate(api_key) if api_key else None
     if principal is not None:
         return principal

@@ -226,4 +226,5 @@ def revoke_key_command(
             lambda conn: keys.revoke(key_id, conn=conn),
             lambda _none: operator_event("api_key.revoke", key_id=key_id),
         )
+        keys.settle(key_id)  # returns once no API process takes the key from its cache
     emit({"key_id": key_id, "revoked": True}, json_output, f"key {key_id} revoked")

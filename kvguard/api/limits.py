@@ -7,7 +7,10 @@ order:
 2. A NUL in the path or the query string: 422 (PostgreSQL cannot store NUL in text, and a value
    that cannot be stored is the caller's error, not a 500).
 3. `Authorization: Bearer` for every path but the public ones (health probes, the schema and its
-   docs): 401, or 429 past the failure limit (`kvguard.api.auth`). The principal is left in
+   docs): 401, or 429 past the failure limit (`kvguard.api.auth`). A key in the
+   revocation-coherent cache (`kvguard.control.key_cache`, PostgreSQL) is checked on the event loop
+   (an HMAC, no I/O, no thread hop); any other key, and every wrong secret, against its database
+   row on a worker thread. The principal is left in
    `scope["state"]` (`PRINCIPAL_STATE`), where `kvguard.api.deps.get_principal` takes it instead of
    authenticating again. A caller without a key never gets a body read, a route matched or a
    schema validated.
@@ -32,7 +35,7 @@ from urllib.parse import unquote_to_bytes
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvguard.api.auth import Principal, authenticate_bearer
+from kvguard.api.auth import Principal, authenticate_bearer, cached_bearer
 from kvguard.api.errors import ApiError, response_for
 from kvguard.api.services import Services
 
@@ -173,7 +176,11 @@ class RequestGate:
                 raise _too_large(self.max_body_bytes)
             self._check_target(scope)
             if scope["path"] not in self.public_paths:
-                principal = await anyio.to_thread.run_sync(self._authenticate, scope)
+                # A key in the revocation-coherent cache is checked here on the event loop (an
+                # HMAC, no I/O); anything else is checked against the database on a worker thread.
+                principal = cached_bearer(self.services.keys, _header(scope, b"authorization"))
+                if principal is None:
+                    principal = await anyio.to_thread.run_sync(self._authenticate, scope)
                 scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
         except Exception as exc:  # refused (or the key store is down: 503) before the application
             await response_for(exc)(scope, receive, send_closing)

@@ -37,6 +37,7 @@ from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.control.commands import CommandQueue
 from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.engines import EngineRegistry
+from kvguard.control.key_cache import KeyCache
 from kvguard.control.keys import TenantKeys
 from kvguard.control.outbox import Deliverer, Outbox
 from kvguard.control.publish import PolicyPublisher
@@ -140,6 +141,7 @@ class Services:
     publisher: PolicyPublisher
     clock: Callable[[], float] = field(default=time.time)
     policy_writer: SerialWriter = field(default_factory=SerialWriter)
+    key_cache: KeyCache | None = None  # PostgreSQL only (kvguard.control.key_cache)
     _deliverer: Deliverer | None = None
 
     @classmethod
@@ -159,13 +161,16 @@ class Services:
         outbox = Outbox(db)
         policies = PolicyStore(db, clock=clock)
         commands = CommandQueue(db)
+        # The key rows of authenticated keys, kept coherent with revocations by a listener on a
+        # connection of its own: no key-row read per request (docs/benchmarks.md).
+        key_cache = KeyCache(db).start() if db.dialect.name == "postgresql" else None
         services = cls(
             config=config,
             db=db,
             ledger=ledger,
             policies=policies,
             tenants=TenantRegistry(db, clock=clock),
-            keys=ApiKeys(db, clock=clock),
+            keys=ApiKeys(db, clock=clock, cache=key_cache),
             inference_keys=TenantKeys(db),
             commands=commands,
             engines=EngineRegistry(db),
@@ -178,6 +183,7 @@ class Services:
             outbox=outbox,
             publisher=PolicyPublisher(policies, outbox, commands, clock=clock),
             clock=clock,
+            key_cache=key_cache,
         )
         registry.register(FleetCollector(services))  # reads the fleet at scrape time
         services.deliver()  # what a crash left pending
@@ -214,6 +220,8 @@ class Services:
         )
 
     def close(self) -> None:
+        if self.key_cache is not None:
+            self.key_cache.close()
         self.policy_writer.close()
         if self._deliverer is not None:
             self._deliverer.close()

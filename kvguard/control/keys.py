@@ -4,8 +4,12 @@ Both kinds are 32 random bytes (256 bits) behind a key id, shown once at creatio
 the database keeps a fast hash of the secret (inference keys: SHA-256; admin keys: HMAC-SHA256 under a
 per-key salt). Slow password hashes defend guessable passwords, not 256-bit random keys, and would
 cost more than the request they guard. Every check does the same work whether the key id exists or
-not (an unknown id is hashed and compared against a dummy), the comparison is constant-time, and the
-row is read on every request, so a revocation holds from the next request in every process. Admin
+not (an unknown id is hashed and compared against a dummy), and the comparison is constant-time. An
+API process on PostgreSQL keeps the rows of keys that authenticated in a revocation-coherent cache
+(`kvguard.control.key_cache`: a revocation notifies every process, and the revoker waits out the
+cache's lease before it returns), so a revocation holds from the next request in every process; a
+check that fails in the cache is redone against the database, so a wrong secret costs the same
+whether its key id exists or not. Without the cache (SQLite, the CLI) the row is read every time. Admin
 keys issued by kvguard 0.1.0 carry an scrypt hash: the first successful check stores their HMAC and
 drops the scrypt hash, so each pays the slow hash at most once.
 
@@ -29,6 +33,7 @@ from typing import Any, Final
 import sqlalchemy as sa
 
 from kvguard.control.db import ensure_schema, open_engine, read_connection, write_transaction
+from kvguard.control.key_cache import CHANNEL, CachedKey, KeyCache, settle
 from kvguard.control.schema import AdminKeyRow, TenantKeyRow
 from kvguard.control.tenants import TenantRegistry, check_tenant_id
 from kvguard.errors import ConfigError, ConflictError, NotFoundError
@@ -83,9 +88,17 @@ def admin_key_id(api_key: str | None) -> str | None:
 class ApiKeys:
     """Issue, revoke and check admin API keys (table `admin_api_keys`)."""
 
-    def __init__(self, engine: sa.Engine, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        clock: Callable[[], float] = time.time,
+        cache: KeyCache | None = None,
+    ) -> None:
         self._engine = engine
         self._clock = clock
+        self._cache = cache
+        self._notifies = engine.dialect.name == "postgresql"
         ensure_schema(engine)
 
     @property
@@ -129,10 +142,14 @@ class ApiKeys:
         return IssuedApiKey(Principal(key_id, role, tenant_id), api_key)
 
     def revoke(self, key_id: str, *, conn: sa.Connection | None = None) -> None:
-        """Revoke a key; with `conn`, inside the caller's write transaction."""
+        """Revoke a key. Alone, it returns once no API process can take the key any more; with
+        `conn` it joins the caller's write transaction, and the caller calls `settle()` after its
+        commit."""
         if conn is None:
             with write_transaction(self._engine) as own:
-                return self.revoke(key_id, conn=own)
+                self.revoke(key_id, conn=own)
+            self.settle(key_id)
+            return
         done = conn.execute(
             sa.update(AdminKeyRow)
             .where(AdminKeyRow.key_id == key_id, AdminKeyRow.revoked_at.is_(None))
@@ -140,6 +157,33 @@ class ApiKeys:
         ).rowcount
         if done != 1:
             raise NotFoundError(f"no active admin key with id {key_id!r}")
+        if self._notifies:  # delivered at commit to every API process's key cache
+            conn.execute(sa.select(sa.func.pg_notify(CHANNEL, key_id)))
+
+    def settle(self, key_id: str) -> None:
+        """After a revocation of `key_id` committed: return once no API process can still take
+        the key from its cache (`kvguard.control.key_cache`, point 4)."""
+        if self._cache is not None:
+            self._cache.invalidate(key_id)
+        if self._notifies:
+            settle()
+
+    def cached(self, api_key: str | None) -> Principal | None:
+        """The principal of `api_key` if its row is in the cache and the secret matches; None
+        otherwise, and the caller then calls `authenticate` (which reads the row). No I/O: the
+        admin API calls this on its event loop. The same work for cached and uncached key ids."""
+        if self._cache is None:
+            return None
+        match = _ADMIN_KEY_RE.fullmatch(api_key or "")
+        if match is None:
+            return None
+        key_id, secret = match.groups()
+        entry = self._cache.get(key_id)
+        salt = entry.salt if entry is not None else _DUMMY_SALT
+        stored = entry.secret_hash if entry is not None else _DUMMY_HASH
+        if not hmac.compare_digest(_admin_hash(secret, salt), stored) or entry is None:
+            return None
+        return Principal(key_id, Role(entry.role), entry.tenant_id)
 
     def authenticate(self, api_key: str | None) -> Principal | None:
         """The principal of a valid, unrevoked key; None for anything else (never raises on bad
@@ -149,6 +193,7 @@ class ApiKeys:
             return None
         key_id, secret = match.groups()
         t = AdminKeyRow
+        generation = self._cache.generation if self._cache is not None else 0
         with read_connection(self._engine) as conn:
             row = conn.execute(
                 sa.select(
@@ -163,6 +208,9 @@ class ApiKeys:
             return None
         if row.revoked_at is not None:
             return None
+        if self._cache is not None:
+            entry = CachedKey(bytes(row.salt), bytes(row.secret_hash), row.role, row.tenant_id)
+            self._cache.put(key_id, entry, generation)
         return Principal(key_id, Role(row.role), row.tenant_id)
 
     def _legacy(self, key_id: str, secret: str, row: Any) -> Principal | None:

@@ -28,6 +28,7 @@ from kvguard.api.audit_schemas import (
 )
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.audit import bundle, note
 from kvguard.audit.bundle_stream import BundleStream, ExportQuery
 from kvguard.audit.checkpoint import parse_checkpoint
@@ -38,7 +39,9 @@ from kvguard.audit.store import CheckpointRow
 from kvguard.control.tenants import TENANT_ID_PATTERN
 from kvguard.errors import NotFoundError
 
-router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=ERROR_RESPONSES)
+router = APIRouter(
+    route_class=OneHopRoute, prefix="/v1/audit", tags=["audit"], responses=ERROR_RESPONSES
+)
 
 _MAX_INDEX = 1 << 62
 Readers = Annotated[Access, require(*READERS)]

@@ -15,10 +15,11 @@ from pydantic import BaseModel, Field
 
 from kvguard.api.deps import GLOBAL_READERS, READERS, Access, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.control.engines import EngineInfo, TenantCacheStats
 from kvguard.control.tenants import TENANT_ID_PATTERN
 
-router = APIRouter(tags=["cache"], responses=ERROR_RESPONSES)
+router = APIRouter(route_class=OneHopRoute, tags=["cache"], responses=ERROR_RESPONSES)
 
 
 class TenantEngineState(BaseModel):

@@ -11,10 +11,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.api.deps import ServicesDep
+from kvguard.api.offload import OneHopRoute
 from kvguard.audit.db import write_transaction
 from kvguard.logging import get_logger
 
-router = APIRouter(tags=["health"])
+router = APIRouter(route_class=OneHopRoute, tags=["health"])
 _log = get_logger("kvguard.api.health")
 
 # Ledger events committed in the outbox but not yet in the ledger above which the API reports not

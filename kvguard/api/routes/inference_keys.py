@@ -15,9 +15,11 @@ from pydantic import BaseModel, Field
 
 from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.control.keys import TenantKeyInfo
 
 router = APIRouter(
+    route_class=OneHopRoute,
     prefix="/v1/tenants/{tenant_id}/inference-keys",
     tags=["inference keys"],
     responses=ERROR_RESPONSES,

@@ -39,6 +39,7 @@ from kvguard.api.deps import (
     require,
 )
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.api.services import Services
 from kvguard.audit.events import AuditEvent
 from kvguard.control.policy_seed import policy_change_event
@@ -54,7 +55,7 @@ from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyChange, PolicyVersion
 from kvguard.policy.tighten import loosened
 
-router = APIRouter(tags=["policies"], responses=ERROR_RESPONSES)
+router = APIRouter(route_class=OneHopRoute, tags=["policies"], responses=ERROR_RESPONSES)
 
 TenantIdPath = Annotated[str, Path(pattern=TENANT_ID_PATTERN, max_length=128)]
 ReasonField = Field(min_length=1, max_length=2000, description="Why: kept with the version")

@@ -18,6 +18,7 @@ from kvguard.api import certificates
 from kvguard.api import purge_jobs as jobs
 from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.api.purge_schemas import (
     ErasureCertificate,
     PurgeCreate,
@@ -29,7 +30,9 @@ from kvguard.control.commands import PurgeSelector
 from kvguard.control.publish import submit_purge
 from kvguard.errors import ConflictError, PermissionDeniedError
 
-router = APIRouter(prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES)
+router = APIRouter(
+    route_class=OneHopRoute, prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES
+)
 
 JobId = Annotated[int, Path(ge=1, lt=1 << 31, description="The job id `POST /v1/purges` returned")]
 

@@ -9,11 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
+from kvguard.api.offload import OneHopRoute
 from kvguard.api.routes.policies import edit_tenant, store_policy
 from kvguard.control.commands import PurgeKind, PurgeSelector
 from kvguard.control.tenants import TENANT_ID_PATTERN
 
-router = APIRouter(prefix="/v1/tenants", tags=["tenants"], responses=ERROR_RESPONSES)
+router = APIRouter(
+    route_class=OneHopRoute, prefix="/v1/tenants", tags=["tenants"], responses=ERROR_RESPONSES
+)
 
 TenantIdField = Field(pattern=TENANT_ID_PATTERN, max_length=128)
 
