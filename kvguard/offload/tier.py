@@ -31,7 +31,8 @@ from cryptography.exceptions import InvalidTag
 
 from kvguard.errors import TierAuthError
 from kvguard.offload.keys import OffloadKeys, Shred
-from kvguard.secretfile import private_dir, write_private_file
+from kvguard.offload.tierdir import Swept, TierDirectory
+from kvguard.secretfile import write_private_file
 
 AAD_LABEL: Final = b"kvguard/offload-block/v1"
 OVERHEAD_BYTES: Final = 12 + 16  # nonce + GCM tag
@@ -104,13 +105,21 @@ class EncryptedTier:
             raise ValueError("the offload tier's budget must be positive")
         self._keys = keys
         self._budget = budget_bytes
-        self._dir = private_dir(directory) if directory is not None else None
+        # A subdirectory of its own, locked while this process lives; what killed engines left in
+        # `directory` is deleted first (kvguard.offload.tierdir).
+        self._home = TierDirectory(directory) if directory is not None else None
+        self._dir = self._home.path if self._home is not None else None
         self._clock = clock
         self._entries: OrderedDict[tuple[bytes, bytes, tuple[int, int], int], _Entry] = (
             OrderedDict()
         )
         self._used = 0
         self._lock = threading.Lock()
+
+    @property
+    def swept(self) -> Swept:
+        """What the start-up sweep of the directory deleted (left by engines that were killed)."""
+        return self._home.swept if self._home is not None else Swept()
 
     @property
     def used_bytes(self) -> int:
@@ -209,6 +218,8 @@ class EncryptedTier:
         with self._lock:
             for key in list(self._entries):
                 self._drop(key)
+            if self._home is not None:
+                self._home.close()
 
     # --- internals (under the lock) -----------------------------------------------------------
 

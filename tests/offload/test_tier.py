@@ -56,11 +56,17 @@ def test_roundtrip_in_memory_and_on_disk(tier: EncryptedTier) -> None:
     assert tier.used_bytes == 2 * (4096 + 16)
 
 
+def entry_files(root: Path) -> list[Path]:
+    """The tier's ciphertext files under its directory (in its per-process subdirectory)."""
+    return sorted(root.glob("*/*.kvb"))
+
+
 def test_disk_files_are_private_and_hold_no_plaintext(tier: EncryptedTier, tmp_path: Path) -> None:
     payload = b"KV-PLAINTEXT-" * 300
     tier.put(addr(), payload, to_disk=True)
-    (path,) = (tmp_path / "tier").iterdir()
+    (path,) = entry_files(tmp_path / "tier")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) == 0o700
     assert b"KV-PLAINTEXT" not in path.read_bytes()
 
@@ -170,7 +176,7 @@ def test_shredded_ciphertext_cannot_be_decrypted_with_anything_kvguard_holds(
     assert report.key is not None and report.key.destroyed_epoch == 0
     assert (report.removed.entries, report.removed.bytes) == (2, 2 * (512 + 16))
     assert secret_ref == bytearray(EPOCH_SECRET_BYTES)  # overwritten in place
-    assert list((tmp_path / "tier").iterdir()) == []  # the disk copy is gone
+    assert entry_files(tmp_path / "tier") == []  # the disk copy is gone
     assert tier.get(addr(position=0)) is None and tier.get(addr(b"domain-b")) == payload
     # Everything kvguard still holds, tried against every captured ciphertext:
     held = [tier._keys.current(b"domain-a"), tier._keys.current(b"domain-b")]
@@ -222,4 +228,5 @@ def test_expiry_and_close(keyring: Keyring, tmp_path: Path) -> None:
     assert tier.expire(50).entries == 1
     assert tier.get(addr(position=0)) is None and tier.get(addr(position=1)) == b"new"
     tier.close()
-    assert len(tier) == 0 and tier._keys.domains() == [] and list((tmp_path / "t").iterdir()) == []
+    assert len(tier) == 0 and tier._keys.domains() == []
+    assert list((tmp_path / "t").iterdir()) == []  # its subdirectory and lock file too

@@ -1,0 +1,159 @@
+"""The offload tier's files on disk: one private subdirectory per engine process, swept at start.
+
+A tier's ciphertexts are unreadable once its process is gone (the epoch secrets behind their keys
+live only in that process's memory, `kvguard.offload.keys`), and a clean stop deletes them. A
+process that is killed (kill -9, OOM killer, power loss) cannot: its files stay behind in the
+configured directory, undecryptable but taking disk space, and nothing would ever delete them. Two
+engine processes may also be pointed at the same directory.
+
+So each tier claims a subdirectory of its own, `tier-<pid>-<random>/`, beside a lock file
+`tier-<pid>-<random>.lock` on which it holds an exclusive `flock` for its whole life. The kernel
+releases that lock when the process dies, however it dies. At start, a tier sweeps the directory:
+every `tier-*.lock` it can lock belongs to a process that is gone, and its subdirectory is deleted
+(then the lock file); a live engine's lock cannot be taken, so its files are never touched. Also
+deleted: subdirectories without a lock file, half-made claims nobody holds, and `*.kvb` files at the
+top level (kvguard 0.1 wrote them there without any lock).
+
+The claim cannot be confused with a dead one: the lock file is created under a temporary name,
+locked, and only then renamed to its final name, and the subdirectory is made after that; a sweeper
+that takes a temporary file before its creator locked it deletes it, and the creator then finds it
+gone at the rename and tries a new name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from kvguard.logging import get_logger
+from kvguard.secretfile import private_dir
+
+PREFIX: Final = "tier-"
+_CLAIM_TRIES: Final = 8
+_log = get_logger("kvguard.offload.tierdir")
+
+
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """What a start-up sweep deleted: entries (files) and bytes left by stopped processes."""
+
+    entries: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: Swept) -> Swept:
+        return Swept(self.entries + other.entries, self.bytes + other.bytes)
+
+
+class TierDirectory:
+    """This process's own subdirectory of the offload directory `root` (module docstring)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = private_dir(root)
+        self.swept = sweep(self.root)
+        if self.swept.entries:
+            _log.warning(
+                "offload directory: deleted entries left by an engine that stopped without "
+                "cleaning up (unreadable: their keys ended with it)",
+                entries=self.swept.entries,
+                bytes=self.swept.bytes,
+            )
+        self.path, self._fd = _claim(self.root)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / f"{self.path.name}.lock"
+
+    def close(self) -> None:
+        """Delete the subdirectory with whatever is left in it, then the lock file. Idempotent."""
+        if self._fd < 0:
+            return
+        _remove_tree(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.lock_path)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def sweep(root: Path) -> Swept:
+    """Delete what processes that are gone left in `root`; never a live process's files."""
+    total = Swept()
+    for lock in sorted(root.glob(f"{PREFIX}*.lock")):
+        fd = _try_lock(lock)
+        if fd is None:
+            continue  # a live engine's, or one another sweeper is deleting right now
+        try:
+            total += _remove_tree(root / lock.name.removesuffix(".lock"))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+        finally:
+            os.close(fd)
+    for sub in sorted(root.glob(f"{PREFIX}*")):
+        if sub.is_dir() and not (root / f"{sub.name}.lock").exists():
+            total += _remove_tree(sub)  # its owner's lock file is gone: an interrupted sweep
+    for tmp in sorted(root.glob(f".{PREFIX}*.tmp")):
+        fd = _try_lock(tmp)
+        if fd is not None:  # a claim whose process died before finishing it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.close(fd)
+    for stray in sorted(root.glob("*.kvb")):  # kvguard 0.1 kept its files here, unlocked
+        total += _remove_file(stray)
+    return total
+
+
+def _claim(root: Path) -> tuple[Path, int]:
+    for _ in range(_CLAIM_TRIES):
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        tmp = root / f".{name}.tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, root / f"{name}.lock")
+        except (BlockingIOError, FileNotFoundError):  # a sweeper took it first: a new name
+            os.close(fd)
+            continue
+        path = root / name
+        path.mkdir(mode=0o700)
+        return path, fd
+    raise OSError(f"could not claim a subdirectory of the offload directory {root}")
+
+
+def _try_lock(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_tree(path: Path) -> Swept:
+    total = Swept()
+    if not path.is_dir():
+        return total
+    for child in path.iterdir():
+        total += _remove_file(child)
+    shutil.rmtree(path, ignore_errors=True)
+    return total
+
+
+def _remove_file(path: Path) -> Swept:
+    try:
+        size = path.stat().st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return Swept()
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+        return Swept()
+    return Swept(1, size)
