@@ -9,12 +9,23 @@ kvguard's own work (custody, policy, ledger, zeroization), not the isolation it 
 Target (issues 5 and 10): governed/plain >= 0.95 on the tiny CPU model, the worst case, where per-step
 Python overhead dominates, also with the KV pool full and the engine evicting (`--kv-kib 1024
 --tenants 16`: 64 blocks for 16 tenants' distinct prefixes, so every batch evicts cached blocks).
-Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--kv-kib N] [--tenants T]
+Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--batches 3] [--kv-kib N]
+     [--tenants T] [--ledger-interval S]
+
+Each child runs a warm-up batch, then `--batches` measured batches; the ratio compares the medians
+over every measured batch of each engine. Besides tokens/s it reports, per engine, where the wall
+time went: vLLM's forward passes (`GPUModelRunner._model_forward`, timed around each call) and the
+rest of the step loop (scheduling, sampling, and for the governed engine kvguard's own work), the
+scheduler's counts (steps, scheduled tokens, preemptions: equal counts mean equal forward work), CPU
+seconds per thread, Python's cyclic collections, and for the governed engine the ledger writer's
+group commits and how much longer the forward passes that overlapped one took (on two cores the
+writer's CPU comes out of vLLM's OpenMP forward threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -22,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +73,12 @@ def engine_kwargs(kv_bytes: int = 8 << 20) -> dict[str, object]:
 
 
 def open_engine(
-    mode: str, items: list[tuple[str, list[int]]], params: Any, kwargs: dict[str, object]
+    mode: str,
+    items: list[tuple[str, list[int]]],
+    params: Any,
+    kwargs: dict[str, object],
+    *,
+    ledger_interval: float | None = None,
 ) -> tuple[Callable[[], list], Any]:
     """A plain vLLM engine (per-tenant client salts) or a governed one (kvguard's), in this process,
     and a function running `items` through it in one batch; the second value is the `GuardedLLM`
@@ -78,46 +96,186 @@ def open_engine(
     from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
     from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
 
-    opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), verify_override="sample")
+    extra: dict[str, Any] = {"verify_override": "sample"}
+    if ledger_interval is not None:
+        extra["ledger_commit_interval_s"] = ledger_interval
+    opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), **extra)
     g = GuardedLLM(str(tiny_llama_dir()), options=opts, **kwargs)
     batch = [(TenantRequest(t), p) for t, p in items]
     return lambda: g.generate_batch(batch, params), g
 
 
-def child(mode: str, out: Path, kv_bytes: int, tenants: int) -> None:
+def child(mode: str, out: Path, args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams  # noqa: PLC0415
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    run, g = open_engine(mode, workload(tenants), params, engine_kwargs(kv_bytes))
+    steps = StepTimes()
+    run, g = open_engine(
+        mode,
+        workload(args.tenants),
+        params,
+        engine_kwargs(args.kv_kib << 10),
+        ledger_interval=args.ledger_interval,
+    )
+    commits = CommitTimes(g.connector.scheduler_guard.ledger) if g is not None else None
     run()  # warm-up (also fills the cache so measured runs see the same hits)
-    before = _phases(g) if mode == "governed" else {}
-    start = time.perf_counter()
-    outs = run()
-    wall = time.perf_counter() - start
-    result: dict[str, object] = {
-        "wall_s": wall,
-        "generated": sum(len(o.outputs[0].token_ids) for o in outs),
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-        "prefill_avoided": sum(o.num_cached_tokens for o in outs),
-    }
-    if mode == "governed":
-        after = _phases(g)
-        result["phases"] = {
-            k: {
-                "seconds": v["seconds"] - before.get(k, {}).get("seconds", 0.0),
-                "calls": v["calls"] - before.get(k, {}).get("calls", 0),
-            }
-            for k, v in after.items()
+    batches = []
+    for _ in range(args.batches):
+        before = _phases(g) if mode == "governed" else {}
+        cpu_before = thread_cpu()
+        steps.clear()
+        if commits is not None:
+            commits.clear()
+        gc_time = GcTimer()
+        start = time.perf_counter()
+        outs = run()
+        wall = time.perf_counter() - start
+        gc_time.stop()
+        result: dict[str, Any] = {
+            "wall_s": wall,
+            "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "prefill_avoided": sum(o.num_cached_tokens for o in outs),
+            "scheduled": dict(steps.counts),
+            "forward_s": sum(d for _, d in steps.forwards),
+            "gc": gc_time.totals,
+            "thread_cpu_s": _delta(thread_cpu(), cpu_before),
         }
-        result["steps"] = after["build_step"]["calls"] - before["build_step"]["calls"]
-        result["evictions"] = g.connector.scheduler_guard.reporter.counts["evictions"]
+        if commits is not None:
+            result["commits"] = commits.overlap(steps.forwards)
+        if mode == "governed":
+            after = _phases(g)
+            result["phases"] = {
+                k: {
+                    "seconds": v["seconds"] - before.get(k, {}).get("seconds", 0.0),
+                    "calls": v["calls"] - before.get(k, {}).get("calls", 0),
+                }
+                for k, v in after.items()
+            }
+            result["steps"] = after["build_step"]["calls"] - before["build_step"]["calls"]
+            result["evictions"] = g.connector.scheduler_guard.reporter.counts["evictions"]
+        batches.append(result)
+    if g is not None:
         g.close()
-    out.write_text(json.dumps(result))
+    out.write_text(json.dumps(batches))
 
 
-def _phases(g) -> dict:
+class StepTimes:
+    """vLLM's scheduler steps, the tokens they schedule (prefill recomputed after a preemption
+    included) and its preemptions, from `Scheduler.schedule`'s output (the same counts for plain
+    and governed engines mean the same forward work), and each forward pass's start and duration."""
+
+    def __init__(self) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415
+
+        self.counts: Counter[str] = Counter()
+        self.forwards: list[tuple[float, float]] = []
+        schedule, forward = Scheduler.schedule, GPUModelRunner._model_forward
+        counts, forwards = self.counts, self.forwards
+
+        def timed_schedule(sched: Any, *a: Any, **kw: Any) -> Any:
+            out = schedule(sched, *a, **kw)
+            counts["steps"] += 1
+            counts["tokens"] += out.total_num_scheduled_tokens
+            counts["preempted"] += len(out.preempted_req_ids or ())
+            return out
+
+        def timed_forward(runner: Any, *a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            out = forward(runner, *a, **kw)
+            forwards.append((t, time.perf_counter() - t))
+            return out
+
+        Scheduler.schedule = timed_schedule  # type: ignore[method-assign]
+        GPUModelRunner._model_forward = timed_forward  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.counts.clear()
+        self.forwards.clear()
+
+
+class CommitTimes:
+    """The governed engine's ledger group commits (start, duration), timed around the writer's
+    write function, and the forward passes they overlapped."""
+
+    def __init__(self, ledger: Any) -> None:
+        writer = ledger._writer  # a benchmark may look inside: nothing is changed but timing
+        write, commits = writer._write, []
+        self.commits: list[tuple[float, float]] = commits
+
+        def timed(batch: Any) -> None:
+            t = time.perf_counter()
+            write(batch)
+            commits.append((t, time.perf_counter() - t))
+
+        writer._write = timed
+
+    def clear(self) -> None:
+        self.commits.clear()
+
+    def overlap(self, forwards: list[tuple[float, float]]) -> dict[str, float]:
+        commits = list(self.commits)
+        hit, clear = [], []
+        for start, dur in forwards:
+            overlaps = any(c < start + dur and c + cd > start for c, cd in commits)
+            (hit if overlaps else clear).append(dur)
+        return {
+            "count": len(commits),
+            "seconds": sum(d for _, d in commits),
+            "forwards_overlapped": len(hit),
+            "overlapped_mean_s": statistics.fmean(hit) if hit else 0.0,
+            "clear_mean_s": statistics.fmean(clear) if clear else 0.0,
+        }
+
+
+class GcTimer:
+    """Wall time and count of Python's cyclic collections per generation while it is installed:
+    allocations by either side trigger collections that walk the engine's whole object graph."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.totals: dict[str, list[float]] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        entry = self.totals.setdefault(f"gen{info['generation']}", [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - self._start
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process, by thread name (Python's names where it knows the
+    thread, the kernel's `comm` otherwise: vLLM's OpenMP workers show as `python`), summed per
+    name."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd on; utime, stime
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        name = names.get(int(task.name), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v > before.get(k, 0.0)}
+
+
+def _phases(g: Any) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
 
     sched = g.connector.scheduler_guard
@@ -129,60 +287,84 @@ def main() -> None:
     ap.add_argument("--child", choices=["plain", "governed"])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=3, help="measured batches per child")
     ap.add_argument("--kv-kib", type=int, default=8192, help="KV pool size (KiB)")
     ap.add_argument("--tenants", type=int, default=TENANTS)
+    ap.add_argument(
+        "--ledger-interval", type=float, help="governed: ledger_commit_interval_s (default 0.05)"
+    )
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.out, args.kv_kib << 10, args.tenants)
+        child(args.child, args.out, args)
         return
     runs: dict[str, list[dict]] = {"plain": [], "governed": []}
+    passthrough = ["--batches", str(args.batches), "--kv-kib", str(args.kv_kib)]
+    passthrough += ["--tenants", str(args.tenants)]
+    if args.ledger_interval is not None:
+        passthrough += ["--ledger-interval", str(args.ledger_interval)]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in ("plain", "governed"):
                 out = Path(tmp) / f"{mode}-{r}.json"
                 env = {**os.environ, "PYTHONPATH": str(ROOT)}
-                subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--child",
-                        mode,
-                        "--out",
-                        str(out),
-                        "--kv-kib",
-                        str(args.kv_kib),
-                        "--tenants",
-                        str(args.tenants),
-                    ],
-                    check=True,
-                    env=env,
-                    cwd=ROOT,
-                    capture_output=True,
-                )
-                runs[mode].append(json.loads(out.read_text()))
-                rate = runs[mode][-1]["generated"] / runs[mode][-1]["wall_s"]
-                print(f"round {r} {mode:<8} {rate:8.1f} generated tok/s", file=sys.stderr)
+                cmd = [sys.executable, __file__, "--child", mode, "--out", str(out), *passthrough]
+                subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
+                batches = json.loads(out.read_text())
+                runs[mode].extend(batches)
+                rates = [round(b["generated"] / b["wall_s"], 1) for b in batches]
+                print(f"round {r} {mode:<8} generated tok/s per batch {rates}", file=sys.stderr)
+    report(args, runs)
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    med = statistics.median
     rates = {m: [x["generated"] / x["wall_s"] for x in v] for m, v in runs.items()}
-    plain, governed = statistics.median(rates["plain"]), statistics.median(rates["governed"])
+    plain, governed = med(rates["plain"]), med(rates["governed"])
     last = runs["governed"][-1]
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
     )
     print(
         f"workload: {args.tenants} tenants x {PER_TENANT} requests, 84-token prompts, "
-        f"{MAX_TOKENS} tokens out, KV pool {args.kv_kib} KiB"
+        f"{MAX_TOKENS} tokens out, KV pool {args.kv_kib} KiB; {args.rounds} rounds x "
+        f"{args.batches} measured batches per engine"
+        + (f"; ledger commit interval {args.ledger_interval} s" if args.ledger_interval else "")
     )
-    print(f"{'engine':<10}{'median tok/s':>14}{'runs':>40}")
+    print(
+        f"{'engine':<10}{'median tok/s':>14}{'forward s':>11}{'rest s':>9}  steps/tokens/preempted"
+    )
     for m in ("plain", "governed"):
-        print(f"{m:<10}{statistics.median(rates[m]):>14.1f}{[round(x, 1) for x in rates[m]]!s:>40}")
+        fwd = med(x["forward_s"] for x in runs[m])
+        rest = med(x["wall_s"] - x["forward_s"] for x in runs[m])
+        s = runs[m][-1]["scheduled"]
+        print(
+            f"{m:<10}{med(rates[m]):>14.1f}{fwd:>11.3f}{rest:>9.3f}  "
+            f"{s.get('steps')}/{s.get('tokens')}/{s.get('preempted')}"
+        )
     print(f"ratio governed/plain: {governed / plain:.3f} (target >= 0.95)")
     print(
-        f"prefill tokens avoided per run: plain {runs['plain'][-1]['prefill_avoided']}, "
+        f"prefill tokens avoided per batch: plain {runs['plain'][-1]['prefill_avoided']}, "
         f"governed {last['prefill_avoided']} of {last['prompt_tokens']} prompt tokens"
     )
-    print(f"engine evictions (cached blocks re-assigned), last governed run: {last['evictions']}")
+    print(f"engine evictions (cached blocks re-assigned), last governed batch: {last['evictions']}")
+    for m in ("plain", "governed"):
+        names = sorted({k for r in runs[m] for k in r["thread_cpu_s"]})
+        cpu = {n: med(r["thread_cpu_s"].get(n, 0.0) for r in runs[m]) for n in names}
+        text = ", ".join(f"{n} {v:.2f}" for n, v in cpu.items() if v >= 0.01)
+        print(f"CPU s per thread per batch, {m} (medians): {text}")
+        gcs = runs[m][-1]["gc"]
+        text = ", ".join(f"{g}: {int(n)} x {t * 1e3:.1f} ms" for g, (n, t) in sorted(gcs.items()))
+        print(f"cyclic GC, last {m} batch: {text or 'none'}")
+    c = [x["commits"] for x in runs["governed"]]
+    print(
+        f"ledger group commits per batch: {med(x['count'] for x in c):.0f} "
+        f"({med(x['seconds'] for x in c):.3f} s); forward passes overlapping one: "
+        f"{med(x['forwards_overlapped'] for x in c):.0f}, mean "
+        f"{med(x['overlapped_mean_s'] for x in c) * 1e3:.2f} ms against "
+        f"{med(x['clear_mean_s'] for x in c) * 1e3:.2f} ms for the others"
+    )
     steps = max(1, int(last["steps"]))
-    print(f"kvguard cost per engine step ({steps} steps in the last measured governed run):")
+    print(f"kvguard cost per engine step ({steps} steps in the last measured governed batch):")
     for name, v in last["phases"].items():
         print(f"  {name:<18}{v['seconds'] / steps * 1e6:10.1f} us/step  ({int(v['calls'])} calls)")
     # ledger_submit runs inside build_step / worker_output: do not count it twice.
@@ -192,8 +374,8 @@ def main() -> None:
     ]
     share = [o / r["wall_s"] for o, r in zip(own, runs["governed"], strict=True)]
     print(
-        f"kvguard's share of governed wall time: median {statistics.median(share):.1%} "
-        f"(per run {[round(x, 3) for x in share]}); implied ratio {1 - statistics.median(share):.3f}"
+        f"kvguard's timed share of governed wall time: median {med(share):.1%}; "
+        f"implied ratio {1 - med(share):.3f}"
     )
 
 

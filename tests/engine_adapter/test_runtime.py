@@ -28,3 +28,22 @@ def test_round_trip(tmp_path) -> None:
         **write_secrets(tmp_path), verify_override="full", commands_url="sqlite://"
     )
     assert GuardOptions.from_extra_config(options.to_extra_config()) == options
+
+
+def test_ledger_commit_interval_reaches_the_ledger_writer_and_is_bounded(tmp_path) -> None:
+    """Fewer group commits take less CPU from the engine but widen what a kill -9 loses: the
+    interval is the operator's choice within a bound, and it is what the writer uses."""
+    extra = GuardOptions(**write_secrets(tmp_path)).to_extra_config()
+    assert GuardOptions.from_extra_config(extra).ledger_commit_interval_s == 0.05
+    for bad in (0, -1, True, "0.2"):
+        with pytest.raises(ConfigError, match="ledger_commit_interval_s: expected a number > 0"):
+            GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": bad})
+    with pytest.raises(ConfigError, match="more than 5.0 s of entries"):
+        GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": 30})
+    options = GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": 0.25})
+    assert GuardOptions.from_extra_config(options.to_extra_config()) == options
+    ledger = options.open_ledger()
+    try:
+        assert ledger._writer._interval == 0.25
+    finally:
+        ledger.close()
