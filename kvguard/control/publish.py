@@ -196,7 +196,7 @@ class PolicyPublisher:
             raise PolicyVersionConflictError(
                 f"the policy store is at version {base.version}, not {expected_version}"
             )
-        document, digest = self._store.validated_document(edit(base))
+        document, digest = self._store.validated_document(edit(base), base=base.current)
         change = PolicyChange(
             version=base.version + 1, author=author, reason=reason, digest=digest, at=self._clock()
         )

@@ -37,6 +37,7 @@ from kvguard.control.schema import (
 )
 from kvguard.errors import PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
+from kvguard.policy.edits import CanonicalParts, checked_edit
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
 
@@ -85,6 +86,7 @@ class PolicyStore:
         # A writer puts what it validated here, so the version it stores is not parsed again when
         # it is first read (its row is still read and checked against its digest then).
         self._documents: dict[str, PolicySet] = {}
+        self._parts = CanonicalParts()  # the canonical JSON of parsed parts, for edits of them
 
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
@@ -260,10 +262,14 @@ class PolicyStore:
             return cached
         return self._version(conn, int(row.version), row.digest)
 
-    def validated_document(self, policy_set: PolicySet) -> tuple[str, str]:
+    def validated_document(
+        self, policy_set: PolicySet, *, base: PolicyVersion | None = None
+    ) -> tuple[str, str]:
         """The canonical JSON of `policy_set` and its digest, validated as a reader will parse it
-        (see `_edited`); what a writer stores as a version."""
-        document = self._edited(lambda _current: policy_set, None)
+        (see `_edited`); what a writer stores as a version. With `base` (the version edited), only
+        the parts that are not `base`'s own objects are validated again, if this store parsed or
+        validated `base` itself (`kvguard.policy.edits`)."""
+        document = self._edited(lambda _current: policy_set, base)
         return document, _digest(document)
 
     def remember_committed(self, change: PolicyChange) -> PolicyVersion | None:
@@ -361,14 +367,29 @@ class PolicyStore:
         self, edit: Callable[[PolicyVersion | None], PolicySet], current: PolicyVersion | None
     ) -> str:
         """The canonical JSON of `edit(current)`, validated as a reader will parse it."""
-        document = edit(current).canonical_json()
+        edited = edit(current)
         # Re-validate what will be stored: a PolicySet built with model_construct() skips
         # validation, and a version that cannot be read back would fail every engine closed
         # later, far from here. The result is what any reader parses from the stored document.
-        parsed = parse_policy(document, "policy to store", fmt="json")
+        # An edit of a version this store validated re-validates only the parts it replaced,
+        # plus the set's own rules (`kvguard.policy.edits` says why that is the same check);
+        # anything else, or anything that fails there, is parsed whole (and its problems
+        # reported at their field paths).
+        base = current.policy if current is not None and self._validated(current) else None
+        parsed = checked_edit(edited, base, self._parts) if base is not None else None
+        if parsed is not None:
+            document = self._parts.document(parsed)
+        else:
+            document = edited.canonical_json()
+            parsed = parse_policy(document, "policy to store", fmt="json")
         with self._subscribers_lock:
             self._remember_document(_digest(document), parsed)
         return document
+
+    def _validated(self, version: PolicyVersion) -> bool:
+        """Whether `version.policy` is the very set this store parsed or validated for it."""
+        with self._subscribers_lock:
+            return self._documents.get(version.change.digest) is version.policy
 
     def history(self) -> list[PolicyChange]:
         """Every version's metadata, oldest first."""
