@@ -7,10 +7,15 @@ call. Needs a CUDA GPU.
     PYTHONPATH=. python benchmarks/zeroize_bench.py --plan-only   # the host-side planner, any machine
 
 Host cost (8B shape). "enqueue" is the host time of `zeroize_async(cache, plan, verify=mode)`: what
-an engine's step pays (issue 14 target: <= 30 us up to 64 blocks); "plan" is `plan_zeroize` before
-it; "collect" is `poll()` + `evidence()` once the device has finished (paid at a later step); "sync"
-is the whole synchronous `zeroize()` with the GPU idle. "queued" repeats one-block calls behind
-~40 ms of queued GPU work: `zeroize_async` returns at once, `zeroize` waits for the queue. Medians.
+an engine's step pays (issue 14 target: <= 30 us up to 64 blocks), each call right after a
+`torch.cuda.synchronize()`; "untimed" the same with `timed=False` (no device timings in the
+evidence); "plan" is `plan_zeroize` before it; "collect" is `poll()` + `evidence()` once the device
+has finished (paid at a later step); "sync" is the whole synchronous `zeroize()` with the GPU idle.
+The matrix repeats the enqueue after a sync ("single") and with no synchronization between calls
+("loop", as an engine does step after step), timed and untimed, on the default and a side stream. "queued" repeats one-block calls behind ~40 ms of queued GPU work: `zeroize_async` returns at
+once, `zeroize` waits for the queue. "pieces" times each part of the path; "in place" compares the
+device time of a call whose kernels read the ids from pinned host memory with one that copies them
+first. Medians.
 
 Timing. "Device time" is CUDA-event time with the host kept ahead of the GPU: each repetition first
 enqueues a ~2 ms spin kernel, so the events bracket only device work, never Python or launch gaps
@@ -21,7 +26,6 @@ Block ids are drawn at random (scattered, as real releases are), fresh for every
 from __future__ import annotations
 
 import argparse
-import array
 import json
 import platform
 import random
@@ -33,8 +37,20 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvguard.zeroize import KVCacheSpec, plan, plan_zeroize, triton_exec, zeroize, zeroize_async
+from kvguard.zeroize import (
+    KVCacheSpec,
+    PendingZeroize,
+    ZeroizePlan,
+    callgraph,
+    plan,
+    plan_zeroize,
+    triton_exec,
+    zeroize,
+    zeroize_async,
+)
+from kvguard.zeroize import staging as staging_mod
 from kvguard.zeroize.triton_exec import Tuning
+from kvguard.zeroize.verify import sample_blocks
 
 GIB = 1 << 30
 FREES = (1, 16, 256, 2048)
@@ -187,21 +203,22 @@ def sweep_one(
 
 
 def host_costs(spec: KVCacheSpec, reps: int) -> list[dict[str, object]]:
-    """Host time per call on the 8B cache, per block count and verification mode (module docstring)."""
+    """Host time per call on the 8B cache, per block count and verification mode (module docstring).
+    Each enqueue follows a `torch.cuda.synchronize()`: a single call with the GPU idle."""
     rows: list[dict[str, object]] = []
     for count in HOST_COUNTS:
         sets = id_sets(count, reps)
         for mode in ("none", "sample", "full"):
             zeroize(spec, plan_zeroize(sets[-1], NUM_BLOCKS), verify=mode)  # compile, staging
             samples: dict[str, list[float]] = {
-                k: [] for k in ("plan", "enqueue", "collect", "sync")
+                k: [] for k in ("plan", "enqueue", "enqueue_untimed", "collect", "sync")
             }
             device: dict[str, list[float]] = {"clear": [], "verify": []}
             for rep in range(reps):
                 started = time.perf_counter()
                 planned = plan_zeroize(sets[rep], NUM_BLOCKS)
                 middle = time.perf_counter()
-                pending = zeroize_async(spec, planned, verify=mode)
+                pending = zeroize_async(spec, planned, verify=mode, timed=True)
                 enqueued = time.perf_counter()
                 torch.cuda.synchronize()
                 ready = time.perf_counter()
@@ -215,6 +232,11 @@ def host_costs(spec: KVCacheSpec, reps: int) -> list[dict[str, object]]:
                 device["verify"].append(evidence.verify_time_us or 0.0)
                 torch.cuda.synchronize()
                 started = time.perf_counter()
+                untimed = zeroize_async(spec, planned, verify=mode, timed=False)
+                samples["enqueue_untimed"].append(time.perf_counter() - started)
+                torch.cuda.synchronize()
+                assert untimed.poll() and untimed.ok and untimed.evidence().device_time_us is None
+                started = time.perf_counter()
                 zeroize(spec, planned, verify=mode)
                 samples["sync"].append(time.perf_counter() - started)
             row: dict[str, object] = {"blocks": count, "verify": mode}
@@ -225,27 +247,44 @@ def host_costs(spec: KVCacheSpec, reps: int) -> list[dict[str, object]]:
     return rows
 
 
-def back_to_back(spec: KVCacheSpec, reps: int = 100) -> list[dict[str, object]]:
-    """Host time of `zeroize_async` in a loop of calls with no synchronization between them (as an
-    engine enqueues step after step), plans made beforehand; the stagings pool is warmed first."""
+def enqueue_matrix(spec: KVCacheSpec, reps: int = 100) -> list[dict[str, object]]:
+    """Host time of `zeroize_async` at 1, 16 and 64 blocks, per verification mode, timed and untimed,
+    on torch's default stream (the legacy stream, what an engine that sets no stream uses) and on a
+    side stream: "single" is a call right after `torch.cuda.synchronize()`; "loop" a call in a loop
+    with no synchronization between calls (as an engine enqueues step after step). Plans are made
+    beforehand; the stagings (and their graphs) are made by a first, untimed pass."""
     rows: list[dict[str, object]] = []
-    for count in (1, 16, 64):
-        plans = [plan_zeroize(ids, NUM_BLOCKS) for ids in id_sets(count, reps)]
-        for mode in ("none", "sample", "full"):
-            times: list[float] = []
-            for _pass in range(2):  # the first pass fills the pool with `reps` stagings
-                times, pendings = [], []
-                for planned in plans:
-                    started = time.perf_counter()
-                    pendings.append(zeroize_async(spec, planned, verify=mode))
-                    times.append(time.perf_counter() - started)
-                torch.cuda.synchronize()
-                assert all(p.poll() and p.ok for p in pendings)
-            row: dict[str, object] = {"blocks": count, "verify": mode}
-            row["enqueue_us"] = statistics.median(times) * 1e6
-            row["enqueue_best_us"] = min(times) * 1e6
-            rows.append(row)
-            print("b2b", json.dumps(row), flush=True)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    for stream_name, stream in (("default", None), ("side", side)):
+        for count in (1, 16, 64):
+            plans = [plan_zeroize(ids, NUM_BLOCKS) for ids in id_sets(count, reps)]
+            for mode in ("none", "sample", "full"):
+                row: dict[str, object] = {"stream": stream_name, "blocks": count, "verify": mode}
+                for timed in (True, False):
+                    suffix = "" if timed else "_untimed"
+                    for _pass in range(2):  # the first pass fills the pool with `reps` stagings
+                        loop, pendings = [], []
+                        for planned in plans:
+                            started = time.perf_counter()
+                            pending = zeroize_async(spec, planned, stream=stream, verify=mode,
+                                                    timed=timed)  # fmt: skip
+                            loop.append(time.perf_counter() - started)
+                            pendings.append(pending)
+                        torch.cuda.synchronize()
+                        assert all(p.poll() and p.ok for p in pendings)
+                    single = []
+                    for planned in plans[: reps // 2]:
+                        torch.cuda.synchronize()
+                        started = time.perf_counter()
+                        pending = zeroize_async(spec, planned, stream=stream, verify=mode,
+                                                timed=timed)  # fmt: skip
+                        single.append(time.perf_counter() - started)
+                        torch.cuda.synchronize()
+                        assert pending.poll() and pending.ok
+                    row[f"loop{suffix}_us"] = statistics.median(loop) * 1e6
+                    row[f"single{suffix}_us"] = statistics.median(single) * 1e6
+                rows.append(row)
+                print("matrix", json.dumps(row), flush=True)
     return rows
 
 
@@ -265,42 +304,100 @@ def queued_calls(spec: KVCacheSpec, reps: int = 5) -> dict[str, float]:
 
 
 def breakdown(spec: KVCacheSpec, reps: int = 200) -> dict[str, float]:
-    """Median host time of each piece of the GPU enqueue path (64 blocks), and of the torch calls
-    the path avoids, to see where the time goes."""
+    """Median host time of each piece of the GPU enqueue path (64 blocks), and of the calls the
+    path avoids (kernel launches one by one, torch's copy and record), to see where the time goes.
+    Each piece runs `reps` times in a loop, then once per rep right after a
+    `torch.cuda.synchronize()` ("after sync")."""
     launch = triton_exec.launcher(spec)
-    ids = sorted(id_sets(64, 1)[0])
+    planned = plan_zeroize(id_sets(64, 1)[0], NUM_BLOCKS)
+    ids = planned.block_ids
     stream = torch.cuda.current_stream()
     handle = launch.stream_handle(None)
     staging = launch.staging.take(64)
+    uploading = staging_mod.Staging(spec.device, 128)  # host_ids_max 0: ids copied to the device
     event = staging.events[0]
+    address, flags = staging.ids_address, staging.flags_address
+    counts = iter(range(1 << 30))
+
+    def graph(timed: bool, check: bool, changing: bool) -> None:
+        n = 64 - next(counts) % 2 if changing else 64  # 64, 63, 64...: every node updated
+        callgraph.enqueue(launch, staging, n, 0, n if check else 0, handle, timed=timed)
+
     pieces: dict[str, Callable[[], object]] = {
         "plan_zeroize(64)": lambda: plan_zeroize(ids, NUM_BLOCKS),
         "stream handle": lambda: launch.stream_handle(None),
-        "ids -> pinned": lambda: staging.ids_view.__setitem__(slice(0, 64), array.array("q", ids)),
-        "upload": lambda: staging.upload(64, None, handle),
-        "event record": lambda: staging.record(0, None, handle),
-        "clear launch": lambda: launch.clear(staging.device_ids_address, 64, handle=handle),
-        "check launch": lambda: launch.check(
-            staging.device_ids_address, 64, staging.flags_address, handle=handle
-        ),
+        "ids -> pinned": lambda: staging.write_ids(ids),
+        "sample 8 of 64": lambda: sample_blocks(planned, 8, None),
+        "graph clear+check, timed": lambda: graph(True, True, False),
+        "graph clear+check, timed, counts changing": lambda: graph(True, True, True),
+        "graph clear+check, untimed": lambda: graph(False, True, False),
+        "graph clear, untimed": lambda: graph(False, False, False),
+        "completion record (no timing)": lambda: staging.record(staging_mod.DONE, None, handle),
+        "event record (timing)": lambda: staging.record(0, None, handle),
+        "upload (driver copy)": lambda: uploading.upload(64, None, handle),
+        "clear launch (Triton)": lambda: launch.clear(address, 64, handle=handle),
+        "check launch (Triton)": lambda: launch.check(address, 64, flags, handle=handle),
         "torch: current_stream()": torch.cuda.current_stream,
-        "torch: copy_ 512 B": lambda: staging.device_ids[:64].copy_(
-            staging.host_ids[:64], non_blocking=True
+        "torch: copy_ 512 B": lambda: uploading.device_ids[:64].copy_(
+            uploading.host_ids[:64], non_blocking=True
         ),
         "torch: Event.record": lambda: event.record(stream),
     }
     out: dict[str, float] = {}
     for name, piece in pieces.items():
         piece()
-        times = []
+        times, cold = [], []
         for _ in range(reps):
             started = time.perf_counter()
             piece()
             times.append(time.perf_counter() - started)
+        for _ in range(min(reps, 50)):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            piece()
+            cold.append(time.perf_counter() - started)
         torch.cuda.synchronize()
         out[name] = statistics.median(times) * 1e6
+        out[name + ", after sync"] = statistics.median(cold) * 1e6
+    torch.cuda.synchronize()
     launch.staging.give(staging)
     return out
+
+
+def ids_in_place(spec: KVCacheSpec, reps: int) -> list[dict[str, object]]:
+    """Device time of a whole call (spin-ahead CUDA events around `zeroize_async`, untimed) with the
+    ids read by the kernels from pinned host memory, against the same call with the ids copied to
+    the device first (the copy is the graph's first node), per block count, verify none and full:
+    what reading the ids in place costs the GPU. Each pool is warmed first (stagings and graphs
+    made outside the timing)."""
+    launch = triton_exec.launcher(spec)
+    kept = launch.staging
+    rows: list[dict[str, object]] = []
+    try:
+        for count in (1, 16, 64, 256, 2048):
+            plans = [plan_zeroize(ids, NUM_BLOCKS) for ids in id_sets(count, reps)]
+            for mode in ("none", "full"):
+                row: dict[str, object] = {"blocks": count, "verify": mode}
+                for name, most in (("in_place_us", 1 << 30), ("copied_us", 0)):
+                    launch.staging = staging_mod.StagingPool(spec.device, host_ids_max=most)
+                    warm = [zeroize_async(spec, p, verify=mode, timed=False) for p in plans]
+                    torch.cuda.synchronize()
+                    assert all(p.poll() and p.ok for p in warm)
+                    pendings: list[PendingZeroize] = []
+
+                    def call(
+                        rep: int, plans: list[ZeroizePlan] = plans, mode: str = mode,
+                        pendings: list[PendingZeroize] = pendings,
+                    ) -> None:  # fmt: skip
+                        pendings.append(zeroize_async(spec, plans[rep], verify=mode, timed=False))
+
+                    row[name] = device_us(call, reps)
+                    assert all(p.poll() and p.ok for p in pendings)
+                rows.append(row)
+                print("in_place", json.dumps(row), flush=True)
+    finally:
+        launch.staging = kept
+    return rows
 
 
 def plan_cost_us(reps: int = 50) -> dict[str, dict[str, dict[str, float]]]:
@@ -368,9 +465,10 @@ def main() -> None:
     report: dict[str, object] = {"env": env}
     host_spec = make_cache(SHAPES["llama3-8b"])
     report["host"] = host_costs(host_spec, max(args.reps, 50))
-    report["back_to_back"] = back_to_back(host_spec)
+    report["matrix"] = enqueue_matrix(host_spec)
     report["queued"] = queued_calls(host_spec)
     report["breakdown"] = breakdown(host_spec)
+    report["in_place"] = ids_in_place(host_spec, max(args.reps, 30))
     del host_spec
     torch.cuda.empty_cache()
     if args.host_only:
@@ -405,21 +503,30 @@ def print_host(report: dict[str, object]) -> None:
     assert isinstance(rows, list)
     print()
     print(f"host cost per call (8B cache), medians: {'blocks':>6} {'verify':6} {'plan':>6} "
-          f"{'enqueue':>8} {'collect':>8} {'sync':>8} {'dev clear':>9} {'dev verify':>10}")  # fmt: skip
+          f"{'enqueue':>8} {'untimed':>8} {'collect':>8} {'sync':>8} {'dev clear':>9} "
+          f"{'dev verify':>10}")  # fmt: skip
     for r in rows:
         print(f"{'':40} {r['blocks']:6d} {r['verify']:6} {r['plan_us']:6.1f} {r['enqueue_us']:8.1f} "
-              f"{r['collect_us']:8.1f} {r['sync_us']:8.1f} {r['clear_device_us']:9.1f} "
-              f"{r['verify_device_us']:10.1f}")  # fmt: skip
-    b2b = report["back_to_back"]
-    assert isinstance(b2b, list)
-    print("back-to-back enqueue (median / best us):",
-          ", ".join(f"{r['blocks']} {r['verify']} {r['enqueue_us']:.1f}/{r['enqueue_best_us']:.1f}"
-                    for r in b2b))  # fmt: skip
-    print("behind ~40 ms of queued work, 1 block, us:", json.dumps(report["queued"]))
+              f"{r['enqueue_untimed_us']:8.1f} {r['collect_us']:8.1f} {r['sync_us']:8.1f} "
+              f"{r['clear_device_us']:9.1f} {r['verify_device_us']:10.1f}")  # fmt: skip
+    matrix = report["matrix"]
+    assert isinstance(matrix, list)
     print(
-        "enqueue path pieces, us:",
-        json.dumps({k: round(v, 2) for k, v in report["breakdown"].items()}),
-    )  # type: ignore[union-attr]
+        "enqueue us, medians (single: after a sync; loop: no sync between calls), timed | untimed:"
+    )
+    for r in matrix:
+        print(f"  {r['stream']:7} {r['blocks']:3d} {r['verify']:6} single {r['single_us']:6.1f} "
+              f"loop {r['loop_us']:6.1f} | single {r['single_untimed_us']:6.1f} "
+              f"loop {r['loop_untimed_us']:6.1f}")  # fmt: skip
+    print("behind ~40 ms of queued work, 1 block, us:", json.dumps(report["queued"]))
+    pieces = report["breakdown"]
+    assert isinstance(pieces, dict)
+    print("enqueue path pieces, us:", json.dumps({k: round(v, 2) for k, v in pieces.items()}))
+    in_place = report["in_place"]
+    assert isinstance(in_place, list)
+    for r in in_place:
+        print(f"device us per call, ids read in place vs copied: {r['blocks']:4d} {r['verify']:5} "
+              f"{r['in_place_us']:7.1f} {r['copied_us']:7.1f}")  # fmt: skip
 
 
 def print_table(report: dict[str, object], rows: list[Row]) -> None:

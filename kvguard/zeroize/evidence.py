@@ -49,8 +49,10 @@ class ZeroizeEvidence:
     verify_mode: VerifyMode
     blocks_verified: int  # blocks read back: 0 for `none`, k for `sample`, all for `full`
     verified: bool | None  # True: every block read back was all-zero; None: none was read back
-    device_time_us: float | None  # CUDA-event time of the clearing launch; None off the GPU
-    verify_time_us: float | None  # CUDA-event time of the read-back launch; None off the GPU
+    # CUDA-event times of the clearing and read-back launches; None when not measured: off the GPU,
+    # or a call made with `timed=False` (no guess is ever recorded in their place)
+    device_time_us: float | None
+    verify_time_us: float | None
     wall_time_us: float  # host time of the enqueue (zeroize_async) or whole call (zeroize)
     timestamp: datetime  # from the injected clock, when the call started
 

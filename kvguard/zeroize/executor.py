@@ -10,17 +10,26 @@ Two entry points, one path:
   for the device, so an engine can prepare its next step while the clear runs. The verdict (which
   checked blocks were dirty) lands in pinned host memory, written by the read-back kernel itself, and
   the returned `PendingZeroize` reads it once the call's last event has completed (`poll()`, non-
-  blocking). Host cost per call on the GPU path: the plan check, a `memcpy` of the ids into pinned
-  memory, one host-to-device copy, two launches of already compiled kernels, three event records.
+  blocking). Host cost per call on the GPU path (issue 14, item 2: <= 30 us up to 64 blocks): the
+  plan check, the ids packed into pinned memory, one launch of the staging's CUDA graph holding the
+  ids' upload, the clear, the read-back and the timing events (callgraph.py), and one record of the
+  completion event. The first call of a cache compiles the kernels and launches them one by one
+  (as does every call where a graph cannot serve).
 - `zeroize` is `zeroize_async` followed by `wait()` on the call's own event (never on the device) and
   `evidence()`: the evidence it returns describes work that has happened.
+
+Device timings. A timed call brackets the clear and the read-back with three CUDA events; an untimed
+call records only its completion, and its evidence says so with `device_time_us` and
+`verify_time_us` None (as off the GPU), never with a guess. The verdict, the completion and every
+guarantee are the same. `zeroize` times every call; `zeroize_async` by default times one GPU call in
+`TIMING_EVERY` of each cache (the first included), enough for the latency metrics, and `timed=True`
+or `False` decides per call.
 
 The torch executor (CPU caches, or no Triton) runs synchronously: its handle is complete when returned.
 """
 
 from __future__ import annotations
 
-import array
 import ctypes
 import functools
 import time
@@ -29,13 +38,13 @@ from datetime import UTC, datetime
 
 import torch
 
-from kvguard.zeroize import backend, triton_exec
+from kvguard.zeroize import backend, callgraph, triton_exec
 from kvguard.zeroize.backend import MethodChoice
 from kvguard.zeroize.evidence import Method, VerifyMode, ZeroizeEvidence
 from kvguard.zeroize.layout import KVCacheSpec
 from kvguard.zeroize.pending import COMPLETE, CallFacts, Completion, PendingZeroize, Readout
 from kvguard.zeroize.plan import ZeroizePlan
-from kvguard.zeroize.staging import Staging
+from kvguard.zeroize.staging import DONE, Staging
 from kvguard.zeroize.verify import DEFAULT_SAMPLE_SIZE, blocks_to_check, parse_mode
 
 Clock = Callable[[], datetime]
@@ -55,6 +64,7 @@ def zeroize(
     seed: int | None = None,
     method: MethodChoice = "auto",
     clock: Clock = utc_now,
+    timed: bool = True,
 ) -> ZeroizeEvidence:
     """Clear every planned block in every layer of `cache`, read back per `verify`, and wait.
 
@@ -64,7 +74,7 @@ def zeroize(
     started = time.perf_counter()
     pending = zeroize_async(
         cache, plan, stream=stream, verify=verify, sample_size=sample_size, seed=seed,
-        method=method, clock=clock,
+        method=method, clock=clock, timed=timed,
     )  # fmt: skip
     pending.wait()
     return pending.evidence(wall_time_us=(time.perf_counter() - started) * 1e6)
@@ -80,11 +90,14 @@ def zeroize_async(
     seed: int | None = None,
     method: MethodChoice = "auto",
     clock: Clock = utc_now,
+    timed: bool | None = None,
 ) -> PendingZeroize:
     """Enqueue the clearing and read-back of `plan` on `stream`; return without waiting.
 
     The handle's `poll()` says (without blocking) when the device has finished; then `ok`,
     `dirty_ids` and `evidence()` answer. Errors in the plan or the executor choice raise here.
+    `timed`: device timings in the evidence; None (the default) times one GPU call in
+    `TIMING_EVERY` of the cache, the first included (module docstring).
     """
     started = time.perf_counter()
     backend.check_plan(cache, plan)
@@ -103,10 +116,14 @@ def zeroize_async(
     started_at = clock()
     if executor is Method.TRITON and plan.block_ids:
         launch = launch or triton_exec.launcher(cache)
-        completion, read = _enqueue_triton(launch, plan, checked, stream)
+        if timed is None:
+            timed = launch.calls % TIMING_EVERY == 0
+            launch.calls += 1
+        completion, read = _enqueue_triton(launch, plan, checked, stream, timed)
         device = launch.device_name
-    else:
-        completion, read = COMPLETE, _run_now(cache, plan, checked, executor, stream)
+    else:  # synchronous: the timing costs nothing worth saving
+        completion = COMPLETE
+        read = _run_now(cache, plan, checked, executor, stream, timed=timed is not False)
         device = device_name(cache.device)
     facts = CallFacts(
         cache, plan, mode, executor, device, len(checked), started_at,
@@ -116,6 +133,10 @@ def zeroize_async(
 
 
 _TRITON_CHOICES = ("auto", "triton", Method.TRITON)
+# `timed=None` times one GPU call in this many: the three timing events, as graph nodes, cost
+# about 5 us of host time per call on the H100 host of 2026-11-26 (graph launch 8.7 us timed,
+# 3.9 us untimed; docs/benchmarks.md, issue 14), a sixth of the 30 us budget.
+TIMING_EVERY = 16
 
 
 def _enqueue_triton(
@@ -123,38 +144,58 @@ def _enqueue_triton(
     plan: ZeroizePlan,
     checked: Sequence[int],
     stream: torch.cuda.Stream | None,
+    timed: bool,
 ) -> tuple[Completion, Callable[[], Readout]]:
-    """The GPU path: ids into pinned memory, one upload, two launches, three events; no waiting."""
+    """The GPU path: ids into pinned memory, then one graph launch (callgraph.py), or else the
+    upload, launches and timing records one by one; then the completion record."""
     count, check_count = len(plan.block_ids), len(checked)
-    # A sample of every block is the plan itself (both sorted): check the uploaded ids in place.
+    # A sample of every block is the plan itself (both sorted): check the written ids in place.
     separate = 0 < check_count < count
     words = count + check_count if separate else count
     staging = launch.staging.take(words)
-    staging.ids_view[:count] = array.array("q", plan.block_ids)
+    staging.write_ids(plan.block_ids)
     if separate:
-        staging.ids_view[count:words] = array.array("q", checked)
+        staging.write_ids(checked, count)
     # No zeroing here: a staging's flags are all zero whenever it is in the pool (`_read_staged`).
     handle = launch.stream_handle(stream)
-    staging.upload(words, stream, handle)
-    timed = bool(staging.events)
+    timed = timed and bool(staging.events)
+    read = functools.partial(_read_staged, launch.staging.give, staging, checked, timed)
+    offset = count if separate else 0
+    if not callgraph.enqueue(launch, staging, count, offset, check_count, handle, timed=timed):
+        _launch_each(launch, staging, (count, offset, check_count), stream, handle, timed)
+    if not staging.events:  # the interpreter: the work is done
+        return COMPLETE, read
+    # The completion is always an event recorded on the stream after the work (never a graph's own
+    # event node), so that `poll()` means what a stream's event means.
+    staging.record(DONE, stream, handle)
+    return staging.completion(DONE), read
+
+
+def _launch_each(  # noqa: PLR0917
+    launch: triton_exec.Launcher,
+    staging: Staging,
+    shape: tuple[int, int, int],  # (count, where the checked ids start, check_count)
+    stream: torch.cuda.Stream | None,
+    handle: int,
+    timed: bool,
+) -> None:
+    """The same work as the call's graph, enqueued one driver call at a time."""
+    count, offset, check_count = shape
+    staging.upload(offset + check_count if offset else count, stream, handle)
     if timed:
         staging.record(0, stream, handle)
-    launch.clear(staging.device_ids_address, count, stream, handle=handle)
+    launch.clear(staging.ids_address, count, stream, handle=handle)
+    if check_count:
+        if timed:
+            staging.record(1, stream, handle)
+        at = staging.ids_address + 8 * offset
+        launch.check(at, check_count, staging.flags_address, stream, handle=handle)
     if timed:
-        staging.record(1, stream, handle)
-    read = functools.partial(_read_staged, launch.staging.give, staging, checked)
-    if not check_count:  # the clear's end event is the call's completion
-        return (staging.events[1], read) if timed else (COMPLETE, read)
-    check_at = staging.device_ids_address + (8 * count if separate else 0)
-    launch.check(check_at, check_count, staging.flags_address, stream, handle=handle)
-    if timed:
-        staging.record(2, stream, handle)
-        return staging.events[2], read
-    return COMPLETE, read
+        staging.record(2 if check_count else 1, stream, handle)
 
 
 def _read_staged(
-    give: Callable[[Staging], None], staging: Staging, checked: Sequence[int]
+    give: Callable[[Staging], None], staging: Staging, checked: Sequence[int], timed: bool
 ) -> Readout:
     """The verdict of a completed GPU call; gives its buffers back to the pool."""
     dirty: tuple[int, ...] = ()
@@ -163,9 +204,9 @@ def _read_staged(
         raw = flags.tobytes()
         if raw.count(0) != len(raw):  # one C-level scan; ids only on failure
             dirty = tuple(b for b, flag in zip(checked, flags.tolist(), strict=True) if flag)
-            ctypes.memset(staging.flags_address, 0, len(raw))  # back in the pool all-zero
+            ctypes.memset(staging.flags_host_address, 0, len(raw))  # back in the pool all-zero
     clear_us = check_us = None
-    if staging.events:
+    if timed:
         start, middle, end = staging.events
         clear_us = float(start.elapsed_time(middle)) * 1000.0
         check_us = float(middle.elapsed_time(end)) * 1000.0 if checked else None
@@ -179,6 +220,8 @@ def _run_now(
     checked: Sequence[int],
     executor: Method,
     stream: torch.cuda.Stream | None,
+    *,
+    timed: bool,
 ) -> Callable[[], Readout]:
     """The torch path (and empty plans): clear and read back now, on `stream`, waiting for both."""
     with triton_exec.on_stream(cache, stream):
@@ -188,8 +231,8 @@ def _run_now(
         check_timer = backend.DeviceTimer(cache)
         with check_timer:
             dirty = backend.find_dirty(cache, checked, executor) if checked else []
-        clear_us = clear_timer.elapsed_us() if plan.block_ids else None
-        check_us = check_timer.elapsed_us() if checked else None
+        clear_us = clear_timer.elapsed_us() if plan.block_ids and timed else None
+        check_us = check_timer.elapsed_us() if checked and timed else None
     readout = Readout(tuple(dirty), clear_us, check_us)
     return lambda: readout
 

@@ -6,8 +6,9 @@ without Triton or a GPU (`triton_available()` says whether this executor can run
 Launch cost. A `Launcher` holds everything about one cache that never changes between calls, computed
 once (issue 14): the segment-address table (uploaded to the device once), each kernel's geometry and
 grid cap, and the compiled kernels themselves. The first launch of a kernel goes through Triton's JIT
-(compile, cache); every later one calls the compiled kernel directly with plain integers, skipping the
-JIT's argument binding and specialization lookup. The kernels take addresses, not tensors, and name
+(compile, cache); every later one calls the compiled kernel's own launcher with plain integers,
+skipping the JIT's argument binding and specialization lookup. The zeroization path goes further:
+both kernels of a call, described for the driver (`direct`), run as one CUDA graph (`callgraph`). The kernels take addresses, not tensors, and name
 their integers in `do_not_specialize`, so one compiled kernel serves every call on the cache (see
 `_kernels`); a value outside the 32-bit range the kernel was compiled for goes through the JIT again.
 
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 
 from kvguard.errors import ZeroizeError
+from kvguard.zeroize import _driver, direct
+from kvguard.zeroize.direct import DirectKernel
 from kvguard.zeroize.layout import KVCacheSpec
 from kvguard.zeroize.staging import StagingPool
 
@@ -137,7 +140,7 @@ def on_stream(spec: KVCacheSpec, stream: torch.cuda.Stream | None) -> Iterator[N
 
 
 @dataclass(frozen=True)
-class _Ready:
+class Compiled:
     """A compiled kernel and everything its launch needs that does not change between calls."""
 
     tuning: Tuning
@@ -147,6 +150,19 @@ class _Ready:
     run: Any  # Triton's launcher for the compiled kernel
     function: Any  # the CUfunction handle
     packed: Any  # Triton's packed kernel metadata
+    direct: DirectKernel | None  # described for the driver (direct.py); None: no graphs
+
+
+# Byte size of each kernel's own parameters as compiled for the fast path: 64-bit addresses, then
+# 32-bit counts (direct.py checks them against the driver's record of the kernel).
+_GRAPH_KERNELS = (
+    ("zero_blocks_kernel", DEFAULT_TUNING),
+    ("dirty_blocks_kernel", DEFAULT_VERIFY_TUNING),
+)
+_PARAMETER_SIZES = {
+    "zero_blocks_kernel": (8, 8, 4, 4, 4),  # segments, blocks, num_segments, count, num_work
+    "dirty_blocks_kernel": (8, 8, 8, 4, 4, 4),  # segments, blocks, flags, ...
+}
 
 
 class Launcher:
@@ -173,7 +189,12 @@ class Launcher:
         self.staging = StagingPool(spec.device)  # buffers of in-flight calls (staging.py)
         self._geometry: dict[Tuning, _Geometry] = {}
         # kernel name -> its compiled kernel, for the tuning it was compiled with
-        self._ready: dict[str, _Ready] = {}
+        self._ready: dict[str, Compiled] = {}
+        # Calls go through per-staging CUDA graphs where possible (callgraph.py); tests that
+        # replace `clear` or `check` turn this off so that their replacement is what runs.
+        self.graphs_enabled = True
+        self._capture_stream: int | None = None
+        self.calls = 0  # GPU calls made, for the sampling of device timings (executor.py)
 
     def describes(self, spec: KVCacheSpec) -> bool:
         return self._spec() is spec
@@ -227,6 +248,32 @@ class Launcher:
                 "dirty_blocks_kernel", (blocks, flags), count, stream, tuning=tuning, handle=handle
             )
 
+    def on_its_device(self) -> bool:
+        """The current device is the cache's (raw launches assume its context)."""
+        return self.cuda and _get_device() == self.device_index
+
+    def graph_kernels(self, *, with_check: bool) -> tuple[Compiled, ...] | None:
+        """The compiled clear (and read-back) kernels with the default tunings, described for the
+        driver, when a call may go through a graph (callgraph.py) on the current device; else None."""
+        if not (self.graphs_enabled and self.on_its_device()):
+            return None
+        found: list[Compiled] = []
+        wanted = _GRAPH_KERNELS if with_check else _GRAPH_KERNELS[:1]
+        for name, tuning in wanted:
+            ready = self._ready.get(name)
+            if ready is None or ready.direct is None or ready.tuning is not tuning:
+                return None
+            found.append(ready)
+        return tuple(found)
+
+    def capture_stream(self) -> int:
+        """A private stream on which graphs are captured (never shared, never run on)."""
+        if self._capture_stream is None:
+            driver = _driver.driver()
+            assert driver is not None, "graphs are only captured through the driver"
+            self._capture_stream = driver.create_stream()
+        return self._capture_stream
+
     def _launch(
         self,
         name: str,
@@ -246,14 +293,13 @@ class Launcher:
                 and min(addresses) >= _I32_LIMIT
                 and _get_device() == self.device_index
             ):
+                grid = min(num_work, ready.max_programs)
+                raw = self.stream_handle(stream) if handle is None else handle
+                values = (self.segments, *addresses, self.num_segments, count, num_work)
                 # The compiled kernel's own launcher, as Triton's JIT calls it, minus the per-call
                 # argument binding (no launch metadata, no hooks: see _launch_hooks_installed).
-                ready.run(
-                    min(num_work, ready.max_programs), 1, 1,
-                    self.stream_handle(stream) if handle is None else handle,
-                    ready.function, ready.packed, None, None, None,
-                    self.segments, *addresses, self.num_segments, count, num_work, *ready.constants,
-                )  # fmt: skip
+                ready.run(grid, 1, 1, raw, ready.function, ready.packed, None, None, None,
+                          *values, *ready.constants)  # fmt: skip
                 return
         self._launch_jit(name, addresses, count, stream, tuning)
 
@@ -276,9 +322,10 @@ class Launcher:
             result = kernel[(min(num_work, max_programs),)](*args, num_warps=tuning.num_warps)
         eligible = num_work < _I32_LIMIT and min(addresses) >= _I32_LIMIT
         if self.cuda and eligible and result is not None and not _launch_hooks_installed():
-            self._ready[name] = _Ready(
+            self._ready[name] = Compiled(
                 tuning, geo.tiles_per_chunk, max_programs, constants,
                 result.run, result.function, result.packed_metadata,
+                direct.prepare(result, _PARAMETER_SIZES[name]),
             )  # fmt: skip
 
     @contextlib.contextmanager

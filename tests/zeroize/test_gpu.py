@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -13,12 +14,15 @@ from kvguard.zeroize import (
     KVCacheSpec,
     KVLayout,
     Method,
+    _driver,
     plan_zeroize,
     triton_exec,
     verify_zeroized,
     zeroize,
     zeroize_async,
 )
+from kvguard.zeroize.executor import TIMING_EVERY
+from kvguard.zeroize.staging import StagingPool
 from kvguard.zeroize.stepper import StepZeroizer
 from tests.zeroize.factories import check_cleared, layout_dtype_cases, make_cache, snapshot
 
@@ -129,7 +133,7 @@ def test_zeroize_async_never_waits_for_queued_work() -> None:
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
     started = time.perf_counter()
-    pending = zeroize_async(spec, plan, verify="full")
+    pending = zeroize_async(spec, plan, verify="full", timed=True)
     enqueue_s = time.perf_counter() - started
     assert not pending.poll()  # still queued behind the spin
     assert enqueue_s < 0.01, enqueue_s
@@ -164,6 +168,7 @@ def test_dirty_flags_come_back_through_pinned_memory() -> None:
                       device="cuda", **REALISTIC)  # fmt: skip
     zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")  # compiled
     launch = triton_exec.launcher(spec)
+    launch.graphs_enabled = False  # so that the replaced `clear` is what runs
     launch.clear = lambda *_args, **_kw: None  # type: ignore[method-assign]
     try:
         pending = zeroize_async(spec, plan_zeroize([99, 3, 50], spec.num_blocks), verify="full")
@@ -173,6 +178,7 @@ def test_dirty_flags_come_back_through_pinned_memory() -> None:
             pending.evidence()
     finally:
         del launch.clear
+        launch.graphs_enabled = True
     again = zeroize_async(spec, plan_zeroize([99, 3, 50], spec.num_blocks), verify="full")
     again.wait()
     assert again.ok  # the reused staging's flags were zeroed
@@ -209,3 +215,142 @@ def test_step_zeroizer_on_the_gpu_reports_at_a_later_collect() -> None:
     assert [(r.blocks, r.handover, r.ok) for r in results] == [((3,), True, True),
                                                                 ((20, 21), False, True)]  # fmt: skip
     check_cleared(spec, before, plan_zeroize([1, 2, 3, 10, 11, 12, 20, 21], spec.num_blocks))
+
+
+# --- the fast enqueue path (issue 14, item 2) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "one-by-one"])
+@pytest.mark.parametrize("host_ids_max", [64, 0], ids=["ids-in-place", "ids-copied"])
+@pytest.mark.parametrize("mode", ["none", "sample", "full"])
+def test_G2_the_fast_path_clears_exactly_the_plan(
+    graphs: bool, host_ids_max: int, mode: str
+) -> None:
+    """Calls through per-staging CUDA graphs (or launched one by one), ids read from pinned host
+    memory (up to 64) or copied to the device, across the boundary between the two, timed and
+    untimed, with counts changing from call to call (graph nodes updated in place)."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=3, num_blocks=512,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    launch = triton_exec.launcher(spec)
+    launch.staging = StagingPool(spec.device, host_ids_max=host_ids_max)
+    launch.graphs_enabled = graphs
+    zeroize(spec, plan_zeroize([0], spec.num_blocks), verify="full")  # compiles both kernels
+    assert (launch.graph_kernels(with_check=True) is not None) == graphs
+    chooser = random.Random(host_ids_max)
+    for count in (1, 16, 63, 64, 65, 200, 64, 1, 200):
+        for timed in (True, False):
+            before = snapshot(spec)
+            plan = plan_zeroize(chooser.sample(range(512), count), spec.num_blocks)
+            pending = zeroize_async(spec, plan, verify=mode, timed=timed)
+            pending.wait()
+            assert pending.ok
+            evidence = pending.evidence()
+            assert (evidence.device_time_us is not None) == timed
+            assert (evidence.verify_time_us is not None) == (timed and mode != "none")
+            check_cleared(spec, before, plan)
+            for layer in spec.layers:
+                layer.view(-1).view(torch.uint8).random_(1, 256)
+    made = launch.staging._made
+    assert {s.on_host for s in made} == ({True, False} if host_ids_max else {False})
+    built = [graph for s in made for graph in s.graphs.values()]
+    assert (len(built) > 0 and all(built)) if graphs else not built
+
+
+def test_a_graph_the_driver_refuses_falls_back_to_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=2, num_blocks=64,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")
+    monkeypatch.setattr(_driver.Driver, "begin_capture", lambda *_args: 999)
+    triton_exec.launcher(spec).staging = StagingPool(spec.device)
+    before = snapshot(spec)
+    plan = plan_zeroize([3, 30], spec.num_blocks)
+    for _ in range(2):  # refused once, not tried again
+        evidence = zeroize(spec, plan, verify="full")
+        assert evidence.verified and evidence.device_time_us is not None
+    check_cleared(spec, before, plan)
+    staging = triton_exec.launcher(spec).staging._made[0]
+    assert staging.graphs == {(True, True): None}
+
+
+def test_untimed_calls_keep_the_verdict_and_say_timings_are_absent() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.float8_e4m3fn, num_layers=2, num_blocks=100,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")  # compiled
+    before = snapshot(spec)
+    plan = plan_zeroize([5, 6, 70], spec.num_blocks)
+    for mode in ("none", "full"):
+        pending = zeroize_async(spec, plan, verify=mode, timed=False)
+        pending.wait()
+        evidence = pending.evidence()
+        assert evidence.device_time_us is None and evidence.verify_time_us is None
+    check_cleared(spec, before, plan)
+    spec.layers[1][0, 70].view(-1).view(torch.uint8)[0] = 9
+    launch = triton_exec.launcher(spec)
+    launch.graphs_enabled = False
+    launch.clear = lambda *_args, **_kw: None  # type: ignore[method-assign]
+    try:
+        pending = zeroize_async(spec, plan, verify="full", timed=False)
+        pending.wait()
+        assert pending.dirty_ids == (70,)  # a failed verdict is just as final untimed
+    finally:
+        del launch.clear
+        launch.graphs_enabled = True
+
+
+def test_a_thread_that_never_used_cuda_can_enqueue() -> None:
+    """The driver calls need the device's context current on the calling thread: a fresh thread
+    has none until kvguard binds it (only on that first failure)."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=2, num_blocks=64,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")  # compiled here
+    before = snapshot(spec)
+    plan = plan_zeroize([2, 40], spec.num_blocks)
+    outcome: list[object] = []
+
+    def work() -> None:
+        try:
+            pending = zeroize_async(spec, plan, verify="full")
+            pending.wait()
+            outcome.append(pending.ok)
+        except Exception as exc:  # reported to the main thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert outcome == [True]
+    check_cleared(spec, before, plan)
+
+
+def test_the_kernels_read_ids_in_place_only_after_the_host_wrote_them() -> None:
+    """Ids read from pinned memory at kernel time: each call's ids live in its own staging until it
+    completes, so many calls in flight behind queued work never see another call's ids."""
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=2, num_blocks=1024,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    zeroize(spec, plan_zeroize([1], spec.num_blocks), verify="full")
+    before = snapshot(spec)
+    chooser = random.Random(9)
+    plans = [plan_zeroize(chooser.sample(range(1024), 8), spec.num_blocks) for _ in range(40)]
+    torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+    pendings = [zeroize_async(spec, plan, verify="full") for plan in plans]
+    torch.cuda.synchronize()
+    assert all(p.poll() and p.ok for p in pendings)
+    union = plan_zeroize([b for plan in plans for b in plan.block_ids], spec.num_blocks)
+    check_cleared(spec, before, union)
+
+
+def test_by_default_one_gpu_call_in_sixteen_is_timed_and_says_so() -> None:
+    spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=2, num_blocks=64,
+                      device="cuda", **REALISTIC)  # fmt: skip
+    timings = []
+    for index in range(2 * TIMING_EVERY + 1):
+        pending = zeroize_async(spec, plan_zeroize([index % 64], spec.num_blocks), verify="full")
+        pending.wait()
+        evidence = pending.evidence()
+        assert evidence.verified  # every call is verified, timed or not
+        timings.append(evidence.device_time_us is not None)
+        assert (evidence.verify_time_us is not None) == timings[-1]
+    assert [i for i, timed in enumerate(timings) if timed] == [0, TIMING_EVERY, 2 * TIMING_EVERY]
+    assert zeroize(spec, plan_zeroize([5], spec.num_blocks)).device_time_us is not None
