@@ -51,6 +51,7 @@ class Api:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.extra_args: list[str] = []  # more `kvguard serve` options (`--workers 2`, ...)
 
     def start(self) -> None:
         env = {
@@ -61,6 +62,7 @@ class Api:
         }
         env.pop("KVGUARD_MODE", None)
         args = ["serve", "--db", self.db_url, "--port", str(self.port), "--origin", ORIGIN]
+        args += self.extra_args
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "kvguard"), *args],
             env=env,
