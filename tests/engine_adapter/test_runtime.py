@@ -38,7 +38,7 @@ def test_ledger_commit_interval_reaches_the_ledger_writer_and_is_bounded(tmp_pat
     for bad in (0, -1, True, "0.2"):
         with pytest.raises(ConfigError, match="ledger_commit_interval_s: expected a number > 0"):
             GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": bad})
-    with pytest.raises(ConfigError, match="more than 5.0 s of entries"):
+    with pytest.raises(ConfigError, match=r"more than 5\.0 s of entries"):
         GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": 30})
     options = GuardOptions.from_extra_config({**extra, "ledger_commit_interval_s": 0.25})
     assert GuardOptions.from_extra_config(options.to_extra_config()) == options
