@@ -29,10 +29,13 @@ import argparse
 import json
 import platform
 import random
+import secrets
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import torch
 import triton
@@ -305,7 +308,9 @@ def queued_calls(spec: KVCacheSpec, reps: int = 5) -> dict[str, float]:
 
 def breakdown(spec: KVCacheSpec, reps: int = 200) -> dict[str, float]:
     """Median host time of each piece of the GPU enqueue path (64 blocks), and of the calls the
-    path avoids (kernel launches one by one, torch's copy and record), to see where the time goes.
+    path avoids (kernel launches one by one, torch's copy and record, the Python ways of drawing
+    the sample and packing the ids, "(before)"), to see where the time goes. The graph pieces
+    include the call's completion and timing records (callgraph.py).
     Each piece runs `reps` times in a loop, then once per rep right after a
     `torch.cuda.synchronize()` ("after sync")."""
     launch = triton_exec.launcher(spec)
@@ -318,6 +323,7 @@ def breakdown(spec: KVCacheSpec, reps: int = 200) -> dict[str, float]:
     event = staging.events[0]
     address, flags = staging.ids_address, staging.flags_address
     counts = iter(range(1 << 30))
+    sampler = random.Random(secrets.randbits(256))  # as verify's unseeded generator
 
     def graph(timed: bool, check: bool, changing: bool) -> None:
         n = 64 - next(counts) % 2 if changing else 64  # 64, 63, 64...: every node updated
@@ -327,7 +333,12 @@ def breakdown(spec: KVCacheSpec, reps: int = 200) -> dict[str, float]:
         "plan_zeroize(64)": lambda: plan_zeroize(ids, NUM_BLOCKS),
         "stream handle": lambda: launch.stream_handle(None),
         "ids -> pinned": lambda: staging.write_ids(ids),
+        "ids -> pinned, struct.pack_into (before)": lambda: struct.pack_into(
+            f"{len(ids)}q", staging.ids_bytes, 0, *ids
+        ),
         "sample 8 of 64": lambda: sample_blocks(planned, 8, None),
+        "sample 8 of 64, random.sample (before)": lambda: sorted(sampler.sample(ids, 8)),
+        "clock: datetime.now(UTC) (before)": lambda: datetime.now(UTC),
         "graph clear+check, timed": lambda: graph(True, True, False),
         "graph clear+check, timed, counts changing": lambda: graph(True, True, True),
         "graph clear+check, untimed": lambda: graph(False, True, False),

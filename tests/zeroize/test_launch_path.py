@@ -5,15 +5,21 @@ argument arrays handed to it, the id packing and mode parsing. Graphs themselves
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
+import struct
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvguard.errors import ZeroizeError
 from kvguard.zeroize import KVLayout, VerifyMode, _driver, callgraph, direct, plan_zeroize, zeroize
-from kvguard.zeroize.staging import Staging, StagingPool
+from kvguard.zeroize import staging as staging_mod
+from kvguard.zeroize.staging import DONE, Staging, StagingPool, last_event
 from kvguard.zeroize.verify import parse_mode
 from tests.zeroize.factories import make_cache
 
@@ -157,7 +163,8 @@ class FakeGraphDriver:
         self.updates: list[tuple[int, int, list[int]]] = []
         self.launches = 0
 
-    def set_kernel_params(self, executable: int, node: int, params: Any) -> int:
+    def set_kernel_params(self, executable: int, node: int, address: int) -> int:
+        params = _driver.KernelNodeParams.from_address(address)
         pointers = (ctypes.c_void_p * 5).from_address(params.params)
         sizes = (8, 8, 4, 4, 4)
         values = [
@@ -196,3 +203,138 @@ def test_no_graph_off_the_gpu() -> None:
     launch = SimpleNamespace(graphs_enabled=True)
     assert not callgraph.enqueue(launch, staging, 2, 0, 2, 0, timed=True)  # type: ignore[arg-type]
     assert staging.graphs == {}
+
+
+# --- the per-call passes in C (issue 14, item 2, third pass) ----------------------------------------
+
+needs_native = pytest.mark.skipif(staging_mod._pack is None, reason="the C extension is not built")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "ids", [(), (0,), (3, 1 << 40, 0), [7, 9], tuple(range(64)), [2**63 - 1, -(2**63)]]
+)
+def test_c_packing_writes_what_struct_writes(ids: tuple[int, ...] | list[int]) -> None:
+    from kvguard.zeroize import _plan  # noqa: PLC0415  (built: needs_native)
+
+    ours, theirs = bytearray(8 * 70), bytearray(8 * 70)
+    assert _plan.pack(memoryview(ours), ids, 3)
+    struct.pack_into(f"{len(ids)}q", theirs, 24, *ids)
+    assert ours == theirs
+
+
+@needs_native
+def test_c_packing_declines_what_is_not_a_plain_int64_and_refuses_overflow() -> None:
+    from kvguard.zeroize import _plan  # noqa: PLC0415
+
+    buffer = memoryview(bytearray(8 * 4))
+    for bad in ([1, True], [np.int64(3)], [1 << 63], [-(2**63) - 1], [1.0]):
+        assert _plan.pack(buffer, bad, 0) is False
+    with pytest.raises(ValueError, match="do not fit"):
+        _plan.pack(buffer, [1, 2, 3], 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        _plan.pack(buffer, [1], -1)
+    staging = StagingPool(torch.device("cpu")).take(3)
+    staging.write_ids([np.int64(5), 6, True])  # type: ignore[list-item]  # struct's path then
+    assert staging.host_ids[:3].tolist() == [5, 6, 1]
+
+
+@needs_native
+def test_hot_driver_calls_go_through_the_trampoline_with_ctypes_results() -> None:
+    libc = ctypes.CDLL(None)
+    strcmp = libc.strcmp
+    strcmp.argtypes, strcmp.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    hot = _driver._hot(strcmp)
+    assert isinstance(hot, functools.partial)  # not the ctypes function itself
+    a, b = ctypes.create_string_buffer(b"abc"), ctypes.create_string_buffer(b"abd")
+    for x, y in ((a, b), (b, a), (a, a)):
+        pair = (ctypes.addressof(x), ctypes.addressof(y))
+        assert (hot(*pair) > 0) == (strcmp(*pair) > 0) and (hot(*pair) == 0) == (x is y)
+
+
+class Recorder:
+    """A staging and its graphs that log what is enqueued, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+        self.cuda = object()
+        self.event_handles = (1, 2, 3)
+        self.done_handle = 4
+        self.ids_address = 1 << 40
+        self.graphs: dict[tuple[bool, bool], Any] = {}
+
+    def record(self, index: int, stream: object, handle: int) -> None:
+        self.log.append(("record", index))
+
+    def graph(self, key: tuple[bool, bool]) -> Any:
+        def launch(count: int, check_at: int, check_count: int, stream: int) -> int:
+            self.log.append(("graph", key))
+            return 0
+
+        return SimpleNamespace(max_count=1 << 20, launch=launch)
+
+
+@pytest.mark.parametrize(("check_count", "timed"), [(0, False), (8, False), (0, True), (8, True)])
+def test_a_graph_call_is_one_driver_call(check_count: int, timed: bool) -> None:
+    """The graph of the call's shape holds its completion record: nothing else is enqueued."""
+    staging = Recorder()
+    for key in itertools.product((False, True), repeat=2):
+        staging.graphs[key] = staging.graph(key)
+    launch = SimpleNamespace(graphs_enabled=True, on_its_device=lambda: True)
+    enqueued = callgraph.enqueue(launch, staging, 16, 16, check_count, 0, timed=timed)  # type: ignore[arg-type]
+    assert enqueued and staging.log == [("graph", (check_count > 0, timed))]
+
+
+class CaptureDriver:
+    """Logs what a capture records: copy, kernel launches, event-record nodes."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def copy_to_device(self, device: int, host: int, size: int, stream: int) -> int:
+        self.log.append(("copy", size))
+        return 0
+
+    def record_node(self, event: int, stream: int) -> None:
+        self.log.append(("event", event))
+
+
+def capture_node(driver: CaptureDriver, function: int) -> Any:
+    def launch(args: object, grid: int, stream: int) -> int:
+        driver.log.append(("kernel", function))
+        return 0
+
+    return SimpleNamespace(kernel=SimpleNamespace(launch=launch), args=None,
+                           params=SimpleNamespace(grid_x=1))  # fmt: skip
+
+
+@pytest.mark.parametrize(("nodes", "timed"), [(1, False), (2, False), (1, True), (2, True)])
+def test_a_captured_call_is_one_chain_ending_in_its_completion(nodes: int, timed: bool) -> None:
+    """The last node records the event the handle waits on (`last_event`), after all the work."""
+    driver = CaptureDriver()
+    handles = {0: 11, 1: 12, 2: 13, DONE: 14}
+    staging = SimpleNamespace(on_host=False, ids_address=1, host_ids_address=2, capacity=64,
+                              event_handles=(11, 12, 13), done_handle=14)  # fmt: skip
+    kernels = [capture_node(driver, function) for function in (101, 102)[:nodes]]
+    callgraph._record_call(driver, staging, kernels, 5, timed)  # type: ignore[arg-type]
+    completion = ("event", handles[last_event(timed, nodes > 1)])
+    if timed:
+        middle = [("event", 12), ("kernel", 102)] if nodes > 1 else []
+        assert driver.log == [("event", 11), ("copy", 512), ("kernel", 101), *middle, completion]
+        assert completion == ("event", 13 if nodes > 1 else 12)
+    else:
+        kernels_run = [("kernel", f) for f in (101, 102)[:nodes]]
+        assert driver.log == [("copy", 512), *kernels_run, completion]
+        assert completion == ("event", 14)
+
+
+def test_the_default_clock_stamps_the_evidence_in_utc() -> None:
+    spec = make_cache(KVLayout.MLA, torch.bfloat16, num_blocks=4)
+    before = datetime.now(UTC)
+    evidence = zeroize(spec, plan_zeroize([1], 4), verify="full", method="torch")
+    assert evidence.timestamp.tzinfo is UTC and before <= evidence.timestamp <= datetime.now(UTC)
+    fixed = datetime(2026, 11, 27, 4, 0, tzinfo=UTC)
+    stamped = zeroize(
+        spec, plan_zeroize([1], 4), verify="none", method="torch", clock=lambda: fixed
+    )
+    assert stamped.timestamp == fixed  # an injected clock is used as it is
