@@ -41,7 +41,7 @@ from kvguard.audit.timemarks import TimeMarks
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint, request_cosignatures
 from kvguard.audit.witness_client import Status as WitnessStatus
-from kvguard.audit.writer import BackgroundWriter, Overflow, PeriodicTask
+from kvguard.audit.writer import BackgroundWriter, Entry, Overflow, PeriodicTask, expand
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 from kvguard.logging import get_logger
 
@@ -111,8 +111,8 @@ class Ledger:
         store = LedgerStore(engine)
         holder: list[Ledger] = []
 
-        def write(events: Sequence[AuditEvent]) -> None:
-            holder[0].append_many(events)
+        def write(entries: Sequence[Entry]) -> None:
+            holder[0].append_many(expand(entries))
 
         writer = BackgroundWriter(
             write,
@@ -148,11 +148,12 @@ class Ledger:
         first = self.store.append([prepare_entry(e) for e in events])
         return list(range(first, first + len(events)))
 
-    def submit(self, event: AuditEvent) -> None:
-        """Queue `event` for a group commit without waiting (see `kvguard.audit.writer`)."""
+    def submit(self, event: Entry) -> None:
+        """Queue `event` (an `AuditEvent` or an `EventSource` built on the writer thread) for a group
+        commit without waiting (see `kvguard.audit.writer`)."""
         self._writer.submit(event)
 
-    def submit_many(self, events: Sequence[AuditEvent]) -> None:
+    def submit_many(self, events: Sequence[Entry]) -> None:
         """Queue several events at once, in order (one lock round trip for an engine step)."""
         self._writer.submit_many(events)
 

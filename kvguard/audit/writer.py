@@ -4,6 +4,11 @@
 encoding) and returns. A background thread commits the queue in groups (every `interval` seconds or
 `batch_size` events, whichever first) through the synchronous, durable `append_many`.
 
+A queued entry is an `AuditEvent` or an `EventSource`: the fact in the caller's own terms, turned
+into validated `AuditEvent`s on the writer thread (`expand`), so an engine's scheduler pays for a
+deque append, not for building and validating entries. A source never raises: what the schema refuses
+it records in a redacted form (see `kvguard.engine_adapter.ledger_bridge`).
+
 Never silent loss: events leave the queue only after their group committed. When the database
 fails, the writer keeps them and retries with backoff; the queue fills, and then the overflow policy
 decides: `block` makes `submit` wait for room, `fail_closed` raises `LedgerUnavailableError` so that
@@ -16,8 +21,9 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
+from typing import Protocol
 
 from kvguard.audit.events import AuditEvent
 from kvguard.errors import LedgerUnavailableError
@@ -25,6 +31,29 @@ from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.audit.writer")
 _MAX_BACKOFF_S = 1.0
+
+
+class EventSource(Protocol):
+    """A fact queued for the ledger whose `AuditEvent`s are built on the writer thread."""
+
+    def audit_events(self) -> Sequence[AuditEvent]:
+        """The entries this fact becomes (in order). Must not raise: the writer retries a batch that
+        fails, so a source that cannot be recorded as it is records a redacted form instead."""
+        ...
+
+
+Entry = AuditEvent | EventSource
+
+
+def expand(entries: Iterable[Entry]) -> list[AuditEvent]:
+    """The `AuditEvent`s of queued entries, in queue order."""
+    out: list[AuditEvent] = []
+    for entry in entries:
+        if isinstance(entry, AuditEvent):
+            out.append(entry)
+        else:
+            out.extend(entry.audit_events())
+    return out
 
 
 class Overflow(StrEnum):
@@ -39,7 +68,7 @@ class BackgroundWriter:
 
     def __init__(
         self,
-        write: Callable[[Sequence[AuditEvent]], object],
+        write: Callable[[Sequence[Entry]], object],
         *,
         capacity: int = 100_000,
         batch_size: int = 1_000,
@@ -53,7 +82,7 @@ class BackgroundWriter:
         self._batch_size = batch_size
         self._interval = interval
         self._overflow = Overflow(overflow)
-        self._queue: deque[AuditEvent] = deque()
+        self._queue: deque[Entry] = deque()
         self._cond = threading.Condition()
         self._submitted = 0
         self._durable = 0
@@ -63,12 +92,12 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name="kvguard-ledger-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, event: AuditEvent) -> None:
+    def submit(self, event: Entry) -> None:
         """Enqueue `event` for a group commit. Raises LedgerUnavailableError under `fail_closed`
         when the queue is full, or when the writer is closed."""
         self.submit_many((event,))
 
-    def submit_many(self, events: Sequence[AuditEvent]) -> None:
+    def submit_many(self, events: Sequence[Entry]) -> None:
         """Enqueue `events` in order, taking the lock once (an engine step's entries). Under
         `fail_closed` a queue without room for all of them refuses all of them; under `block` the
         call waits for room (a group larger than the whole queue is let in once the queue is empty)."""
@@ -125,7 +154,7 @@ class BackgroundWriter:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def _next_batch(self) -> list[AuditEvent] | None:
+    def _next_batch(self) -> list[Entry] | None:
         """Wait for a group: `batch_size` events, `interval` seconds, a flush, or close."""
         with self._cond:
             while not self._queue and not self._closed:

