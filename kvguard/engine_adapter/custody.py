@@ -15,6 +15,8 @@ with one owner or none, and that the per-tenant counters add up (G4).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -30,12 +32,14 @@ from kvguard.engine_adapter.records import (
     PurgeSelector,
     RequestId,
     StepPlan,
+    TenantHoldings,
     purge_event_kind,
     summarize,
 )
 from kvguard.errors import CustodyError
 from kvguard.isolation.scope import Scope
-from kvguard.policy import BlockState, TenantPolicy, ZeroizeOn, expired, must_zeroize
+from kvguard.policy import TenantPolicy, ZeroizeOn
+from kvguard.policy.decisions import expired_at, expiry_deadline, must_zeroize_owned
 from kvguard.zeroize.plan import digest_block_ids
 
 _COUNTED = (BlockStatus.ACTIVE, BlockStatus.CACHED)
@@ -68,7 +72,22 @@ class Custody:
         self._pending_release: set[BlockId] = set()
         self._pending_handover: set[BlockId] = set()
         self._events: list[CustodyEvent] = []
-        self._cached: set[BlockId] = set()  # index of CACHED blocks, for the expiry sweep
+        self._cached: set[BlockId] = set()  # index of CACHED blocks
+        # The expiry sweep's index: (earliest expiry, entry number, block) per cached block, in a
+        # heap; `_expiry_entry` names each cached block's live entry (older ones are skipped).
+        # `_retention_of` holds the retention each tenant's entries were computed with: a policy
+        # change reschedules that tenant's blocks at the next sweep.
+        self._expiry: list[tuple[float, int, BlockId]] = []
+        self._expiry_entry: dict[BlockId, int] = {}
+        self._entry_numbers = itertools.count()
+        self._retention_of: dict[str, tuple[int, int]] = {}
+        # Blocks per (owner tenant or None, status), kept by `_set` / `_retally`, and each tenant's
+        # cached blocks by age (lazy heaps, entries numbered like the expiry index): `summary`
+        # costs O(tenants), not a pass over the pool, on the scheduler thread every heartbeat.
+        self._tally: Counter[tuple[str | None, BlockStatus]] = Counter(
+            {(None, BlockStatus.FREE): num_blocks}
+        )
+        self._by_age: dict[str, list[tuple[float, int, BlockId]]] = {}
         # Handover blocks -> the owners whose bytes they held (scope, tag), oldest first: each clear
         # is its owner's evidence. A queue: on a GPU the verdict of a clear arrives a step or more
         # later, so a block can be handed over again before the first clear has reported.
@@ -116,8 +135,38 @@ class Custody:
         return {s: tally.get(s, 0) for s in BlockStatus}
 
     def summary(self) -> PoolSummary:
-        """Counts by state and per owning tenant, with each tenant's oldest cached block (one pass)."""
-        return summarize(self._blocks)
+        """Counts by state and per owning tenant, with each tenant's oldest cached block, from the
+        running tally (O(tenants); `records.summarize` is the same figures from a pass over the
+        pool, and `check_invariants` compares the two)."""
+        by_state = dict.fromkeys(BlockStatus, 0)
+        residue = 0
+        tally: dict[str, list[int]] = {}
+        slot = {BlockStatus.ACTIVE: 0, BlockStatus.CACHED: 1, BlockStatus.QUARANTINED: 2}
+        for (tenant, status), n in self._tally.items():
+            by_state[status] += n
+            if tenant is None:
+                continue
+            if status is BlockStatus.FREE:
+                residue += n
+                continue
+            tally.setdefault(tenant, [0, 0, 0])[slot[status]] += n
+        return PoolSummary(
+            free=by_state[BlockStatus.FREE],
+            active=by_state[BlockStatus.ACTIVE],
+            cached=by_state[BlockStatus.CACHED],
+            quarantined=by_state[BlockStatus.QUARANTINED],
+            residue=residue,
+            tenants={
+                t: TenantHoldings(a, c, q, self._oldest_cached(t) if c else None)
+                for t, (a, c, q) in tally.items()
+            },
+        )
+
+    def _oldest_cached(self, tenant: str) -> float | None:
+        heap = self._by_age.get(tenant)
+        while heap and self._expiry_entry.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)  # the block left the cache, or was rescheduled, since this entry
+        return heap[0][0] if heap else None
 
     def request_blocks(self, request_id: str) -> tuple[int, ...]:
         """The blocks a registered request holds (empty if it is not registered)."""
@@ -310,6 +359,7 @@ class Custody:
                 # Shared with requests of another domain: they lose their cached prefix too.
                 self._tenant_dec(rec)
                 rec.owner = None
+                self._retally(rec)
             self._take(rec, req, RequestId(request_id), now)
             rec.hashed = False
         self._pending_handover.update(cleared)
@@ -377,17 +427,73 @@ class Custody:
     # --- retention ------------------------------------------------------------------------------
 
     def sweep(self, now: float) -> tuple[int, ...]:
-        """Quarantine every cached block whose owner's policy says it has expired (TTL or idle)."""
+        """Quarantine every cached block whose owner's policy says it has expired (TTL or idle).
+
+        Looks only at blocks whose expiry may have come (an index ordered by earliest expiry) and
+        at each tenant's retention (a changed one reschedules that tenant's blocks), not at every
+        cached block: a GPU engine caches ~10^5 blocks and sweeps four times a second."""
+        self._reschedule_changed_retention()
         out: list[int] = []
-        for rec in [self._blocks[b] for b in self._cached]:
-            if rec.owner is None:
-                continue
-            if expired(self._policy(rec.owner.tenant_id), self._state(rec), now):
+        later: list[BlockId] = []
+        heap, entries = self._expiry, self._expiry_entry
+        policies: dict[str, TenantPolicy] = {}
+        while heap and heap[0][0] <= now:
+            _, number, bid = heapq.heappop(heap)
+            if entries.get(bid) != number:
+                continue  # the block left the cache, or was rescheduled, since this entry
+            rec = self._blocks[bid]
+            assert rec.owner is not None  # a cached block has an owner
+            tenant = rec.owner.tenant_id
+            policy = policies.get(tenant) or policies.setdefault(tenant, self._policy(tenant))
+            if expired_at(policy, rec.created_at, rec.last_used_at, now):
                 self._cache_ages.append(CacheAge(CacheExit.EXPIRED, now - rec.created_at))
                 self._quarantine(rec, now)
-                out.append(rec.block_id)
+                out.append(bid)
+            else:
+                later.append(bid)
+        for bid in later:
+            self._schedule_expiry(self._blocks[bid])
+        if len(heap) > 2 * len(self._expiry_entry) + 64:  # drop dead entries now and then: O(n)
+            self._expiry = [e for e in heap if self._expiry_entry.get(e[2]) == e[1]]
+            heapq.heapify(self._expiry)
+        out.sort()
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
         return tuple(out)
+
+    def _schedule_expiry(self, rec: BlockRecord) -> None:
+        assert rec.owner is not None
+        tenant = rec.owner.tenant_id
+        policy = self._policy(tenant)
+        retention = policy.retention
+        self._retention_of[tenant] = (retention.ttl_s, retention.idle_s)
+        number = next(self._entry_numbers)
+        self._expiry_entry[rec.block_id] = number
+        deadline = expiry_deadline(policy, rec.created_at, rec.last_used_at)
+        heapq.heappush(self._expiry, (deadline, number, rec.block_id))
+        ages = self._by_age.setdefault(tenant, [])
+        heapq.heappush(ages, (rec.created_at, number, rec.block_id))
+        if len(ages) > 2 * self.tenant_cached(tenant) + 64:  # drop dead entries now and then
+            live = [e for e in ages if self._expiry_entry.get(e[2]) == e[1]]
+            heapq.heapify(live)
+            self._by_age[tenant] = live
+
+    def _reschedule_changed_retention(self) -> None:
+        """Reschedule the cached blocks of tenants whose retention changed since they were
+        scheduled (a policy command); forget tenants with nothing cached. O(tenants) when nothing
+        changed."""
+        changed: set[str] = set()
+        for tenant, seen in list(self._retention_of.items()):
+            if not self.tenant_cached(tenant):
+                del self._retention_of[tenant]
+                continue
+            retention = self._policy(tenant).retention
+            if (retention.ttl_s, retention.idle_s) != seen:
+                changed.add(tenant)
+        if changed:
+            for bid in self._cached:
+                rec = self._blocks[bid]
+                if rec.owner is not None and rec.owner.tenant_id in changed:
+                    self._schedule_expiry(rec)
 
     def purge(
         self, selector: PurgeSelector, now: float, *, details: Details | None = None
@@ -446,6 +552,7 @@ class Custody:
             self._tenant_dec(rec)
             self._set(rec, BlockStatus.FREE)
             rec.owner = rec.owner_tag = None
+            self._retally(rec)
             rec.hashed = rec.doomed = False
             rec.retain = True
         self._emit_zeroize(now, ids, owners, {**details, "handover": handover})
@@ -494,8 +601,7 @@ class Custody:
                 tenants[rec.owner.tenant_id] += 1
         if +tenants != +self._tenant_blocks:
             raise CustodyError("per-tenant block counts do not add up")
-        if self._cached != {r.block_id for r in self._blocks if r.status is BlockStatus.CACHED}:
-            raise CustodyError("the cached-block index disagrees with block states")
+        self._check_indexes()
         by_state: Counter[tuple[str, BlockStatus]] = Counter(
             (r.owner.tenant_id, r.status)
             for r in self._blocks
@@ -505,6 +611,16 @@ class Custody:
             raise CustodyError("per-tenant active / cached counts do not add up")
         if sum(self.counts().values()) != len(self._blocks):
             raise CustodyError("block states do not add up to the pool size")
+
+    def _check_indexes(self) -> None:
+        """The cached-block index, the expiry index and the running tally against the pool."""
+        if self._cached != {r.block_id for r in self._blocks if r.status is BlockStatus.CACHED}:
+            raise CustodyError("the cached-block index disagrees with block states")
+        live = {bid for deadline, n, bid in self._expiry if self._expiry_entry.get(bid) == n}
+        if set(self._expiry_entry) != self._cached or live != self._cached:
+            raise CustodyError("the expiry index disagrees with the cached blocks")
+        if self.summary() != summarize(self._blocks):
+            raise CustodyError("the running tally disagrees with the pool")
 
     # --- internals --------------------------------------------------------------------------------
 
@@ -517,13 +633,27 @@ class Custody:
             key = (rec.owner.tenant_id, status)
             self._counted[rec.block_id] = key
             self._held[key] += 1
-        if status is BlockStatus.CACHED:
-            self._cached.add(rec.block_id)
-        else:
-            self._cached.discard(rec.block_id)
         if status is not BlockStatus.QUARANTINED:
             rec.quarantined_at = None
         rec.status = status
+        self._retally(rec)
+        if status is BlockStatus.CACHED:
+            self._cached.add(rec.block_id)
+            self._schedule_expiry(rec)
+        elif rec.block_id in self._cached:
+            self._cached.discard(rec.block_id)
+            del self._expiry_entry[rec.block_id]
+
+    def _retally(self, rec: BlockRecord) -> None:
+        """Count the block under its current (owner tenant, status); after any change of either."""
+        key = (rec.owner.tenant_id if rec.owner is not None else None, rec.status)
+        old = rec.tally_key
+        if key != old:
+            self._tally[key] += 1
+            self._tally[old] -= 1
+            if not self._tally[old]:
+                del self._tally[old]
+            rec.tally_key = key
 
     def _check_id(self, block_id: int) -> BlockId:
         if isinstance(block_id, bool) or not 0 <= block_id < len(self._blocks):
@@ -536,13 +666,9 @@ class Custody:
         except KeyError:
             raise CustodyError(f"request {request_id!r} is not registered") from None
 
-    def _state(self, rec: BlockRecord) -> BlockState:
-        assert rec.owner is not None
-        return BlockState(scope=rec.owner, created_at=rec.created_at, last_used_at=rec.last_used_at)
-
     def _needs_clear(self, rec: BlockRecord, next_scope: Scope) -> bool:
         assert rec.owner is not None
-        return must_zeroize(self._policy(rec.owner.tenant_id), self._state(rec), next_scope)
+        return must_zeroize_owned(self._policy(rec.owner.tenant_id), rec.owner, next_scope)
 
     def _zeroize_now(self, rec: BlockRecord) -> bool:
         assert rec.owner is not None
@@ -556,7 +682,7 @@ class Custody:
         cap = policy.quota.max_blocks
         if cap is not None and self.tenant_cached(rec.owner.tenant_id) >= cap:
             return False  # a tenant's cache never grows past its quota (docs/policy.md)
-        return not expired(policy, self._state(rec), now)
+        return not expired_at(policy, rec.created_at, rec.last_used_at, now)
 
     def _take(
         self,

@@ -79,6 +79,8 @@ class BlockRecord:
     doomed: bool = False  # purged while active: quarantine on release, never cache
     retain: bool = True  # the allocating request may keep its blocks cached
     quarantined_at: float | None = None  # when it entered quarantine (cleanup latency)
+    # (owner tenant or None, status) as custody's running tally last counted it (`Custody.summary`).
+    tally_key: tuple[str | None, BlockStatus] = (None, BlockStatus.FREE)
 
     @property
     def dirty(self) -> bool:

@@ -235,11 +235,30 @@ def expired(policy: TenantPolicy, block: BlockState, now: float) -> bool:
     Ages are clamped at zero, so a clock that steps backwards never makes a block younger than new; a
     TTL of 0 therefore expires every cached block at once. Monotone: once true, true for any later now.
     """
+    return expired_at(policy, block.created_at, block.last_used_at, now)
+
+
+def expired_at(policy: TenantPolicy, created_at: float, last_used_at: float, now: float) -> bool:
+    """`expired` for a block known by its two timestamps (custody's hot path builds no BlockState)."""
     if not math.isfinite(now):
         raise ValueError("now must be finite")
-    age = max(0.0, now - block.created_at)
-    idle = max(0.0, now - block.last_used_at)
+    age = max(0.0, now - created_at)
+    idle = max(0.0, now - last_used_at)
     return age >= policy.retention.ttl_s or idle >= policy.retention.idle_s
+
+
+EXPIRY_MARGIN_S = 1e-3
+
+
+def expiry_deadline(policy: TenantPolicy, created_at: float, last_used_at: float) -> float:
+    """A time before which `expired_at` is false for this block under this policy (-inf: it may be
+    true at any time, e.g. a TTL of 0). An expiry sweep need not look at the block earlier; the
+    verdict stays `expired_at`'s. A margin below the exact sum absorbs float rounding."""
+    retention = policy.retention
+    if retention.ttl_s <= 0 or retention.idle_s <= 0:
+        return -math.inf
+    exact = min(created_at + retention.ttl_s, last_used_at + retention.idle_s)
+    return exact - EXPIRY_MARGIN_S
 
 
 def must_zeroize(policy: TenantPolicy, block: BlockState, next_scope: Scope | None) -> bool:
@@ -248,6 +267,11 @@ def must_zeroize(policy: TenantPolicy, block: BlockState, next_scope: Scope | No
     `policy` is the policy of the tenant that owns the block. Under `cross_scope` the only handover
     without zeroization is one into an identical reuse domain, which could have reused the block anyway.
     """
+    return must_zeroize_owned(policy, block.scope, next_scope)
+
+
+def must_zeroize_owned(policy: TenantPolicy, owner: Scope, next_scope: Scope | None) -> bool:
+    """`must_zeroize` for a block known by its owner's scope (custody's hot path)."""
     if policy.zeroize.on_release is ZeroizeOn.ALWAYS or next_scope is None:
         return True
-    return not block.scope.same_domain(next_scope)
+    return not owner.same_domain(next_scope)

@@ -11,6 +11,8 @@ from kvguard.engine_adapter.records import (
     EventKind,
     PurgeKind,
     PurgeSelector,
+    TenantHoldings,
+    summarize,
 )
 from kvguard.errors import CustodyError
 from kvguard.policy import Retention, Reuse, TenantPolicy, Zeroize, ZeroizeOn
@@ -366,3 +368,28 @@ def test_a_stale_verdict_reported_before_the_new_clear_does_not_free_the_block(
     assert c.record(0).status is BlockStatus.QUARANTINED  # still held for #2
     c.requeue([0])  # #2 failed: planned again
     assert c.take_plan().release == (0,)
+
+
+def test_summary_and_sweep_indexes_stay_exact_and_bounded_under_cache_churn(make_custody) -> None:
+    """`summary` comes from a running tally and per-tenant age heaps, the sweep from an expiry
+    heap; entries of blocks that left the cache are dropped lazily. Churn one block through the
+    cache hundreds of times: the figures equal a pass over the pool, and the heaps stay bounded."""
+    c = make_custody(num_blocks=8, default=TenantPolicy(retention=Retention(ttl_s=900, idle_s=600)))
+    run_request(c, "r00", scope_for("a"), [1], 0.0)  # a's oldest, never touched again
+    run_request(c, "r0", scope_for("a"), [0], 1.0)
+    run_request(c, "s0", scope_for("b"), [2], 5.0)
+    for i in range(2, 400):
+        c.begin(f"r{i}", scope_for("a"), use_cache=True)
+        c.reuse(f"r{i}", [0], float(i), tokens_matched=16)
+        c.finish(f"r{i}", float(i))
+        if i % 97 == 0:
+            c.sweep(float(i))
+            c.check_invariants()  # includes summary() == summarize(pool)
+    summary = c.summary()
+    assert summary == summarize(c._blocks)
+    assert summary.tenants["a"] == TenantHoldings(0, 2, 0, 0.0)
+    assert summary.tenants["b"] == TenantHoldings(0, 1, 0, 5.0)
+    assert len(c._by_age["a"]) <= 2 * 2 + 64 + 1 and len(c._expiry) <= 2 * 3 + 64 + 1
+    assert c.sweep(610.5) == (1, 2)  # idle 600 s: block 0 was used at 399
+    assert c.sweep(1000.0) == (0,)  # TTL 900 s since its creation at 1
+    c.check_invariants()

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
 from kvguard.policy import PolicySet, Retention, TenantPolicy, Zeroize, ZeroizeOn
+from kvguard.policy.decisions import expired_at
 from tests.engine_adapter.conftest import DERIVER, scope_for
 
 N_BLOCKS = 12
@@ -32,11 +33,17 @@ POLICIES = PolicySet(
 class CustodyMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.c = Custody(N_BLOCKS, policy=POLICIES.policy_for, tagger=DERIVER.scope_tag)
+        self.policies = POLICIES
+        self.c = Custody(N_BLOCKS, policy=self._policy_for, tagger=DERIVER.scope_tag)
         self.now = 0.0
         self.next_rid = 0
         self.running: dict[str, list[int]] = {}
         self.bytes_of: dict[int, str | None] = dict.fromkeys(range(N_BLOCKS))  # shadow: whose data
+
+    def _policy_for(self, tenant: str) -> TenantPolicy:
+        return self.policies.policy_for(
+            tenant
+        )  # looked up per call: change_retention swaps the set
 
     def _engine_free(self) -> list[int]:
         recs = [self.c.record(b) for b in range(N_BLOCKS)]
@@ -100,6 +107,21 @@ class CustodyMachine(RuleBasedStateMachine):
     def tick_and_sweep(self, dt) -> None:
         self.now += dt
         self.c.sweep(self.now)
+        # The sweep's index against the rule itself: no cached block outlives its current policy.
+        for b in range(N_BLOCKS):
+            rec = self.c.record(b)
+            if rec.status is BlockStatus.CACHED:
+                policy = self.policies.policy_for(rec.owner.tenant_id)
+                assert not expired_at(policy, rec.created_at, rec.last_used_at, self.now), b
+
+    @rule(tenant=st.sampled_from(TENANTS), ttl=st.integers(0, 8), idle=st.integers(0, 8))
+    def change_retention(self, tenant, ttl, idle) -> None:
+        """A policy command: the next sweep applies the tenant's new TTL and idle limit."""
+        tenants = dict(self.policies.tenants)
+        old = self.policies.policy_for(tenant)
+        retention = Retention(ttl_s=ttl, idle_s=min(idle, ttl))  # idle over TTL is refused
+        tenants[tenant] = old.model_copy(update={"retention": retention})
+        self.policies = PolicySet(tenants=tenants)
 
     @rule(tenant=st.sampled_from(TENANTS))
     def purge(self, tenant) -> None:
