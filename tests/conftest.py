@@ -27,7 +27,11 @@ def _logging_restored() -> Iterator[None]:
     loggers, which would otherwise bleed INFO lines into later tests' output."""
     import logging  # noqa: PLC0415
 
-    import structlog  # noqa: PLC0415
+    try:
+        import structlog  # noqa: PLC0415
+    except ImportError:  # the GPU hosts carry torch and Triton only: kernel tests log nothing
+        yield
+        return
 
     from kvguard import logging as kvlog  # noqa: PLC0415
 
