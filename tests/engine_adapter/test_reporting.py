@@ -115,3 +115,48 @@ def test_a_non_finite_zeroize_time_never_blocks_heartbeats(sqlite_url, make_cust
     reporter.zeroized(c, (0,), details, handover=False, now=1.5)
     assert reporter.histograms["zeroize_seconds"].count == 0  # dropped, not stored as NaN
     assert reporter.heartbeat(2.0, c.summary(), {})  # the totals stay finite
+
+
+def test_a_deferred_heartbeat_is_taken_now_written_later_and_never_after_the_last(
+    sqlite_url, make_custody
+) -> None:
+    """The scheduler thread takes the figures; the engine link's thread writes them. A deferred
+    write still queued when the engine stops is dropped: the last heartbeat stays the last."""
+    reporter = _reporter(sqlite_url)
+    custody = make_custody()
+    queued: list = []
+    reporter.prompt("a", 10)
+    reporter.new_tag("st_a", "a")
+    reporter.heartbeat_soon(1.0, custody.summary(), {}, queued.append)
+    reporter.prompt("a", 5)  # after the figures were taken: not in this heartbeat
+    assert reporter.heartbeats == 0 and not reporter.due(2.0)
+    assert queued[0]() is True  # the link's thread
+    (row,) = reporter.registry.tenant_stats("a")
+    assert row.prompt_tokens == 10 and reporter.registry.tags_for_tenant("a") == ["st_a"]
+    reporter.heartbeat_soon(3.0, custody.summary(), {}, queued.append)
+    reporter.close(4.0, custody.summary(), {})
+    assert queued[1]() is False  # queued before the stop, run after it: not written
+    (row,) = reporter.registry.tenant_stats("a")
+    assert row.prompt_tokens == 15 and reporter.heartbeats == 2
+
+
+def test_a_deferred_heartbeat_that_fails_keeps_its_tags_for_the_next(
+    sqlite_url, make_custody, monkeypatch
+) -> None:
+    reporter = _reporter(sqlite_url)
+    custody = make_custody()
+    reporter.new_tag("st_a", "a")
+    queued: list = []
+    reporter.heartbeat_soon(1.0, custody.summary(), {}, queued.append)
+
+    def broken(*_args, **_kwargs):
+        raise sa.exc.OperationalError("UPDATE engines", {}, Exception("down"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(reporter.registry, "heartbeat", broken)
+        assert queued[0]() is False
+    reporter.new_tag("st_b", "b")
+    assert reporter.heartbeat(3.0, custody.summary(), {}) is True
+    assert reporter.registry.tags_for_tenant("a") == ["st_a"]
+    assert reporter.registry.tags_for_tenant("b") == ["st_b"]
+    reporter.close(4.0, custody.summary(), {})

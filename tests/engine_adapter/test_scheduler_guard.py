@@ -105,6 +105,9 @@ class FakeLink:
     def every(self, interval_s: float, task: Any) -> None:
         self.chores.append((interval_s, task))
 
+    def call_soon(self, task: Any) -> None:
+        task()  # the link's thread, at once
+
     def start(self) -> FakeLink:
         self.started = True
         return self

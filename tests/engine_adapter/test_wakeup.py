@@ -105,3 +105,31 @@ def test_the_engine_link_runs_its_chores_on_one_thread(tmp_path: Path) -> None:
         assert not link.take_notified()  # SQLite: no notifications, the engine polls
     finally:
         link.close()
+
+
+def test_tasks_handed_to_the_link_run_once_in_order_on_its_thread(tmp_path: Path) -> None:
+    """`call_soon` (the scheduler's heartbeat writes): once each, in order, on the link's thread, a
+    failing one logged and the next still run; what is still queued at close is dropped."""
+    link = EngineLink.open(f"sqlite:///{tmp_path / 'c.db'}", None)
+    ran: list[tuple[int, str]] = []
+
+    def task(n: int) -> None:
+        ran.append((n, threading.current_thread().name))
+        if n == 1:
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("down"))
+
+    for n in range(3):
+        link.call_soon(lambda n=n: task(n))
+    link.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(ran) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.6)  # another tick or more: nothing runs twice
+        assert [n for n, _ in ran] == [0, 1, 2]
+        assert {name for _, name in ran} == {"kvguard-command-listener"}
+    finally:
+        link.close()
+    link.call_soon(lambda: task(9))  # after close: never run
+    time.sleep(0.6)
+    assert len(ran) == 3

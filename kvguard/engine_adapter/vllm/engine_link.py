@@ -3,7 +3,9 @@
 `EngineLink` is everything an engine process holds on the control database: one SQLAlchemy engine
 (one pool), the command queue, the policy store and the engine registry on it, and one daemon thread,
 which LISTENs for command notifications (PostgreSQL) and runs the link's chores between waits: the
-registry keep-alive of an idle engine and the idle wake-up check (`wakeup.IdleWaker`). The connector
+registry keep-alive of an idle engine, the idle wake-up check (`wakeup.IdleWaker`), and one-off
+writes the scheduler hands over (`call_soon`: the heartbeats, so the step loop does no database
+round trip for them). The connector
 builds it (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The thread
 never touches custody or the pool: chores only read the database, move `last_seen` on, or put vLLM's
 no-op wake-up item on its input queue.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -86,6 +89,7 @@ class EngineLink:
         self.policies: PolicyStore | None = PolicyStore(policy_engine or engine)
         self._clock = clock
         self._chores: list[_Chore] = []
+        self._soon: deque[Callable[[], object]] = deque()
         self._lock = threading.Lock()
         self.listener = CommandListener(engine, tick=self._tick)
         self._started = False
@@ -104,6 +108,11 @@ class EngineLink:
         with self._lock:
             self._chores.append(_Chore(interval_s, task))
 
+    def call_soon(self, task: Callable[[], object]) -> None:
+        """Run `task` once on the link's thread, at its next tick (at most half a second), in the
+        order handed over; a database error is logged. Tasks still queued at `close` are dropped."""
+        self._soon.append(task)
+
     def start(self) -> EngineLink:
         if not self._started:
             self._started = True
@@ -115,6 +124,11 @@ class EngineLink:
         return self.listener.take()
 
     def _tick(self) -> None:
+        while self._soon:
+            try:
+                self._soon.popleft()()
+            except sa.exc.SQLAlchemyError as exc:
+                _log.warning("engine link task failed", error=type(exc).__name__)
         now = self._clock()
         with self._lock:
             due = [c for c in self._chores if now - c.last >= c.interval_s]
@@ -127,6 +141,7 @@ class EngineLink:
                 _log.warning("engine link chore failed; retrying", error=type(exc).__name__)
 
     def close(self) -> None:
+        self._soon.clear()
         self.listener.close()
         self.engine.dispose()
         if self._policy_engine is not None:

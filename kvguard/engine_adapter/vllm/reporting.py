@@ -5,15 +5,18 @@ blocks (and bytes) of the tenant's data that the worker zeroized, plus engine-wi
 (`kvguard.control.engine_metrics`, which also names every figure for Prometheus): zeroization time
 per call as measured by the worker, cleanup time, from a block entering quarantine to the worker
 reporting it clear, and the age of cached blocks when a prefix hit reuses them or their cached life
-ends. Every `HEARTBEAT_S` the scheduler thread calls `heartbeat` with a
-custody summary; the registry row, the per-tenant rows and the scope tags first seen since the last
-heartbeat are written in one transaction.
+ends. Every `HEARTBEAT_S` the scheduler thread takes the figures (with a custody summary) and hands
+their write to the engine link's thread (`heartbeat_soon`): the registry row, the per-tenant rows and
+the scope tags first seen since the last heartbeat are written there in one transaction, so the step
+loop never waits for a database round trip. `heartbeat` writes on the caller's thread (reports on
+demand, and the last one at shutdown, after which no deferred write lands).
 
 Statistics are observability, not evidence (the ledger is): a heartbeat that fails is logged (the
 error's type only, never its text, which could carry the database URL) and retried at the next one,
 and the engine carries on. Buffered tags stay buffered until a heartbeat succeeds.
 
-All methods run in the scheduler thread except `keepalive`, which the engine link's thread runs every
+All methods run in the scheduler thread except deferred heartbeat writes and `keepalive`, which the
+engine link's thread runs every
 `HEARTBEAT_S` (`EngineLink.every`) and which only moves the engine row's `last_seen` on: an idle vLLM
 engine runs no scheduler code, and must not look dead to the API. The reporter owns no connection:
 the registry is the engine link's.
@@ -22,9 +25,11 @@ the registry is the engine link's.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -80,6 +85,17 @@ ENGINE_COUNTERS: Final = (
 _log = get_logger("vllm.reporting")
 
 
+@dataclass(frozen=True, slots=True)
+class _Beat:
+    """One heartbeat's figures, taken on the scheduler thread."""
+
+    now: float
+    totals: dict[str, int | float]
+    tenants: list[TenantCacheStats]
+    tags: dict[str, str]
+    final: bool = False
+
+
 class EngineReporter:
     """Per-tenant counters and heartbeats for one engine (see the module docstring)."""
 
@@ -113,6 +129,8 @@ class EngineReporter:
         }
         self.cleanup_max_s = 0.0
         self.heartbeats = 0
+        self._write_lock = threading.Lock()  # one write at a time; none after the last one
+        self._closed = False
 
     # --- what the scheduler reports -----------------------------------------------------------
 
@@ -203,31 +221,60 @@ class EngineReporter:
     def heartbeat(
         self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]
     ) -> bool:
-        """Write the figures; False (logged, retried next time) when the database refused them."""
+        """Write the figures now; False (logged, retried next time) when the database refused them."""
+        return self._write(self._beat(now, summary, counters))
+
+    def heartbeat_soon(
+        self,
+        now: float,
+        summary: PoolSummary,
+        counters: Mapping[str, int | float],
+        defer: Callable[[Callable[[], object]], None],
+    ) -> None:
+        """Take the figures now and have `defer` write them (the engine link's `call_soon`)."""
+        beat = self._beat(now, summary, counters)
+        defer(lambda: self._write(beat))
+
+    def _beat(
+        self,
+        now: float,
+        summary: PoolSummary,
+        counters: Mapping[str, int | float],
+        final: bool = False,
+    ) -> _Beat:
         self._last_beat = now
-        try:
-            if not self._registered:
-                self._try_register(raise_errors=True)
-            self.registry.heartbeat(
-                self.engine_id,
-                now=now,
-                totals=self._totals(summary, counters),
-                tenants=self._tenant_rows(summary),
-                new_tags=list(self._tags.items()),
-            )
-        except (sa.exc.SQLAlchemyError, OSError, LookupError) as exc:
-            self._registered = self._registered and not isinstance(exc, LookupError)
-            _log.warning("engine heartbeat failed; retrying", error=type(exc).__name__)
-            return False
-        self._tags.clear()
-        self.heartbeats += 1
-        return True
+        tags, self._tags = self._tags, {}
+        return _Beat(now, self._totals(summary, counters), self._tenant_rows(summary), tags, final)
+
+    def _write(self, beat: _Beat) -> bool:
+        with self._write_lock:
+            if self._closed and not beat.final:
+                return False  # the last heartbeat has been written: an older one must not follow
+            self._closed = self._closed or beat.final
+            try:
+                if not self._registered:
+                    self._try_register(raise_errors=True)
+                self.registry.heartbeat(
+                    self.engine_id,
+                    now=beat.now,
+                    totals=beat.totals,
+                    tenants=beat.tenants,
+                    new_tags=list(beat.tags.items()),
+                )
+            except (sa.exc.SQLAlchemyError, OSError, LookupError) as exc:
+                self._registered = self._registered and not isinstance(exc, LookupError)
+                for tag, tenant in beat.tags.items():  # buffered until a heartbeat succeeds
+                    self._tags.setdefault(tag, tenant)
+                _log.warning("engine heartbeat failed; retrying", error=type(exc).__name__)
+                return False
+            self.heartbeats += 1
+            return True
 
     def close(self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]) -> None:
-        """Last heartbeat and `stopped_at`. Never raises."""
+        """Last heartbeat and `stopped_at`; no deferred heartbeat is written after it. Never raises."""
         if not self._identity:
             return
-        if self.heartbeat(now, summary, counters):
+        if self._write(self._beat(now, summary, counters, final=True)):
             try:
                 self.registry.stop(self.engine_id, now)
             except sa.exc.SQLAlchemyError as exc:

@@ -537,8 +537,8 @@ class SchedulerGuard:
             selector = self._purges.pop(0)
             c.purge(selector, now, details={**self._tier_purge(selector, None)})
         self._hold_quarantined()
-        if self.reporter.due(now):
-            self.reporter.heartbeat(now, c.summary(), self._counters())
+        if self.reporter.due(now):  # figures taken here, written on the link's thread
+            self.reporter.heartbeat_soon(now, c.summary(), self._counters(), self.link.call_soon)
 
     # --- commands and reporting ---------------------------------------------------------------
 
