@@ -121,10 +121,11 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(10)
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds of `kvguard serve` and its worker processes (`--workers N`), so far."""
+    def cpu_seconds(self) -> dict[int, float]:
+        """CPU seconds of `kvguard serve` and of each of its worker processes (`--workers N`), so
+        far, by process id."""
         assert self.proc is not None
-        return sum(_proc_cpu(pid) for pid in _process_tree(self.proc.pid))
+        return {pid: _proc_cpu(pid) for pid in _process_tree(self.proc.pid)}
 
 
 def _proc_cpu(pid: int) -> float:
@@ -423,7 +424,7 @@ async def _progress(phase: Phase, clock: dict[str, float]) -> None:
 
 @dataclass(frozen=True)
 class CpuSample:
-    server: float
+    server: dict[int, float]
     client: float
     backends: dict[int, float]
 
@@ -433,8 +434,14 @@ class CpuSample:
 
     def since(self, before: CpuSample) -> dict[str, float]:
         db = sum(v - before.backends.get(pid, 0.0) for pid, v in self.backends.items())
+        server = {pid: v - before.server.get(pid, 0.0) for pid, v in self.server.items()}
+        # With `--workers N`, each worker's share: uvicorn's workers accept connections from one
+        # shared socket, and with keep-alive clients the split is fixed when they connect (a run
+        # where one worker took most connections measures about one process).
+        workers = {f"server pid {pid}": v for pid, v in server.items() if v >= 0.05}
         return {
-            "server": self.server - before.server,
+            "server": sum(server.values()),
+            **(workers if len(workers) > 1 else {}),
             "load generator": self.client - before.client,
             "postgres backends": db,
         }

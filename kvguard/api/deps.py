@@ -216,7 +216,7 @@ def audited(name: str, *roles: Role) -> Any:
                 await anyio.to_thread.run_sync(action._record, _outcome(exc), {})
             raise
         if not action.drained:
-            await anyio.to_thread.run_sync(services.deliver)
+            await services.deliver_async()
 
     # scope="function": the failure is recorded before the response is sent.
     return Depends(dependency, scope="function")

@@ -18,13 +18,13 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
 
+import anyio.to_thread
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
@@ -40,18 +40,17 @@ from kvguard.control.engines import EngineRegistry
 from kvguard.control.key_cache import KeyCache
 from kvguard.control.keys import TenantKeys
 from kvguard.control.outbox import Deliverer, Outbox
-from kvguard.control.publish import PolicyPublisher
+from kvguard.control.publish import PolicyPublisher, PolicyWrite
 from kvguard.control.tenants import TenantRegistry
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.logging import get_logger
-from kvguard.policy.store import PolicyStore
+from kvguard.policy.store import PolicyChange, PolicyStore
 
 DEFAULT_ORIGIN = "kvguard.local/ledger"
 OUTBOX_DRAIN_S = 5.0
 _log = get_logger("kvguard.api.services")
 _in_write = threading.local()
-T = TypeVar("T")
 
 
 def _plain(value: object) -> object:
@@ -102,21 +101,63 @@ class ApiConfig:
         return cls(**data)
 
 
-class SerialWriter:
-    """Runs this process's policy writes one at a time on one thread, awaited from the event loop.
+class PolicyWriter:
+    """Runs this process's policy writes on one thread, in group commits, awaited from the event
+    loop.
 
-    One at a time: a policy write is a compare-and-set on the policy head (`kvguard.control.
-    publish`), so two writers of one process would only make each other redo their edit. On a
-    thread of its own: a write waiting for its turn holds none of the request threads (a waiting
-    writer on a request thread is one thread fewer for reads; with the head's row lock as the
-    queue, measured in docs/benchmarks.md, most request threads ended up waiting on it)."""
+    One thread: a policy write is a compare-and-set on the policy head (`kvguard.control.publish`),
+    so two writers of one process would only make each other redo their edit; and a write waiting
+    for its turn holds none of the request threads (with the head's row lock as the queue, most
+    request threads ended up waiting on it, docs/benchmarks.md). Group commit: the writes that
+    arrive while a group is being stored go together in the next one (`publish_group`): one
+    transaction and one pipelined round trip for up to `max_group` versions, each an edit of the
+    one before it, instead of one write at a time on a thread that waits for the GIL at every
+    round trip (docs/benchmarks.md, "Group commit of policy writes", 2026-11-27)."""
 
-    def __init__(self, name: str = "kvguard-policy") -> None:
+    def __init__(
+        self, publisher: PolicyPublisher, *, max_group: int = 32, name: str = "kvguard-policy"
+    ) -> None:
+        self._publisher = publisher
+        self._max_group = max_group
+        self._lock = threading.Lock()  # guards `_queued` and `_draining`
+        self._queued: list[tuple[PolicyWrite, Future[PolicyChange]]] = []
+        self._draining = False  # a drain is submitted to the thread and has not returned
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    async def publish(self, write: PolicyWrite) -> PolicyChange:
+        """`write` stored (its change), or its refusal raised, once its group has committed."""
         context = contextvars.copy_context()  # the request's log context, as anyio's threads get
-        return await asyncio.wrap_future(self._pool.submit(context.run, fn))
+        edit, events = write.edit, write.events
+        write = replace(
+            write,
+            edit=lambda base: context.run(edit, base),
+            events=lambda change: context.run(events, change),
+        )
+        future: Future[PolicyChange] = Future()
+        with self._lock:
+            self._queued.append((write, future))
+            if not self._draining:
+                self._draining = True
+                self._pool.submit(self._drain)
+        return await asyncio.wrap_future(future)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                group = self._queued[: self._max_group]
+                del self._queued[: self._max_group]
+                if not group:
+                    self._draining = False
+                    return
+            try:
+                outcomes = self._publisher.publish_group([write for write, _ in group])
+            except Exception as exc:  # nothing of the group is stored: each waiter gets the error
+                outcomes = [exc] * len(group)
+            for (_, future), outcome in zip(group, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -139,8 +180,8 @@ class Services:
     metrics: CollectorRegistry
     outbox: Outbox
     publisher: PolicyPublisher
+    policy_writer: PolicyWriter
     clock: Callable[[], float] = field(default=time.time)
-    policy_writer: SerialWriter = field(default_factory=SerialWriter)
     key_cache: KeyCache | None = None  # PostgreSQL only (kvguard.control.key_cache)
     _deliverer: Deliverer | None = None
 
@@ -163,6 +204,7 @@ class Services:
         commands = CommandQueue(db)
         # The key rows of authenticated keys, kept coherent with revocations by a listener on a
         # connection of its own: no key-row read per request (docs/benchmarks.md).
+        publisher = PolicyPublisher(policies, outbox, commands, clock=clock)
         key_cache = KeyCache(db).start() if db.dialect.name == "postgresql" else None
         services = cls(
             config=config,
@@ -181,7 +223,8 @@ class Services:
             actions=ActionLog(ledger, deriver, clock, outbox=outbox, append_seconds=append_seconds),
             metrics=registry,
             outbox=outbox,
-            publisher=PolicyPublisher(policies, outbox, commands, clock=clock),
+            publisher=publisher,
+            policy_writer=PolicyWriter(publisher),
             clock=clock,
             key_cache=key_cache,
         )
@@ -211,6 +254,12 @@ class Services:
         if self._deliverer is not None:
             return self._deliverer.deliver()
         return self.actions.try_deliver()
+
+    async def deliver_async(self) -> bool:
+        """`deliver`, awaited on the event loop (no request thread waits for the drain)."""
+        if self._deliverer is not None:
+            return await self._deliverer.deliver_async()
+        return await anyio.to_thread.run_sync(self.actions.try_deliver)
 
     def tenant_ledger_tags(self, tenant_id: str) -> list[str]:
         """The scope tags of a tenant's ledger entries: the `st_` tags engines registered for its

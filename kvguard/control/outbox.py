@@ -16,6 +16,8 @@ hold what the ledger entries hold (tenant ids only in the erasable payloads).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -203,6 +205,8 @@ class Deliverer:
         self._done = 0
         self._ok = True
         self._stop = False
+        # Writers awaiting a drain on an event loop (`deliver_async`): (target, loop, future).
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[bool]]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -219,6 +223,30 @@ class Deliverer:
                     return False
                 self._cond.wait(remaining)
             return self._ok
+
+    async def deliver_async(self, timeout: float = 10.0) -> bool:
+        """`deliver`, awaited on the event loop: no thread blocks while the drain runs (an API
+        write waited for it on one of the request threads, which reads then queued for)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        with self._cond:
+            if self._stop:
+                return False
+            self._requested += 1
+            self._waiters.append((self._requested, loop, future))
+            self._cond.notify_all()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return False
+
+    def _settle(self, done: int, ok: bool) -> None:
+        """Answer the event-loop waiters whose drain has run (called with `_cond` held)."""
+        ready = [w for w in self._waiters if w[0] <= done]
+        self._waiters = [w for w in self._waiters if w[0] > done]
+        for _target, loop, future in ready:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, future, ok)
 
     def _run(self) -> None:
         while True:
@@ -238,11 +266,18 @@ class Deliverer:
                 self._done = max(self._done, target)
                 self._ok = ok
                 self._cond.notify_all()
+                self._settle(self._done, ok)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread after its current drain."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+            self._settle(self._requested, False)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def _resolve(future: asyncio.Future[bool], ok: bool) -> None:
+    if not future.done():  # not timed out meanwhile
+        future.set_result(ok)

@@ -34,6 +34,15 @@ Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
 4. SQLite: the same rows, as separate statements in one `BEGIN IMMEDIATE` transaction (its
    database lock serialises writers anyway, and there are no network round trips to save).
 
+Group commit (`PolicyPublisher.publish_group`; the admin API's policy writer sends every write
+queued behind the one being stored): the writes are drafted in order, each an edit of the draft
+before it (its checks, expected version and tenant_admin limits against that draft, as if the
+writes came one at a time; a write that is refused is left out and the next edits the draft
+before it), and stored together: one statement as above for a single version; for several, that
+statement once per version (the head's guard lets it step by one only), pipelined by psycopg in
+one transaction that is rolled back unless every one of them stepped the head. A head that another
+process moved redoes the whole group from a fresh base, as a single write is redone.
+
 `events(change)` stands in for `PolicyStore.subscribe`: the publisher calls no store subscribers
 (the admin API registers none); what a write must record goes into its own outbox rows.
 
@@ -89,10 +98,36 @@ PolicyEvents = Callable[[PolicyChange], Sequence[AuditEvent]]
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyWrite:
+    """One policy write: `edit(<base>)` stored with `events(change)`; with `expected_version`, only
+    over that version (PolicyVersionConflictError otherwise)."""
+
+    edit: PolicyEdit
+    author: str
+    reason: str
+    author_role: str
+    events: PolicyEvents
+    expected_version: int | None = None
+
+
+PolicyOutcome = PolicyChange | Exception  # a write's stored version, or why it was refused
+
+
+@dataclass(frozen=True, slots=True)
 class _Draft:
     change: PolicyChange
     document: str
     author_role: str
+    events: Sequence[AuditEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Drafts of a group of writes, each over the one before it: `outcomes` in write order."""
+
+    outcomes: list[PolicyOutcome]
+    drafts: list[_Draft]
+    last: PolicyBase  # the base after the last draft
 
 
 def _is_postgres(engine: sa.Engine) -> bool:
@@ -140,123 +175,170 @@ class PolicyPublisher:
         """Store `edit(<base>)` as the next version with its engine command and `events(change)`
         in one transaction. PolicyVersionConflictError (nothing stored) when `expected_version`
         is given and the latest version is another one."""
-        check_metadata(author, reason)
+        write = PolicyWrite(edit, author, reason, author_role, events, expected_version)
+        outcome = self.publish_group([write])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def publish_group(self, writes: Sequence[PolicyWrite]) -> list[PolicyOutcome]:
+        """Store `writes` as consecutive versions, each an edit of the one before it, in one
+        transaction (a group commit): the outcome of each, in order. A write whose edit or checks
+        raise is left out (its outcome is the exception) and the next one edits the version
+        before it, as if the refused write had come alone; the others commit together or, on a
+        database error, none of them (raised)."""
+        if not writes:
+            return []
         if _is_postgres(self._engine):
             for attempt in range(OPTIMISTIC_TRIES):
-                fresh = attempt > 0 or expected_version is not None or self._contended()
-                with read_connection(self._engine) as conn:  # autocommit: one statement, one commit
-                    base = self._base_for(conn, fresh=fresh)
-                    draft = self._draft(
-                        edit,
-                        base,
-                        author=author,
-                        reason=reason,
-                        author_role=author_role,
-                        expected_version=expected_version,
-                    )
-                    if self._write(conn, base.version, draft, events(draft.change)):
-                        return self._committed(base, draft)
+                fresh = (
+                    attempt > 0
+                    or any(w.expected_version is not None for w in writes)
+                    or self._contended()
+                )
+                base = self._base_for(None, fresh=fresh)
+                batch = self._drafts(writes, base)
+                if not batch.drafts or self._pg_write(base.version, batch.drafts):
+                    return self._committed(batch)
                 _log.debug("policy head moved; editing the new version", attempt=attempt)
                 with self._lock:
                     self._contended_until = time.monotonic() + CONTENDED_S
         with write_transaction(self._engine) as conn:
             self._store.lock_head(conn)  # SQLite: `BEGIN IMMEDIATE` already holds the database
             base = self._base_for(conn, fresh=True)
-            draft = self._draft(
-                edit,
-                base,
-                author=author,
-                reason=reason,
-                author_role=author_role,
-                expected_version=expected_version,
-            )
-            if not self._write(conn, base.version, draft, events(draft.change)):
+            batch = self._drafts(writes, base)
+            if batch.drafts and not self._locked_write(conn, base.version, batch.drafts):
                 raise PolicyStoreError("the policy head moved while it was locked")
-        return self._committed(base, draft)
+        return self._committed(batch)
 
-    def _base_for(self, conn: sa.Connection, *, fresh: bool) -> PolicyBase:
+    def _base_for(self, conn: sa.Connection | None, *, fresh: bool) -> PolicyBase:
         with self._lock:
             known = self._base
         if known is not None and not fresh:
             return known
-        current, limits = self._store.latest_and_limits(conn)
+        current, limits = self._store.latest_and_limits(conn)  # None: a read of its own
         return PolicyBase(current, limits)
 
-    def _draft(
-        self,
-        edit: PolicyEdit,
-        base: PolicyBase,
-        *,
-        author: str,
-        reason: str,
-        author_role: str,
-        expected_version: int | None,
-    ) -> _Draft:
-        if expected_version is not None and base.version != expected_version:
-            raise PolicyVersionConflictError(
-                f"the policy store is at version {base.version}, not {expected_version}"
-            )
-        document, digest = self._store.validated_document(edit(base), base=base.current)
-        change = PolicyChange(
-            version=base.version + 1, author=author, reason=reason, digest=digest, at=self._clock()
-        )
-        return _Draft(change, document, author_role)
+    def _drafts(self, writes: Sequence[PolicyWrite], base: PolicyBase) -> _Batch:
+        outcomes: list[PolicyOutcome] = []
+        drafts: list[_Draft] = []
+        for write in writes:
+            try:
+                draft = self._draft(write, base)
+            except Exception as exc:  # this write's refusal (412, 403, 422...): its caller's
+                outcomes.append(exc)
+                continue
+            drafts.append(draft)
+            outcomes.append(draft.change)
+            current = self._store.drafted(draft.change, draft.document)
+            limits = current if draft.author_role != "tenant_admin" else base.limits
+            base = PolicyBase(current, limits)
+        return _Batch(outcomes, drafts, base)
 
-    def _committed(self, base: PolicyBase, draft: _Draft) -> PolicyChange:
-        current = self._store.remember_committed(draft.change)
-        limits = current if draft.author_role != "tenant_admin" else base.limits
+    def _draft(self, write: PolicyWrite, base: PolicyBase) -> _Draft:
+        check_metadata(write.author, write.reason)
+        if write.expected_version is not None and base.version != write.expected_version:
+            raise PolicyVersionConflictError(
+                f"the policy store is at version {base.version}, not {write.expected_version}"
+            )
+        document, digest = self._store.validated_document(write.edit(base), base=base.current)
+        change = PolicyChange(
+            version=base.version + 1,
+            author=write.author,
+            reason=write.reason,
+            digest=digest,
+            at=self._clock(),
+        )
+        return _Draft(change, document, write.author_role, list(write.events(change)))
+
+    def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
+        for draft in batch.drafts:
+            self._store.remember_committed(draft.change)
+            _log.info("policy.stored", version=draft.change.version, digest=draft.change.digest)
+        last = batch.last
         with self._lock:
-            if self._base is None or self._base.version < draft.change.version:
-                self._base = PolicyBase(current, limits) if current is not None else None
-        _log.info("policy.stored", version=draft.change.version, digest=draft.change.digest)
-        return draft.change
+            if batch.drafts and (self._base is None or self._base.version < last.version):
+                self._base = last
+        return batch.outcomes
 
     def forget(self) -> None:
         """Read the base from the database at the next write (tests; a restore)."""
         with self._lock:
             self._base = None
 
-    def _write(
-        self, conn: sa.Connection, base: int, draft: _Draft, events: Sequence[AuditEvent]
-    ) -> bool:
-        """The version, its command and `events`, if the head is still at `base`; False (and
-        nothing written) if it is not."""
-        change = draft.change
-        version_row = {
-            "version": change.version,
-            "created_at": change.at,
-            "author": change.author,
-            "reason": change.reason,
-            "digest": change.digest,
-            "document": draft.document,
-            "author_role": draft.author_role,
-        }
-        if _is_postgres(self._engine):
-            written = conn.execute(
-                _PG_POLICY_WRITE,
-                {
-                    **version_row,
-                    "head_id": HEAD_ID,
-                    "base": base,
-                    "now": time.time(),
-                    "selector_value": str(change.version),
-                    "requested_by": change.author,
-                    "events": [event_json(e) for e in events],
-                    "channel": NOTIFY_CHANNEL,
-                },
-            ).scalar_one_or_none()
-            return written is not None
-        stepped = conn.execute(
-            sa.update(PolicyHead)
-            .where(PolicyHead.id == HEAD_ID, PolicyHead.version == base)
-            .values(version=change.version)
-        ).rowcount
-        if stepped != 1:
+    def _pg_write(self, base: int, drafts: Sequence[_Draft]) -> bool:
+        """PostgreSQL: the versions of `drafts` (`base + 1` onwards), each with its command and
+        events, if the head is still at `base`; False (and nothing written) if it is not.
+
+        One version: one autocommit statement (module docstring). Several: that statement once
+        per version, each stepping the head from the version before it (the head's guard allows
+        steps of one only), sent together in one transaction; psycopg pipelines an executemany,
+        so the row locks are held across one round trip and the commit, not one per version. A
+        statement whose head has moved writes nothing, and then the group is rolled back (its
+        later statements could otherwise step a head another process moved)."""
+        params = [self._pg_params(base + n, draft) for n, draft in enumerate(drafts)]
+        if len(drafts) == 1:
+            with read_connection(self._engine) as conn:  # autocommit: one statement, one commit
+                return conn.execute(_PG_POLICY_WRITE, params[0]).first() is not None
+        try:
+            with write_transaction(self._engine) as conn:
+                if conn.execute(_PG_POLICY_WRITE, params).rowcount != len(drafts):
+                    raise _HeadMovedError
+        except _HeadMovedError:
             return False
-        conn.execute(sa.insert(PolicyVersionRow).values(**version_row))
-        self._outbox.add(conn, events)
-        self._commands.submit_policy(change.version, requested_by=change.author, conn=conn)
         return True
+
+    @staticmethod
+    def _pg_params(base: int, draft: _Draft) -> dict[str, object]:
+        change = draft.change
+        return {
+            **_version_row(draft),
+            "head_id": HEAD_ID,
+            "base": base,
+            "now": time.time(),
+            "selector_value": str(change.version),
+            "requested_by": change.author,
+            "events": [event_json(e) for e in draft.events],
+            "channel": NOTIFY_CHANNEL,
+        }
+
+    def _locked_write(self, conn: sa.Connection, base: int, drafts: Sequence[_Draft]) -> bool:
+        """In the caller's transaction, which holds the head (SQLite's `BEGIN IMMEDIATE`; on
+        PostgreSQL a `FOR UPDATE` after `OPTIMISTIC_TRIES`): the same rows as `_pg_write` (one
+        pipelined round trip on PostgreSQL, statement by statement on SQLite)."""
+        if _is_postgres(self._engine):
+            params = [self._pg_params(base + n, draft) for n, draft in enumerate(drafts)]
+            return bool(conn.execute(_PG_POLICY_WRITE, params).rowcount == len(drafts))
+        for n, draft in enumerate(drafts):
+            change = draft.change
+            stepped = conn.execute(
+                sa.update(PolicyHead)
+                .where(PolicyHead.id == HEAD_ID, PolicyHead.version == base + n)
+                .values(version=change.version)
+            ).rowcount
+            if stepped != 1:
+                return False
+            conn.execute(sa.insert(PolicyVersionRow).values(**_version_row(draft)))
+            self._outbox.add(conn, draft.events)
+            self._commands.submit_policy(change.version, requested_by=change.author, conn=conn)
+        return True
+
+
+class _HeadMovedError(Exception):
+    """A group's first statement found the policy head moved: roll the group back."""
+
+
+def _version_row(draft: _Draft) -> dict[str, object]:
+    change = draft.change
+    return {
+        "version": change.version,
+        "created_at": change.at,
+        "author": change.author,
+        "reason": change.reason,
+        "digest": change.digest,
+        "document": draft.document,
+        "author_role": draft.author_role,
+    }
 
 
 def submit_purge(

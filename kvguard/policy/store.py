@@ -284,6 +284,18 @@ class PolicyStore:
         self._remember(version)
         return version
 
+    def drafted(self, change: PolicyChange, document: str) -> PolicyVersion:
+        """A version a writer validated (`validated_document`) but has not committed: the base
+        the next write of the same group commit edits (`kvguard.control.publish`). Not kept as a
+        stored version; parsed again only if its document is no longer cached."""
+        with self._subscribers_lock:
+            policy = self._documents.get(change.digest)
+        if policy is None:
+            policy = parse_policy(document, f"policy draft version {change.version}", fmt="json")
+            with self._subscribers_lock:
+                self._remember_document(change.digest, policy)
+        return PolicyVersion(change=change, policy=policy)
+
     def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version written by an admin (or the seed): the limits a tenant_admin may
         tighten but never loosen. None: no such version, the built-in defaults are the limits."""

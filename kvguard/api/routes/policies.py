@@ -43,7 +43,7 @@ from kvguard.api.offload import OneHopRoute
 from kvguard.api.services import Services
 from kvguard.audit.events import AuditEvent
 from kvguard.control.policy_seed import policy_change_event
-from kvguard.control.publish import PolicyBase, PolicyEdit
+from kvguard.control.publish import PolicyBase, PolicyEdit, PolicyWrite
 from kvguard.control.tenants import TENANT_ID_PATTERN
 from kvguard.errors import (
     NotFoundError,
@@ -238,14 +238,15 @@ async def publish_policy(
     expected_version: int | None,
 ) -> PolicyChange:
     """Store `edit(<base>)` with its `policy.change` and `admin.action` entries and its engine
-    command, in one transaction, on this process's policy writer (`services.SerialWriter`)."""
+    command, in one transaction, on this process's policy writer (`services.PolicyWriter`: in a
+    group commit with the writes queued alongside it)."""
     services, principal = action.access.services, action.access.principal
 
     def events(change: PolicyChange) -> list[AuditEvent]:
         return [policy_change_event(change), action.ok_event(policy_version=change.version)]
 
-    change = await services.policy_writer.run(
-        lambda: services.publisher.publish(
+    change = await services.policy_writer.publish(
+        PolicyWrite(
             edit,
             author=principal.name,
             reason=reason,
