@@ -65,6 +65,7 @@ from kvguard.audit.events import AuditEvent
 from kvguard.control.commands import NOTIFY_CHANNEL, CommandQueue, PurgeKind, PurgeSelector
 from kvguard.control.db import read_connection, write_transaction
 from kvguard.control.outbox import Outbox, event_json
+from kvguard.control.publish_sql import PG_NEXT_COMMAND_ID, PG_POLICY_WRITE, PG_PURGE_WRITE
 from kvguard.control.schema import (
     HEAD_ID,
     PolicyHead,
@@ -279,10 +280,10 @@ class PolicyPublisher:
         params = [self._pg_params(base + n, draft) for n, draft in enumerate(drafts)]
         if len(drafts) == 1:
             with read_connection(self._engine) as conn:  # autocommit: one statement, one commit
-                return conn.execute(_PG_POLICY_WRITE, params[0]).first() is not None
+                return conn.execute(PG_POLICY_WRITE, params[0]).first() is not None
         try:
             with write_transaction(self._engine) as conn:
-                if conn.execute(_PG_POLICY_WRITE, params).rowcount != len(drafts):
+                if conn.execute(PG_POLICY_WRITE, params).rowcount != len(drafts):
                     raise _HeadMovedError
         except _HeadMovedError:
             return False
@@ -308,7 +309,7 @@ class PolicyPublisher:
         pipelined round trip on PostgreSQL, statement by statement on SQLite)."""
         if _is_postgres(self._engine):
             params = [self._pg_params(base + n, draft) for n, draft in enumerate(drafts)]
-            return bool(conn.execute(_PG_POLICY_WRITE, params).rowcount == len(drafts))
+            return bool(conn.execute(PG_POLICY_WRITE, params).rowcount == len(drafts))
         for n, draft in enumerate(drafts):
             change = draft.change
             stepped = conn.execute(
@@ -362,9 +363,9 @@ def submit_purge(
             outbox.add(conn, events(job_id))
         return job_id
     with read_connection(engine) as conn:  # autocommit
-        job_id = int(conn.execute(_PG_NEXT_COMMAND_ID).scalar_one())
+        job_id = int(conn.execute(PG_NEXT_COMMAND_ID).scalar_one())
         written = conn.execute(
-            _PG_PURGE_WRITE,
+            PG_PURGE_WRITE,
             {
                 "head_id": HEAD_ID,
                 "id": job_id,
@@ -380,66 +381,3 @@ def submit_purge(
     if written != job_id:
         raise PolicyStoreError("the purge command was not stored")
     return job_id
-
-
-# --- PostgreSQL statements ------------------------------------------------------------------------
-# Data-modifying WITH: every part runs once, on one snapshot, and commits together. Each insert
-# selects from the step before it, so a head that has moved (`head` empty) writes nothing (the
-# table names are those of `kvguard.control.schema`). The
-# outbox rows are inserted in the order given (ids ascending), as `Outbox.add` does. PostgreSQL runs
-# every data-modifying part whether or not the final SELECT reads it. `pg_notify` is sent at commit,
-# as NOTIFY is.
-
-_PG_POLICY_WRITE: Final = sa.text(
-    """
-WITH head AS (
-    UPDATE policy_head SET version = :version
-    WHERE id = :head_id AND version = :base
-    RETURNING version
-), stored AS (
-    INSERT INTO policy_versions
-        (version, created_at, author, reason, digest, document, author_role)
-    SELECT version, :created_at, :author, :reason, :digest, :document, :author_role FROM head
-    RETURNING version
-), events AS (
-    INSERT INTO control_outbox (created_at, event)
-    SELECT :now, e.event
-    FROM stored CROSS JOIN unnest(CAST(:events AS text[])) WITH ORDINALITY AS e(event, n)
-    ORDER BY e.n
-), seq AS (
-    UPDATE command_head SET seq = seq + 1
-    WHERE id = :head_id AND EXISTS (SELECT 1 FROM stored)
-    RETURNING seq
-), command AS (
-    INSERT INTO engine_commands
-        (created_at, seq, kind, selector_kind, selector_value, tenant_id, requested_by)
-    SELECT :now, seq, 'policy', 'version', :selector_value, NULL, :requested_by FROM seq
-    RETURNING id
-)
-SELECT command.id FROM command CROSS JOIN LATERAL (SELECT pg_notify(:channel, '')) AS notified
-"""
-)
-
-_PG_NEXT_COMMAND_ID: Final = sa.text(
-    "SELECT nextval(pg_get_serial_sequence('engine_commands', 'id'))"
-)
-
-_PG_PURGE_WRITE: Final = sa.text(
-    """
-WITH seq AS (
-    UPDATE command_head SET seq = seq + 1 WHERE id = :head_id RETURNING seq
-), command AS (
-    INSERT INTO engine_commands
-        (id, created_at, seq, kind, selector_kind, selector_value, tenant_id, requested_by)
-    SELECT :id, :now, seq, 'purge', :selector_kind, :selector_value, :tenant_id, :requested_by
-    FROM seq
-    RETURNING id
-), events AS (
-    INSERT INTO control_outbox (created_at, event)
-    SELECT :now, e.event
-    FROM command CROSS JOIN unnest(CAST(:events AS text[])) WITH ORDINALITY AS e(event, n)
-    ORDER BY e.n
-)
-SELECT command.id FROM command CROSS JOIN LATERAL (SELECT pg_notify(:channel, '')) AS notified
-"""
-)
