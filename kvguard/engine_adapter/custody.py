@@ -32,9 +32,9 @@ from kvguard.engine_adapter.records import (
     PurgeSelector,
     RequestId,
     StepPlan,
-    TenantHoldings,
     purge_event_kind,
     summarize,
+    summary_of,
 )
 from kvguard.errors import CustodyError
 from kvguard.isolation.scope import Scope
@@ -138,29 +138,7 @@ class Custody:
         """Counts by state and per owning tenant, with each tenant's oldest cached block, from the
         running tally (O(tenants); `records.summarize` is the same figures from a pass over the
         pool, and `check_invariants` compares the two)."""
-        by_state = dict.fromkeys(BlockStatus, 0)
-        residue = 0
-        tally: dict[str, list[int]] = {}
-        slot = {BlockStatus.ACTIVE: 0, BlockStatus.CACHED: 1, BlockStatus.QUARANTINED: 2}
-        for (tenant, status), n in self._tally.items():
-            by_state[status] += n
-            if tenant is None:
-                continue
-            if status is BlockStatus.FREE:
-                residue += n
-                continue
-            tally.setdefault(tenant, [0, 0, 0])[slot[status]] += n
-        return PoolSummary(
-            free=by_state[BlockStatus.FREE],
-            active=by_state[BlockStatus.ACTIVE],
-            cached=by_state[BlockStatus.CACHED],
-            quarantined=by_state[BlockStatus.QUARANTINED],
-            residue=residue,
-            tenants={
-                t: TenantHoldings(a, c, q, self._oldest_cached(t) if c else None)
-                for t, (a, c, q) in tally.items()
-            },
-        )
+        return summary_of(self._tally.items(), self._oldest_cached)
 
     def _oldest_cached(self, tenant: str) -> float | None:
         heap = self._by_age.get(tenant)

@@ -7,7 +7,8 @@ owner scope (kept in memory only; events carry the scope tag) and its timestamps
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType
@@ -147,28 +148,49 @@ class PoolSummary:
 
 
 def summarize(records: Iterable[BlockRecord]) -> PoolSummary:
-    """One pass over the pool: O(blocks), no sorting."""
+    """One pass over the pool: O(blocks), no sorting (custody keeps the same figures running)."""
+    counts: Counter[tuple[str | None, BlockStatus]] = Counter()
+    oldest: dict[str, float] = {}
+    for rec in records:
+        tenant = rec.owner.tenant_id if rec.owner is not None else None
+        counts[tenant, rec.status] += 1
+        if (
+            tenant is not None
+            and rec.status is BlockStatus.CACHED
+            and rec.created_at < oldest.get(tenant, float("inf"))
+        ):
+            oldest[tenant] = rec.created_at
+    return summary_of(counts.items(), oldest.get)
+
+
+_SLOT = {BlockStatus.ACTIVE: 0, BlockStatus.CACHED: 1, BlockStatus.QUARANTINED: 2}
+
+
+def summary_of(
+    counts: Iterable[tuple[tuple[str | None, BlockStatus], int]],
+    oldest_cached: Callable[[str], float | None],
+) -> PoolSummary:
+    """A pool summary from block counts per (owner tenant or None, status); `oldest_cached` is
+    asked only for tenants with cached blocks."""
     by_state = dict.fromkeys(BlockStatus, 0)
     residue = 0
     tally: dict[str, list[int]] = {}
-    oldest: dict[str, float] = {}
-    slot = {BlockStatus.ACTIVE: 0, BlockStatus.CACHED: 1, BlockStatus.QUARANTINED: 2}
-    for rec in records:
-        by_state[rec.status] += 1
-        if rec.owner is None:
+    for (tenant, status), n in counts:
+        by_state[status] += n
+        if tenant is None:
             continue
-        if rec.status is BlockStatus.FREE:
-            residue += 1
+        if status is BlockStatus.FREE:
+            residue += n
             continue
-        tenant = rec.owner.tenant_id
-        tally.setdefault(tenant, [0, 0, 0])[slot[rec.status]] += 1
-        if rec.status is BlockStatus.CACHED and rec.created_at < oldest.get(tenant, float("inf")):
-            oldest[tenant] = rec.created_at
+        tally.setdefault(tenant, [0, 0, 0])[_SLOT[status]] += n
     return PoolSummary(
         free=by_state[BlockStatus.FREE],
         active=by_state[BlockStatus.ACTIVE],
         cached=by_state[BlockStatus.CACHED],
         quarantined=by_state[BlockStatus.QUARANTINED],
         residue=residue,
-        tenants={t: TenantHoldings(a, c, q, oldest.get(t)) for t, (a, c, q) in tally.items()},
+        tenants={
+            t: TenantHoldings(a, c, q, oldest_cached(t) if c else None)
+            for t, (a, c, q) in tally.items()
+        },
     )
