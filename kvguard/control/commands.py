@@ -13,12 +13,13 @@ the order in which submitters commit (an `id` cursor skipped commands on Postgre
 drawn before commit). A submit may join the caller's transaction (`conn=`), so a command commits
 with the state change that caused it, or not at all.
 
-Delivery. Engines poll from their scheduler thread, at most once a second (`COMMAND_POLL_S` in the
-vLLM adapter), when a request arrives or a step runs. On PostgreSQL every submit also runs
+Delivery. An engine's link thread (`EngineLink` in the vLLM adapter) reads new commands every half
+second (`LINK_FETCH_S`) and queues them; the scheduler thread runs them at its next request or
+step, without a database round trip of its own. On PostgreSQL every submit also runs
 `NOTIFY kvguard_commands` in its transaction (delivered at commit, never for a rolled-back
-command), and an engine runs a `CommandListener`: a daemon thread that `LISTEN`s on a dedicated
-connection and only raises a flag; the scheduler thread sees the flag at its next request or step and
-polls at once instead of waiting out the second. The listener never touches engine state, reconnects
+command), and the engine runs a `CommandListener`: a daemon thread that `LISTEN`s on a dedicated
+connection, raises a flag and runs the link's tick at once, which reads the announced command
+instead of waiting out the half second. The listener never touches engine state, reconnects
 with back-off when the connection drops (raising the flag after each reconnect, since notifications
 sent meanwhile are lost), and stops within half a second of `close()`; being a daemon thread, it never
 holds up interpreter exit. SQLite has no notifications: engines on SQLite keep polling.
@@ -331,7 +332,9 @@ class CommandListener:
             self._woken.set()  # anything sent before LISTEN (or while reconnecting) was missed
             self._listening.set()
             while not self._stop.is_set():
-                for _ in conn.notifies(timeout=_LISTEN_POLL_S):
+                # Back to the tick at the first notification: the engine link fetches the command
+                # there (`CommandRunner.fetch_if_due`), not half a second later.
+                for _ in conn.notifies(timeout=_LISTEN_POLL_S, stop_after=1):
                     self._woken.set()
                 self._run_tick()
         finally:

@@ -43,6 +43,7 @@ from kvguard.policy.decisions import expired_at, expiry_deadline, must_zeroize_o
 from kvguard.zeroize.plan import digest_block_ids
 
 _COUNTED = (BlockStatus.ACTIVE, BlockStatus.CACHED)
+_NO_PLAN = StepPlan()
 PolicyView = Callable[[str], TenantPolicy]  # tenant id -> its current policy
 Tagger = Callable[[Scope], str]  # scope -> public scope tag
 Details = dict[str, str | int | float | bool | None]
@@ -71,6 +72,9 @@ class Custody:
         self._tenant_blocks: Counter[str] = Counter()  # tenant -> blocks active/cached/quarantined
         self._pending_release: set[BlockId] = set()
         self._pending_handover: set[BlockId] = set()
+        # Blocks added to `_pending_release` since the adapter last took them (`take_new_pending`):
+        # it holds each quarantined block out of the engine's pool once, without walking them all.
+        self._new_pending: list[BlockId] = []
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks
         # The expiry sweep's index: (earliest expiry, entry number, block) per cached block, in a
@@ -161,6 +165,13 @@ class Custody:
         """Quarantined blocks not yet handed to the worker (the adapter holds them out of the pool)."""
         return tuple(self._pending_release)
 
+    def take_new_pending(self) -> list[int]:
+        """The blocks quarantined (or planned again) since the last call that still wait for their
+        clear: what the adapter has not yet held out of the pool. O(new), not O(pending)."""
+        new, self._new_pending = self._new_pending, []
+        pending = self._pending_release
+        return [b for b in new if b in pending]
+
     @property
     def cached_count(self) -> int:
         """Blocks cached now (O(1); safe to read from another thread, as an approximate hint)."""
@@ -175,6 +186,7 @@ class Custody:
             rec = self._blocks[bid]
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.add(rec.block_id)
+                self._new_pending.append(rec.block_id)
 
     def current_release_results(self, block_ids: Iterable[int]) -> list[BlockId]:
         """Of the blocks a release clear's result names, those it still speaks for; consumes the
@@ -218,6 +230,8 @@ class Custody:
 
     def take_plan(self) -> StepPlan:
         """Drain the blocks that must be zeroized before the next forward pass."""
+        if not self._pending_release and not self._pending_handover:
+            return _NO_PLAN  # most decode steps
         plan = StepPlan(
             release=tuple(sorted(self._pending_release)),
             handover=tuple(sorted(self._pending_handover)),
@@ -715,6 +729,7 @@ class Custody:
         rec.quarantined_at = now
         rec.hashed = False
         self._pending_release.add(rec.block_id)
+        self._new_pending.append(rec.block_id)
 
     def _tenant_dec(self, rec: BlockRecord) -> None:
         if rec.owner is not None:

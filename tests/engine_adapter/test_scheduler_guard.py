@@ -9,6 +9,8 @@ milliseconds and drives the guard step by step.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 from kvguard.audit.writer import expand
 from kvguard.control.commands import PolicyCommand, PurgeCommand, PurgeKind, PurgeSelector
 from kvguard.engine_adapter.records import BlockStatus
+from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
 from kvguard.engine_adapter.vllm.transport import Envelope
@@ -101,12 +104,22 @@ class FakeLink:
     started: bool = False
     closed: bool = False
     notified: bool = False
+    time: Any = None  # the guard's test clock (set by `make_guard`)
 
     def every(self, interval_s: float, task: Any) -> None:
         self.chores.append((interval_s, task))
 
     def call_soon(self, task: Any) -> None:
         task()  # the link's thread, at once
+
+    def clock(self) -> float:
+        return float(self.time())
+
+    def tick(self) -> None:
+        """One tick of the link's thread: every chore that is due (the command chore always is)."""
+        for interval_s, task in self.chores:
+            if interval_s == 0.0:
+                task()
 
     def start(self) -> FakeLink:
         self.started = True
@@ -191,6 +204,7 @@ def make_guard(tmp_path: Any) -> Any:
             salt_keyring_file=tmp_path / "unused", ledger_url="x", signing_key_file=tmp_path / "u"
         )
         link, ledger, clock = FakeLink(), FakeLedger(), Clock()
+        link.time = clock
         guard = SchedulerGuard(
             options,
             model_name="tiny",
@@ -213,9 +227,10 @@ def make_guard(tmp_path: Any) -> Any:
 
 def test_the_guard_opens_nothing_and_registers_its_chores_on_the_link(make_guard: Any) -> None:
     guard, f = make_guard()
-    assert f.link.started and len(f.link.chores) == 1  # keep-alive; no waker in-process
+    # the command fetch and acknowledgements on every tick, the keep-alive; no waker in-process
+    assert f.link.started and [i for i, _ in f.link.chores] == [0.0, HEARTBEAT_S]
     assert f.link.registry.calls == ["register"]
-    f.link.chores[0][1]()  # the keep-alive, as the link's thread runs it
+    f.link.chores[1][1]()  # the keep-alive, as the link's thread runs it
     assert f.link.registry.calls == ["register", "touch"]
     guard.close()
     assert f.link.closed and f.ledger.closed
@@ -273,6 +288,110 @@ def test_a_notification_polls_at_once(make_guard: Any) -> None:
     f.link.notified = True
     guard.poll()
     assert 1 in f.link.queue.acks
+
+
+class HangingQueue(FakeQueue):
+    """A command queue whose database hangs (a partition, not a refusal) until `release`, and counts
+    from which thread it is read and written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.threads: list[str] = []
+
+    def pending_after(self, seq: int) -> list[Any]:
+        self.threads.append(threading.current_thread().name)
+        self.gate.wait(30)
+        return super().pending_after(seq)
+
+    def acknowledge(self, command_id: int, engine_id: str, result: dict[str, Any]) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.gate.wait(30)
+        super().acknowledge(command_id, engine_id, result)
+
+
+def test_the_step_loop_never_reads_commands_the_link_thread_fetches_them(make_guard: Any) -> None:
+    """Steps and arrivals run what the link thread fetched; they never touch the database, so a
+    database that hangs delays commands, not inference. The link thread acknowledges afterwards."""
+    guard, f = make_guard()
+    queue = f.link.queue = guard.commands.queue = HangingQueue()
+    a = request("a", BLOCK)
+    guard.on_new_request(a)
+    guard.build_step(schedule(new=[(a, [1], 0)]))
+    f.pool.blocks[1].block_hash = "h1"
+    guard.request_finished(a)  # block 1 cached
+    queue.commands.append(PurgeCommand(5, PurgeSelector(PurgeKind.TENANT, "a"), seq=1))
+    f.clock.now += 5
+    for _ in range(3):  # due by the clock, but the scheduler thread does not read commands
+        guard.on_new_request(request("b", BLOCK))
+        guard.build_step(schedule())
+    assert queue.threads == [] and guard.custody.record(1).status is BlockStatus.CACHED
+
+    queue.gate.clear()  # the database hangs from here on
+    link_thread = threading.Thread(target=f.link.tick, name="link")
+    link_thread.start()  # the fetch hangs in the link's thread
+    started = time.monotonic()
+    for _ in range(20):
+        guard.on_new_request(request("b", BLOCK))
+        guard.build_step(schedule())
+    assert time.monotonic() - started < 5  # the step loop went on without waiting
+    assert queue.threads == ["link"] and not queue.acks
+    queue.gate.set()  # the database answers again
+    link_thread.join(10)
+    guard.build_step(schedule())  # the purge runs at the next step
+    assert guard.custody.record(1).status is not BlockStatus.CACHED
+    assert "tenant.purge" in f.ledger.kinds() and not queue.acks
+    ack_thread = threading.Thread(target=f.link.tick, name="link")
+    ack_thread.start()  # acknowledged from the link thread
+    ack_thread.join(10)
+    assert queue.acks[5]["blocks_quarantined"] == 1
+    assert set(queue.threads) == {"link"}  # every read and write of the database
+    assert guard.commands.last_seq == 1
+
+
+def test_an_acknowledgement_that_fails_is_written_at_a_later_tick(make_guard: Any) -> None:
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    guard, f = make_guard()
+    queue = f.link.queue
+    queue.commands.append(PolicyCommand(3, 1, seq=1))
+    f.clock.now += 5
+    f.link.tick()  # fetched
+    guard.build_step(schedule())  # run
+    real = queue.acknowledge
+
+    def down(*_a: Any) -> None:
+        raise sa.exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
+
+    queue.acknowledge = down
+    with pytest.raises(sa.exc.OperationalError):
+        f.link.tick()  # the link logs it (`EngineLink._tick`) and ticks again
+    assert not queue.acks
+    queue.acknowledge = real
+    f.link.tick()
+    f.link.tick()  # written once, not again
+    assert queue.acks == {3: {"policy_version": None}}
+
+
+def test_a_running_request_gets_a_block_among_requests_that_got_none(make_guard: Any) -> None:
+    """vLLM lists every running request each step with None for those that got no new block."""
+    guard, _f = make_guard()
+    a, b = request("a", BLOCK, max_tokens=BLOCK), request("b", BLOCK, max_tokens=BLOCK)
+    for r in (a, b):
+        guard.on_new_request(r)
+    guard.build_step(schedule(new=[(a, [1], 0), (b, [2], 0)]))
+    step = schedule()
+    step.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=[a.request_id, b.request_id],
+        new_block_ids=[None, ([3],)],
+        resumed_req_ids=set(),
+        num_computed_tokens=[BLOCK, BLOCK],
+    )
+    guard.build_step(step)
+    assert guard.custody.request_blocks(b.request_id) == (2, 3)
+    assert guard.custody.request_blocks(a.request_id) == (1,)
+    assert guard.custody.record(3).status is BlockStatus.ACTIVE
 
 
 def test_quota_holds_a_tenant_to_its_blocks(make_guard: Any) -> None:

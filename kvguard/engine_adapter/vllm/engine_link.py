@@ -3,18 +3,22 @@
 `EngineLink` is everything an engine process holds on the control database: one SQLAlchemy engine
 (one pool), the command queue, the policy store and the engine registry on it, and one daemon thread,
 which LISTENs for command notifications (PostgreSQL) and runs the link's chores between waits: the
-registry keep-alive of an idle engine, the idle wake-up check (`wakeup.IdleWaker`), and one-off
-writes the scheduler hands over (`call_soon`: the heartbeats, so the step loop does no database
-round trip for them). The connector
-builds it (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The thread
-never touches custody or the pool: chores only read the database, move `last_seen` on, or put vLLM's
-no-op wake-up item on its input queue.
+command fetch and its acknowledgements, the registry keep-alive of an idle engine, the idle wake-up
+check (`wakeup.IdleWaker`), and one-off writes the scheduler hands over (`call_soon`: the
+heartbeats). So vLLM's step loop does no database round trip: a database that hangs (a network
+partition, not only a refused connection) slows the control plane, never inference. The connector
+builds the link (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The
+thread never touches custody or the pool: chores only read the database, write acknowledgements and
+heartbeats, or put vLLM's no-op wake-up item on its input queue.
 
-`CommandRunner` runs in the scheduler thread. It polls at most every `COMMAND_POLL_S`, or at once when
-its PostgreSQL `CommandListener` heard a `NOTIFY` (see `kvguard.control.commands`). Purges are
-carried out by the scheduler guard (custody lives there); policy commands load the named version from
-the policy store (`policy_url`), and the guard swaps it in. Acknowledgements carry counts and version
-numbers only.
+`CommandRunner` splits a command's life between the two threads. The link thread fetches, at most
+every `LINK_FETCH_S` or at once when its PostgreSQL `CommandListener` heard a `NOTIFY` (see
+`kvguard.control.commands`), and loads the policy version a policy command names from the policy
+store (`policy_url`). The scheduler thread runs what was fetched at its next housekeeping (a step or
+a request's arrival): purges are carried out by the scheduler guard (custody lives there), policy
+versions swapped in. The link thread then writes the acknowledgements, which carry counts and
+version numbers only. An in-process engine's explicit `poll` between batches does all three in the
+caller's thread.
 
 A policy version that cannot be loaded (missing, or failing its digest check) leaves the engine on
 the policy it has: the last one that loaded is known-good, and refusing every request over a bad row
@@ -35,6 +39,7 @@ from typing import Any, Final, Protocol
 import sqlalchemy as sa
 
 from kvguard.control.commands import (
+    Command,
     CommandListener,
     CommandQueue,
     PolicyCommand,
@@ -46,9 +51,10 @@ from kvguard.engine_adapter.records import PurgeSelector
 from kvguard.errors import PolicyStoreError
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet
-from kvguard.policy.store import PolicyStore
+from kvguard.policy.store import PolicyStore, PolicyVersion
 
-COMMAND_POLL_S: Final = 1.0
+COMMAND_POLL_S: Final = 1.0  # an explicit `poll` (in-process engine) reads at most this often
+LINK_FETCH_S: Final = 0.5  # the link thread reads at most this often (it ticks every half second)
 _log = get_logger("vllm.commands")
 
 
@@ -103,6 +109,10 @@ class EngineLink:
             link.policies = None  # the engine follows its policy file only
         return link
 
+    def clock(self) -> float:
+        """The link's clock (monotonic seconds; tests pass their own)."""
+        return self._clock()
+
     def every(self, interval_s: float, task: Callable[[], object]) -> None:
         """Run `task` on the link's thread every `interval_s` seconds (errors are logged)."""
         with self._lock:
@@ -149,14 +159,26 @@ class EngineLink:
 
 
 class CommandRunner:
-    """Polls and runs engine commands for one engine (see the module docstring)."""
+    """Fetches and runs engine commands for one engine (see the module docstring).
+
+    Reading the database is the link thread's job (`fetch_if_due`, a chore of every tick): it reads
+    the commands numbered after the last one fetched, loads the policy version a policy command
+    names, and queues them. The scheduler thread runs what is queued (`run`), so vLLM's step loop
+    never waits for the database, also when it hangs rather than refuses; the acknowledgements go
+    back through the link thread (`flush_acks`, retried until written). An explicit `poll` of an
+    in-process engine (`sync=True`) fetches and acknowledges in the caller's thread as before."""
 
     def __init__(self, engine_id: str, link: EngineLink) -> None:
         self.engine_id = engine_id
         self.queue = link.queue
         self._link = link
         self._last = self.queue.latest_seq()  # older commands found nothing of ours to act on
-        self._last_poll = float("-inf")
+        self._fetched = self._last
+        self._last_fetch = float("-inf")
+        self._fetch_lock = threading.Lock()
+        self._ready: deque[tuple[Command, PolicyVersion | PolicyStoreError | None]] = deque()
+        self._acks: deque[tuple[int, dict[str, Any]]] = deque()
+        self._ack_lock = threading.Lock()
         self.store = link.policies
         self.executed = 0
 
@@ -165,46 +187,101 @@ class CommandRunner:
         """The number of the newest command this engine has run (or skipped as older than itself)."""
         return self._last
 
-    def due(self, now: float) -> bool:
-        return self._link.take_notified() or now - self._last_poll >= COMMAND_POLL_S
+    def due(self) -> bool:
+        """True if fetched commands wait to run (no database access)."""
+        return bool(self._ready)
 
-    def run(self, now: float, target: CommandTarget) -> int:
-        """Run every command created since the last one run; returns how many ran. A database that
-        cannot be reached is logged and tried again at the next poll: it never stops the engine
-        (this runs in vLLM's scheduler thread, where an exception kills the engine core)."""
-        self._last_poll = now
+    def fetch_if_due(self, now: float, interval_s: float = COMMAND_POLL_S) -> int:
+        """Fetch new commands if one was announced (PostgreSQL NOTIFY) or `interval_s` has passed
+        since the last fetch; returns how many were queued. Database errors propagate (the link
+        logs them; the next fetch reads the same commands again)."""
+        with self._fetch_lock:
+            if not (self._link.take_notified() or now - self._last_fetch >= interval_s):
+                return 0
+            self._last_fetch = now
+            fetched = 0
+            for command in self.queue.pending_after(self._fetched):
+                loaded: PolicyVersion | PolicyStoreError | None = None
+                if isinstance(command, PolicyCommand) and self.store is not None:
+                    try:
+                        loaded = self.store.get(command.version)
+                    except PolicyStoreError as exc:  # acknowledged as a failed load when it runs
+                        loaded = exc
+                self._ready.append((command, loaded))
+                self._fetched = command.seq
+                fetched += 1
+            return fetched
+
+    def poll(self, now: float, target: CommandTarget) -> int:
+        """Fetch, run and acknowledge in the caller's thread (an in-process engine between batches);
+        returns how many ran. A database that cannot be reached is logged and tried again later."""
         try:
-            return self._run(now, target)
+            self.fetch_if_due(now)
         except sa.exc.SQLAlchemyError as exc:
             _log.warning("command poll failed; retrying at the next poll", error=type(exc).__name__)
-            return 0
+        ran = self.run(now, target)
+        try:
+            self.flush_acks()
+        except sa.exc.SQLAlchemyError as exc:
+            _log.warning("command acknowledgement failed; retrying", error=type(exc).__name__)
+        return ran
 
-    def _run(self, now: float, target: CommandTarget) -> int:
+    def run(self, now: float, target: CommandTarget) -> int:
+        """Run every fetched command, in number order; returns how many ran. Touches no database:
+        the acknowledgements wait for `flush_acks`."""
         ran = 0
-        for command in self.queue.pending_after(self._last):
+        while self._ready:
+            command, loaded = self._ready.popleft()
             if isinstance(command, PurgeCommand):
                 result: dict[str, Any] = target.purge_for_command(command.selector, now, command.id)
             else:
-                result = self._policy(command, target)
-            self.queue.acknowledge(command.id, self.engine_id, result)
+                result = self._policy(command, loaded, target)
+            self._acks.append((command.id, result))
             self._last = command.seq
             ran += 1
         self.executed += ran
         return ran
 
-    def _policy(self, command: PolicyCommand, target: CommandTarget) -> dict[str, Any]:
+    def flush_acks(self) -> int:
+        """Write the queued acknowledgements, oldest first (link thread, or `poll`); one that fails
+        stays queued for the next call and the error propagates."""
+        written = 0
+        with self._ack_lock:
+            while self._acks:
+                command_id, result = self._acks[0]
+                self.queue.acknowledge(command_id, self.engine_id, result)
+                self._acks.popleft()
+                written += 1
+        return written
+
+    def close(self) -> None:
+        """Write the acknowledgements still queued (best effort: the engine is stopping)."""
+        try:
+            self.flush_acks()
+        except sa.exc.SQLAlchemyError as exc:
+            _log.warning("acknowledgements lost at shutdown", error=type(exc).__name__)
+
+    def link_tick(self) -> None:
+        """The link thread's chore: acknowledge what ran, then fetch what is new."""
+        self.flush_acks()
+        self.fetch_if_due(self._link.clock(), LINK_FETCH_S)
+
+    def _policy(
+        self,
+        command: PolicyCommand,
+        loaded: PolicyVersion | PolicyStoreError | None,
+        target: CommandTarget,
+    ) -> dict[str, Any]:
         if self.store is None:
             return {"policy_version": None}
         current = target.policy_version
         if current is not None and command.version <= current:
             return {"policy_version": current}  # versions only grow; never go back to an older one
-        try:
-            loaded = self.store.get(command.version)
-        except PolicyStoreError as exc:
+        if not isinstance(loaded, PolicyVersion):
             _log.error(
                 "policy version could not be loaded; keeping the current policy",
                 version=command.version,
-                error=str(exc),
+                error=str(loaded),
             )
             return {"policy_version": current, "policy_load_failed": 1}
         target.use_policy(loaded.policy, loaded.change.version)

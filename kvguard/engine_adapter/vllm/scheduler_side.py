@@ -28,6 +28,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from functools import partial
+from itertools import compress
 from typing import Any
 
 from kvguard.audit.ledger import Ledger
@@ -174,6 +175,7 @@ class SchedulerGuard:
             cached_blocks=lambda: self.custody.cached_count if self.custody is not None else 0,
             request_wake=self._request_wake,
         )
+        link.every(0.0, self.commands.link_tick)  # every tick: acknowledgements, then new commands
         link.every(HEARTBEAT_S, self.reporter.keepalive)
         if self.waker is not None:
             link.every(WAKE_CHECK_S, self.waker.check)
@@ -390,7 +392,7 @@ class SchedulerGuard:
             step=self._step,
             release=plan.release,
             handover=plan.handover,
-            verify=self._verify_mode(plan.all_blocks),
+            verify=self._verify_mode(plan.all_blocks) if plan else self._no_clear_verify(),
             canary=tuple(sorted(set(canary))) if self.options.canary else (),
             spill=spill,
             drop=drop,
@@ -411,13 +413,21 @@ class SchedulerGuard:
         for new in so.scheduled_new_reqs:
             work.append(self._split(new.req_id, list(new.block_ids[0]), new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            ids = cached.new_block_ids[i]
-            blocks = list(ids[0]) if ids else []
-            if rid in cached.resumed_req_ids:
-                work.append(self._split(rid, blocks, cached.num_computed_tokens[i]))
-            elif blocks:
-                work.append((rid, [], blocks, 0, None))
+        resumed = cached.resumed_req_ids
+        if resumed:
+            for i, rid in enumerate(cached.req_ids):
+                if rid in resumed:
+                    ids = cached.new_block_ids[i]
+                    blocks = list(ids[0]) if ids else []
+                    work.append(self._split(rid, blocks, cached.num_computed_tokens[i]))
+        # Running requests that got blocks this step: on most decode steps none did, and vLLM gives
+        # the others None, so this is a C-level filter over the batch, not a Python loop.
+        got = cached.new_block_ids
+        for rid, ids in compress(zip(cached.req_ids, got, strict=True), got):
+            if ids[0] and rid not in resumed:
+                work.append((rid, [], list(ids[0]), 0, None))
+        if not work:
+            return []
         canary: list[int] = []
         for rid, _hits, fresh, _n, start in work:
             canary += self._guarded(
@@ -510,6 +520,10 @@ class SchedulerGuard:
         if hashed:
             self._c.mark_hashed(hashed)
 
+    def _no_clear_verify(self) -> str:
+        """The verify mode of a step with nothing to clear (what `_verify_mode` gives for no blocks)."""
+        return self.options.verify_override or Verify.NONE.value
+
     def _verify_mode(self, block_ids: Iterable[int]) -> str:
         if self.options.verify_override:
             return self.options.verify_override
@@ -531,7 +545,7 @@ class SchedulerGuard:
             if self.tier is not None:
                 self.tier.sweep(now)
             self._last_sweep = now
-        if self.commands.due(now):
+        if self.commands.due():  # fetched by the link thread: no database access here
             self.stats["commands"] += self.commands.run(now, self)
         while self._purges:
             selector = self._purges.pop(0)
@@ -603,8 +617,11 @@ class SchedulerGuard:
         if self.tier is not None and self.tier.events:
             events = [*events, *self.tier.events]
             self.tier.events.clear()
+        ages = self._c.take_cache_ages()
+        if not events and not ages:
+            return  # most decode steps
         self.reporter.observe(events)
-        self.reporter.cache_ages(self._c.take_cache_ages())
+        self.reporter.cache_ages(ages)
         with self.timer.phase("ledger_submit"):
             self.bridge.forward(events)
 
@@ -615,7 +632,7 @@ class SchedulerGuard:
     # --- pool holds -----------------------------------------------------------------------------
 
     def _hold_quarantined(self) -> None:
-        for b in self._c.pending_release():
+        for b in self._c.take_new_pending():
             if b not in self._held:
                 block = self._pool.blocks[b]
                 self._evict_hash(b)
@@ -690,14 +707,20 @@ class SchedulerGuard:
         self._purges.append(selector)
 
     def poll(self) -> None:
-        """Run the housekeeping that is due (expiry at most every SWEEP_INTERVAL_S, commands at most
-        every poll interval or on NOTIFY). Only from the scheduler's thread between steps."""
-        self._housekeeping(self._clock())
+        """Run the housekeeping that is due (expiry at most every SWEEP_INTERVAL_S; commands fetched
+        here, in this thread, at most every poll interval or on NOTIFY, and acknowledged). Only from
+        the scheduler's thread between steps (an in-process engine between batches)."""
+        now = self._clock()
+        self.stats["commands"] += self.commands.poll(now, self)
+        self._housekeeping(now)
 
     def apply_now(self) -> None:
-        """Run expiry and queued purges now. Only from the scheduler's thread between steps."""
+        """Run expiry, queued purges and new commands now. Only from the scheduler's thread between
+        steps."""
         self._last_sweep = float("-inf")
-        self._housekeeping(self._clock())
+        now = self._clock()
+        self.stats["commands"] += self.commands.poll(now, self)
+        self._housekeeping(now)
 
     def close(self) -> None:
         """Flush the ledger (idempotent; also runs at interpreter exit so no submitted entry is lost)."""
@@ -709,6 +732,7 @@ class SchedulerGuard:
             self._forward([])
         if self.custody is not None:
             self.reporter.close(self._clock(), self.custody.summary(), self._counters())
+        self.commands.close()
         self.link.close()
         self.ledger.flush()
         self.ledger.close()
