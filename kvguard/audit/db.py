@@ -8,6 +8,12 @@ pysqlite's own implicit transaction handling is switched off so that these BEGIN
 PostgreSQL: READ COMMITTED, with the head row locked by `SELECT ... FOR UPDATE` in the store; commits
 are durable under the server's default `synchronous_commit=on`.
 
+PostgreSQL connections also get bounded network waits (`PG_NETWORK_DEFAULTS`; a key the URL's
+query sets wins): a server that stops answering (a partition drops packets rather than refusing)
+fails a new connection after `connect_timeout` seconds and an established one after the TCP
+keepalive probes or `tcp_user_timeout`, instead of hanging the caller for the kernel's minutes-long
+retransmission limits. The API then answers 503 and an engine's link thread retries.
+
 Both hide SQL parameters from exception texts: a failed statement's ids never reach a log.
 """
 
@@ -24,6 +30,15 @@ import sqlalchemy as sa
 from kvguard.errors import LedgerUnavailableError
 
 _BUSY_TIMEOUT_MS = 30_000
+# libpq parameters (seconds, except tcp_user_timeout in milliseconds); see the module docstring.
+PG_NETWORK_DEFAULTS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 _WRITE = "kvguard_ledger_write"
 
 
@@ -43,6 +58,7 @@ def create_engine(url: str) -> sa.Engine:
     if parsed.get_backend_name() == "postgresql":
         return sa.create_engine(
             url,
+            connect_args={k: v for k, v in PG_NETWORK_DEFAULTS.items() if k not in parsed.query},
             isolation_level="READ COMMITTED",
             # No ping before every checkout (a round trip per query batch: 11% of the API's
             # samples under load). A connection the server dropped fails its statement once; the
