@@ -5,8 +5,8 @@
 which LISTENs for command notifications (PostgreSQL) and runs the link's chores between waits: the
 command fetch and its acknowledgements, the registry keep-alive of an idle engine, the idle wake-up
 check (`wakeup.IdleWaker`), and one-off writes the scheduler hands over (`call_soon`: the
-heartbeats). So vLLM's step loop does no database round trip: a database that hangs (a network
-partition, not only a refused connection) slows the control plane, never inference. The connector
+heartbeats). So vLLM's step loop does no control-database round trip: a database that hangs (a
+network partition, not only a refused connection) delays commands, it does not freeze the step loop. The connector
 builds the link (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The
 thread never touches custody or the pool: chores only read the database, write acknowledgements and
 heartbeats, or put vLLM's no-op wake-up item on its input queue.
