@@ -10,6 +10,7 @@ Module map: `enums` (vocabularies), `models` (documents), `invariants` (cross-fi
 """
 
 from kvguard.policy.decisions import (
+    NO_USAGE,
     BlockState,
     Decision,
     Reason,
@@ -49,6 +50,7 @@ from kvguard.policy.store import PolicyChange, PolicyStore, PolicyVersion
 
 __all__ = [
     "MAX_REUSE",
+    "NO_USAGE",
     "AuditLevel",
     "BlockState",
     "Classification",

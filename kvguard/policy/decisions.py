@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from kvguard.isolation.scope import Scope, Share
 from kvguard.policy.enums import LedgerUnavailable, Reuse, ZeroizeOn
@@ -96,6 +97,9 @@ class BlockState:
             raise ValueError("block timestamps must be finite")
         if self.last_used_at < self.created_at:
             raise ValueError("last_used_at is earlier than created_at")
+
+
+NO_USAGE: Final = Usage()  # a tenant holding nothing, asking for nothing (frozen: share it)
 
 
 def over_quota(policy: TenantPolicy, usage: Usage) -> bool:

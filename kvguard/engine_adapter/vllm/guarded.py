@@ -25,7 +25,7 @@ from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.transport import Envelope
 from kvguard.errors import AdmissionError, ConfigError
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
-from kvguard.policy import PolicySet, Usage, admit
+from kvguard.policy import NO_USAGE, PolicySet, admit
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 _SETTLE_STEPS = 64
@@ -170,7 +170,7 @@ class GuardedLLM:
         scope = self.scope(
             request.tenant, session=request.session, group=request.group, public=request.public
         )
-        decision = admit(self.policies, scope, Usage())
+        decision = admit(self.policies, scope, NO_USAGE)
         if not decision.admitted or decision.scope is None:
             raise AdmissionError(f"request refused by policy: {decision.reason.value}")
         envelope = Envelope(scope=decision.scope, use_cache=decision.use_cache)

@@ -55,6 +55,7 @@ from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import Scope, Share
 from kvguard.logging import get_logger
 from kvguard.policy import (
+    NO_USAGE,
     AuditLevel,
     Decision,
     PolicySet,
@@ -295,7 +296,7 @@ class SchedulerGuard:
         tenant = scope.tenant_id
         cap = self.policies.policy_for(tenant).quota.max_blocks
         if cap is None:
-            return admit(self.policies, scope, Usage())
+            return admit(self.policies, scope, NO_USAGE)
         params = getattr(request, "sampling_params", None)
         max_tokens = int(getattr(params, "max_tokens", None) or 0)
         needed = -(-(int(request.num_prompt_tokens) + max_tokens) // self._block_size)

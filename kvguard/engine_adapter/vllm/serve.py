@@ -51,7 +51,7 @@ from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.logging import get_logger
-from kvguard.policy import PolicySet, QuotaFull, Usage, admit, load_policy_file
+from kvguard.policy import NO_USAGE, PolicySet, QuotaFull, admit, load_policy_file
 from kvguard.policy.store import PolicyStore
 
 Message = MutableMapping[str, Any]
@@ -215,7 +215,7 @@ class KVGuardMiddleware:
             raise _RefusedError(
                 400, "invalid X-KVGuard-Session header (1-256 characters)"
             ) from None
-        decision = admit(self.policies, request_scope, Usage())
+        decision = admit(self.policies, request_scope, NO_USAGE)
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
         quota = self.policies.policy_for(tenant).quota
