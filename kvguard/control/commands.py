@@ -45,6 +45,7 @@ from kvguard.logging import get_logger
 
 NOTIFY_CHANNEL: Final = "kvguard_commands"
 _LISTEN_POLL_S: Final = 0.5  # longest wait for a notification before checking close()
+_HURRY_POLL_S: Final = 0.05  # the wait while `hurry` is in force (work handed over is expected)
 _RECONNECT_S: Final = (0.5, 1.0, 2.0, 5.0)
 _log = get_logger("engine.commands")
 
@@ -249,6 +250,7 @@ class CommandListener:
         self._engine = engine
         self._tick = tick
         self._woken = threading.Event()
+        self._hurry_until = float("-inf")
         self._listening = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -282,6 +284,14 @@ class CommandListener:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def hurry(self, seconds: float) -> None:
+        """Tick every `_HURRY_POLL_S` instead of every half second for the next `seconds` (the engine
+        link expects work for its tick soon: the acknowledgement of a command it just fetched)."""
+        self._hurry_until = max(self._hurry_until, time.monotonic() + seconds)
+
+    def _wait_s(self) -> float:
+        return _HURRY_POLL_S if time.monotonic() < self._hurry_until else _LISTEN_POLL_S
+
     def close(self, timeout: float = 2 * _LISTEN_POLL_S) -> None:
         """Stop listening; waits at most `timeout` seconds (the thread is a daemon either way)."""
         self._stop.set()
@@ -290,7 +300,7 @@ class CommandListener:
 
     def _run(self) -> None:
         if not self._listens:
-            while not self._stop.wait(_LISTEN_POLL_S):
+            while not self._stop.wait(self._wait_s()):
                 self._run_tick()
             return
         import psycopg  # noqa: PLC0415 (the postgres extra; only PostgreSQL engines get here)
@@ -334,7 +344,7 @@ class CommandListener:
             while not self._stop.is_set():
                 # Back to the tick at the first notification: the engine link fetches the command
                 # there (`CommandRunner.fetch_if_due`), not half a second later.
-                for _ in conn.notifies(timeout=_LISTEN_POLL_S, stop_after=1):
+                for _ in conn.notifies(timeout=self._wait_s(), stop_after=1):
                     self._woken.set()
                 self._run_tick()
         finally:

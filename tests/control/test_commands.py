@@ -69,6 +69,38 @@ def test_notify_wakes_the_listener_and_close_is_prompt(pg_url) -> None:
         queue.engine.dispose()
 
 
+def test_a_notification_ticks_at_once_and_hurry_ticks_faster(db_url) -> None:
+    """The engine link fetches commands in the listener's tick: on PostgreSQL a notification runs
+    it at once (not after the half-second wait); `hurry` makes it tick every 50 ms for a while (the
+    acknowledgements of commands just fetched)."""
+    ticks: list[float] = []
+    queue = CommandQueue.open(db_url)
+    listener = CommandListener(queue.engine, tick=lambda: ticks.append(time.monotonic())).start()
+    try:
+        if queue.engine.dialect.name == "postgresql":
+            assert listener.wait_listening(10.0)
+            time.sleep(0.2)
+            before = len(ticks)
+            submitted = time.monotonic()
+            queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "acme"), requested_by="t")
+            deadline = time.monotonic() + 5
+            while len(ticks) == before and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert ticks[before] - submitted < 0.3  # not the half-second wait out
+        time.sleep(0.6)
+        start = len(ticks)
+        time.sleep(1.0)
+        slow = len(ticks) - start
+        listener.hurry(1.0)
+        start = len(ticks)
+        time.sleep(1.0)
+        fast = len(ticks) - start
+        assert slow <= 3 and fast >= 8, (slow, fast)
+    finally:
+        listener.close()
+        queue.engine.dispose()
+
+
 def _listening_pids(engine: sa.Engine) -> set[int]:
     with engine.connect() as conn:
         return set(

@@ -105,6 +105,10 @@ class FakeLink:
     closed: bool = False
     notified: bool = False
     time: Any = None  # the guard's test clock (set by `make_guard`)
+    hurried: float = 0.0
+
+    def hurry(self, seconds: float) -> None:
+        self.hurried = seconds
 
     def every(self, interval_s: float, task: Any) -> None:
         self.chores.append((interval_s, task))
@@ -336,9 +340,10 @@ def test_the_step_loop_never_reads_commands_the_link_thread_fetches_them(make_gu
         guard.on_new_request(request("b", BLOCK))
         guard.build_step(schedule())
     assert time.monotonic() - started < 5  # the step loop went on without waiting
-    assert queue.threads == ["link"] and not queue.acks
+    assert queue.threads == ["link"] and not queue.acks and not f.link.hurried
     queue.gate.set()  # the database answers again
     link_thread.join(10)
+    assert f.link.hurried  # ticks faster until the acknowledgement is written
     guard.build_step(schedule())  # the purge runs at the next step
     assert guard.custody.record(1).status is not BlockStatus.CACHED
     assert "tenant.purge" in f.ledger.kinds() and not queue.acks

@@ -176,6 +176,8 @@ class SchedulerGuard:
             cached_blocks=lambda: self.custody.cached_count if self.custody is not None else 0,
             request_wake=self._request_wake,
         )
+        if self.waker is not None:  # fetched commands wake an idle engine at once
+            self.commands.on_fetched = self.waker.wake
         link.every(0.0, self.commands.link_tick)  # every tick: acknowledgements, then new commands
         link.every(HEARTBEAT_S, self.reporter.keepalive)
         if self.waker is not None:

@@ -112,7 +112,11 @@ class IdleWaker:
         if not self._due():
             return False
         self._last_expiry_wake = self._clock()
+        self.wake()
+        return True
+
+    def wake(self) -> None:
+        """Make the engine step now (the link thread just fetched commands for it)."""
         self._request_wake()
         self._queue.put_nowait(self._item)
         self.wakes += 1
-        return True
