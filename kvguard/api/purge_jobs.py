@@ -42,6 +42,7 @@ from kvguard.api.services import Services
 from kvguard.audit.erasure import PurgeEntry
 from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, Window, find_evidence
 from kvguard.control.commands import PurgeKind
+from kvguard.control.db import read_connection
 from kvguard.control.engines import EngineInfo
 from kvguard.control.schema import EngineCommand
 from kvguard.errors import NotFoundError
@@ -115,7 +116,7 @@ def _job(row: Any) -> PurgeJob:
 def get_job(access: Access, job_id: int) -> PurgeJob:
     """The job, if the caller may see it (NotFoundError otherwise, as for a job that does not exist)."""
     c = EngineCommand
-    with access.services.db.connect() as conn:
+    with read_connection(access.services.db) as conn:  # autocommit: one round trip
         row = conn.execute(sa.select(c).where(c.id == job_id, c.kind == "purge")).first()
     job = _job(row) if row is not None else None
     if job is None or not access.may_see(job.tenant_id):
@@ -136,7 +137,7 @@ def list_jobs(
         stmt = stmt.where(sa.or_(c.tenant_id == tenant_id, of_tenant))
     if before is not None:
         stmt = stmt.where(c.id < before)
-    with services.db.connect() as conn:
+    with read_connection(services.db) as conn:  # autocommit: one round trip
         return [_job(r) for r in conn.execute(stmt).all()]
 
 

@@ -28,6 +28,9 @@ from kvguard.logging import get_logger
 _log = get_logger("kvguard.audit.store")
 
 _IN_CHUNK = 500  # bound the IN (...) list of one hash read
+# Appends of up to this many entries go as pipelined INSERTs on PostgreSQL, larger ones by COPY
+# (several times faster in bulk, docs/benchmarks.md "Audit ledger"; `_insert_pipelined`).
+_PG_PIPELINED_MAX_ENTRIES = 64
 _SQLITE_MAX_PARAMS = 999  # SQLITE_MAX_VARIABLE_NUMBER before SQLite 3.32 (32,766 since)
 # Links that SQLite's triggers do not check (several per entry; migration 0004): a row planted ahead
 # of the head is ignored rather than colliding with the append.
@@ -271,13 +274,17 @@ class LedgerStore:
                 payload_params.extend((i, p.payload[0], p.payload[1]))
             for key, h in add_node(p.leaf_hash):  # level 0 is the entry row's leaf_hash
                 hash_params.extend((key, h))
-        for table, params in (
+        tables = (
             (t.entries, entry_params),
             (t.entry_blocks, block_params),
             (t.entry_commands, command_params),
             (t.payloads, payload_params),
             (t.hashes, hash_params),
-        ):
+        )
+        if conn.dialect.name == "postgresql" and len(prepared) <= _PG_PIPELINED_MAX_ENTRIES:
+            _insert_pipelined(conn, tables)
+            return
+        for table, params in tables:
             _insert_flat(conn, table, params)
 
     def insert_checkpoint(
@@ -322,9 +329,31 @@ def _insert_flat(conn: sa.Connection, table: sa.Table, params: list[object]) -> 
         cursor.close()
 
 
-@lru_cache(maxsize=64)
-def _values_sql(verb: str, table: str, names: str, width: int, rows: int) -> str:
-    row = "(" + ", ".join("?" * width) + ")"
+def _insert_pipelined(conn: sa.Connection, tables: Sequence[tuple[sa.Table, list[object]]]) -> None:
+    """PostgreSQL, a few entries: one multi-row `INSERT` per table, sent as one psycopg pipeline
+    (one round trip for every table), in table order, so each table's trigger sees the rows of the
+    tables before it. A COPY costs two round trips per table (start, finish), and an append holds
+    the ledger's head lock across them: the admin API's outbox drains append a handful of entries
+    each, and with two server processes each drain waited for the other's round trips
+    (docs/benchmarks.md, "Control plane under load", 2026-11-27, tenth session)."""
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.pipeline(), raw.cursor() as cursor:
+        for table, params in tables:
+            if params:
+                width = len(table.columns)
+                names = ", ".join(c.name for c in table.columns)
+                sql = _values_sql(
+                    "INSERT", table.name, names, width, len(params) // width, mark="%s"
+                )
+                cursor.execute(sql, params)
+
+
+@lru_cache(maxsize=256)
+def _values_sql(
+    verb: str, table: str, names: str, width: int, rows: int, *, mark: str = "?"
+) -> str:
+    row = "(" + ", ".join([mark] * width) + ")"
     return f"{verb} INTO {table} ({names}) VALUES {', '.join([row] * rows)}"
 
 

@@ -109,7 +109,7 @@ async def store_policy(
 
 
 @router.post("/purges")
-def start_purge(
+async def start_purge(
     form: FormDep, action: Annotated[Action, audited("purge.create", *TENANT_WRITERS)]
 ) -> RedirectResponse:
     body = _model(
@@ -118,7 +118,7 @@ def start_purge(
         value=form.get("value", "").strip(),
         tenant_id=form.get("tenant_id", "").strip() or None,
     )
-    created = purges.create_purge(body, action)
+    created = await purges.create_purge(body, action)
     return _see(f"/purges/{created.job_id}", "purge-started")
 
 

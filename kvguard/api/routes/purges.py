@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Path, Query, status
 from fastapi.responses import JSONResponse
 
@@ -42,10 +43,25 @@ CONFLICT: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=PurgeCreated)
-def create_purge(
+async def create_purge(
     body: PurgeCreate, action: Annotated[Action, audited("purge.create", *TENANT_WRITERS)]
 ) -> PurgeCreated:
     """Queue a purge for every engine. Poll `GET /v1/purges/{job_id}` until it is `done`."""
+    job_id = await anyio.to_thread.run_sync(_submit, body, action)
+    # The request's entry in the ledger, so that the status below can see it; awaited on the event
+    # loop, so no request thread sits idle while the outbox drains (on a thread, a purge held one
+    # of the eight for the whole drain: docs/benchmarks.md, 2026-11-27, tenth session).
+    await action.access.services.deliver_async()
+    action.drained = True  # nothing is written after this
+    report = await anyio.to_thread.run_sync(_created_report, action.access, job_id)
+    return PurgeCreated(
+        job_id=job_id, status=report.status, engines_expected=report.engines_expected
+    )
+
+
+def _submit(body: PurgeCreate, action: Action) -> int:
+    """Check the caller may purge `body`'s target and store the job with its `admin.action`
+    entry; returns the job id."""
     access, services = action.access, action.access.services
     tenant = body.tenant()
     if tenant is None and access.visible is not None:
@@ -73,12 +89,11 @@ def create_purge(
         ],
     )
     action.committed()
-    services.deliver()  # the request's entry, so that the status below can see it
-    action.drained = True  # nothing is written after this
-    report = jobs.report(services, jobs.get_job(access, job_id))
-    return PurgeCreated(
-        job_id=job_id, status=report.status, engines_expected=report.engines_expected
-    )
+    return job_id
+
+
+def _created_report(access: Access, job_id: int) -> jobs.JobReport:
+    return jobs.report(access.services, jobs.get_job(access, job_id))
 
 
 @router.get("", response_model=PurgeJobPage)
