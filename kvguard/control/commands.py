@@ -8,7 +8,7 @@ command numbered after the newest one when it started (a fresh engine holds no o
 the current policy version itself) and records an acknowledgement row per engine in
 `engine_command_acks` with what it did, in counts only. Kinds: `purge` (selector kind and value) and
 `policy` (`selector_value` is the policy store version to load). An engine reads "numbered after the
-last one I ran" and acknowledges each command once, so it runs every command exactly once whatever
+last one I read" and acknowledges each command once, so it runs every command exactly once whatever
 the order in which submitters commit (an `id` cursor skipped commands on PostgreSQL, where ids are
 drawn before commit). A submit may join the caller's transaction (`conn=`), so a command commits
 with the state change that caused it, or not at all.
@@ -93,6 +93,17 @@ class PolicyCommand:
     seq: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SkippedCommand:
+    """A command row this version cannot read (an unknown kind, or a selector it cannot parse:
+    written by a newer control plane during a rolling upgrade). Engines step past it without
+    running or acknowledging it, so a purge job never counts an engine that did not purge."""
+
+    id: int
+    kind: str
+    seq: int = 0
+
+
 Command = PurgeCommand | PolicyCommand
 
 
@@ -174,9 +185,9 @@ class CommandQueue:
             value = conn.execute(sa.select(sa.func.max(EngineCommand.seq))).scalar_one()
             return int(value or 0)
 
-    def pending_after(self, last_seq: int, *, limit: int = 1000) -> list[Command]:
-        """Commands numbered after `last_seq`, in commit order (kinds this version does not know
-        are skipped)."""
+    def pending_after(self, last_seq: int, *, limit: int = 1000) -> list[Command | SkippedCommand]:
+        """Commands numbered after `last_seq`, in commit order; a row this version cannot read is a
+        `SkippedCommand`, so a reader's cursor still moves past it."""
         t = EngineCommand
         with self._engine.connect() as conn:
             rows = conn.execute(
@@ -185,13 +196,20 @@ class CommandQueue:
                 .order_by(t.seq)
                 .limit(limit)
             ).all()
-        out: list[Command] = []
+        out: list[Command | SkippedCommand] = []
         for r in rows:
-            if r.kind == "purge":
-                selector = PurgeSelector(PurgeKind(r.selector_kind), r.selector_value, r.tenant_id)
-                out.append(PurgeCommand(r.id, selector, r.seq))
-            elif r.kind == "policy":
-                out.append(PolicyCommand(r.id, int(r.selector_value), r.seq))
+            try:
+                if r.kind == "purge":
+                    kind = PurgeKind(r.selector_kind)
+                    selector = PurgeSelector(kind, r.selector_value, r.tenant_id)
+                    out.append(PurgeCommand(r.id, selector, r.seq))
+                    continue
+                if r.kind == "policy":
+                    out.append(PolicyCommand(r.id, int(r.selector_value), r.seq))
+                    continue
+            except (ValueError, TypeError):
+                pass
+            out.append(SkippedCommand(r.id, str(r.kind), r.seq))
         return out
 
     def acknowledge(self, command_id: int, engine_id: str, result: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from kvguard.control.commands import (
     PurgeCommand,
     PurgeKind,
     PurgeSelector,
+    SkippedCommand,
 )
 from kvguard.control.db import write_transaction
 from kvguard.errors import ConfigError
@@ -40,6 +41,21 @@ def test_purge_and_policy_commands_come_back_in_order(db_url) -> None:
     for bad in (0, -1, True, "3"):
         with pytest.raises(ConfigError, match="policy version"):
             queue.submit_policy(bad, requested_by="t")  # type: ignore[arg-type]
+    queue.engine.dispose()
+
+
+def test_rows_this_version_cannot_read_come_back_as_skipped(db_url) -> None:
+    """A newer control plane's command kind, or a purge selector this version does not know, is a
+    `SkippedCommand` with its number: an engine steps past it (neither running nor acknowledging
+    it) instead of stopping at it or waking for it for ever."""
+    queue = CommandQueue.open(db_url)
+    newer = {"selector_value": "v", "tenant_id": None, "requested_by": "newer-control-plane"}
+    future = queue._submit(None, kind="future", selector_kind="x", **newer)
+    odd = queue._submit(None, kind="purge", selector_kind="galaxy", **newer)
+    purge = queue.submit_purge(PurgeSelector(PurgeKind.TENANT, "acme"), requested_by="t")
+    commands = queue.pending_after(0)
+    assert commands[:2] == [SkippedCommand(future, "future", 1), SkippedCommand(odd, "purge", 2)]
+    assert commands[2] == PurgeCommand(purge, PurgeSelector(PurgeKind.TENANT, "acme"), 3)
     queue.engine.dispose()
 
 

@@ -393,3 +393,21 @@ def test_summary_and_sweep_indexes_stay_exact_and_bounded_under_cache_churn(make
     assert c.sweep(610.5) == (1, 2)  # idle 600 s: block 0 was used at 399
     assert c.sweep(1000.0) == (0,)  # TTL 900 s since its creation at 1
     c.check_invariants()
+
+
+def test_newly_pending_releases_are_handed_out_once(make_custody) -> None:
+    """`take_new_pending` (what the vLLM adapter holds out of the engine's pool) gives each block
+    that starts waiting for its release clear once, again after a failed clear requeues it, and
+    never one the engine has taken back in the meantime."""
+    c = make_custody(default=TenantPolicy(zeroize=Zeroize(on_release=ZeroizeOn.ALWAYS)))
+    run_request(c, "ra", scope_for("a"), [0, 1, 2], 0.0, use_cache=False)
+    assert sorted(c.take_new_pending()) == [0, 1, 2]
+    assert c.take_new_pending() == []  # handed out once
+    run_request(c, "rb", scope_for("b"), [3, 4], 1.0, use_cache=False)
+    c.begin("rc", scope_for("c"), use_cache=False)
+    c.allocate("rc", [4], 2.0)  # the engine re-allocated block 4 before its clear (preemption)
+    assert c.take_new_pending() == [3]
+    plan = c.take_plan()
+    c.requeue(plan.release)  # the clear failed: planned again, held again
+    assert sorted(c.take_new_pending()) == [0, 1, 2, 3]
+    assert sorted(c.pending_release()) == [0, 1, 2, 3]

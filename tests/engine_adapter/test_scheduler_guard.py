@@ -208,7 +208,7 @@ def make_guard(tmp_path: Any) -> Any:
             salt_keyring_file=tmp_path / "unused", ledger_url="x", signing_key_file=tmp_path / "u"
         )
         link, ledger, clock = FakeLink(), FakeLedger(), Clock()
-        link.time = clock
+        link.time = lambda: clock() - 950.0  # the link's own clock: not the guard's
         guard = SchedulerGuard(
             options,
             model_name="tiny",
@@ -231,10 +231,10 @@ def make_guard(tmp_path: Any) -> Any:
 
 def test_the_guard_opens_nothing_and_registers_its_chores_on_the_link(make_guard: Any) -> None:
     guard, f = make_guard()
-    # the command fetch and acknowledgements on every tick, the keep-alive; no waker in-process
-    assert f.link.started and [i for i, _ in f.link.chores] == [0.0, HEARTBEAT_S]
+    # the command fetch and the acknowledgements on every tick, the keep-alive; no waker in-process
+    assert f.link.started and [i for i, _ in f.link.chores] == [0.0, 0.0, HEARTBEAT_S]
     assert f.link.registry.calls == ["register"]
-    f.link.chores[1][1]()  # the keep-alive, as the link's thread runs it
+    f.link.chores[2][1]()  # the keep-alive, as the link's thread runs it
     assert f.link.registry.calls == ["register", "touch"]
     guard.close()
     assert f.link.closed and f.ledger.closed

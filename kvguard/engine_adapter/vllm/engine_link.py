@@ -44,11 +44,12 @@ from kvguard.control.commands import (
     CommandQueue,
     PolicyCommand,
     PurgeCommand,
+    SkippedCommand,
 )
 from kvguard.control.db import open_engine
 from kvguard.control.engines import EngineRegistry
 from kvguard.engine_adapter.records import PurgeSelector
-from kvguard.errors import PolicyStoreError
+from kvguard.errors import PolicyError
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet
 from kvguard.policy.store import PolicyStore, PolicyVersion
@@ -57,6 +58,9 @@ COMMAND_POLL_S: Final = 1.0  # an explicit `poll` (in-process engine) reads at m
 LINK_FETCH_S: Final = 0.5  # the link thread reads at most this often (it ticks every half second)
 ACK_HURRY_S: Final = 2.0  # after fetching commands the link ticks faster for this long (their acks)
 _log = get_logger("vllm.commands")
+# What a fetched command carries: the policy version it names (loaded on the link thread), why
+# that version cannot be used, or nothing (purges, skipped commands, engines without a store).
+_Loaded = PolicyVersion | PolicyError | None
 
 
 class CommandTarget(Protocol):
@@ -139,11 +143,8 @@ class EngineLink:
         return self.listener.take()
 
     def _tick(self) -> None:
-        while self._soon:
-            try:
-                self._soon.popleft()()
-            except sa.exc.SQLAlchemyError as exc:
-                _log.warning("engine link task failed", error=type(exc).__name__)
+        # Chores first (the command fetch is the first of them), then the one-off writes. Each is
+        # on its own: one that fails is logged and retried at its next turn; the others still run.
         now = self._clock()
         with self._lock:
             due = [c for c in self._chores if now - c.last >= c.interval_s]
@@ -152,8 +153,13 @@ class EngineLink:
         for chore in due:
             try:
                 chore.task()
-            except sa.exc.SQLAlchemyError as exc:
+            except Exception as exc:  # a database error, or a bug: never starve the other chores
                 _log.warning("engine link chore failed; retrying", error=type(exc).__name__)
+        while self._soon:
+            try:
+                self._soon.popleft()()
+            except Exception as exc:
+                _log.warning("engine link task failed", error=type(exc).__name__)
 
     def close(self) -> None:
         self._soon.clear()
@@ -171,7 +177,7 @@ class CommandRunner:
     names, and queues them. The scheduler thread runs what is queued (`run`), so vLLM's step loop
     never waits for the database, also when it hangs rather than refuses; the acknowledgements go
     back through the link thread (`flush_acks`, retried until written). An explicit `poll` of an
-    in-process engine (`sync=True`) fetches and acknowledges in the caller's thread as before."""
+    in-process engine fetches and acknowledges in the caller's thread."""
 
     def __init__(self, engine_id: str, link: EngineLink) -> None:
         self.engine_id = engine_id
@@ -179,9 +185,10 @@ class CommandRunner:
         self._link = link
         self._last = self.queue.latest_seq()  # older commands found nothing of ours to act on
         self._fetched = self._last
-        self._last_fetch = float("-inf")
+        self._last_fetch = float("-inf")  # on the link's clock, whichever thread fetched
         self._fetch_lock = threading.Lock()
-        self._ready: deque[tuple[Command, PolicyVersion | PolicyStoreError | None]] = deque()
+        self._ready: deque[tuple[Command | SkippedCommand, _Loaded]] = deque()
+        self._queued = 0  # commands fetched so far (the link thread's wake-up test)
         self._acks: deque[tuple[int, dict[str, Any]]] = deque()
         self._ack_lock = threading.Lock()
         self.store = link.policies
@@ -191,39 +198,50 @@ class CommandRunner:
 
     @property
     def last_seq(self) -> int:
-        """The number of the newest command this engine has run (or skipped as older than itself)."""
+        """The number of the newest command this engine has run (or skipped as older than itself,
+        or as unreadable by this version)."""
         return self._last
 
     def due(self) -> bool:
         """True if fetched commands wait to run (no database access)."""
         return bool(self._ready)
 
-    def fetch_if_due(self, now: float, interval_s: float = COMMAND_POLL_S) -> int:
+    def fetch_if_due(self, interval_s: float = COMMAND_POLL_S) -> int:
         """Fetch new commands if one was announced (PostgreSQL NOTIFY) or `interval_s` has passed
-        since the last fetch; returns how many were queued. Database errors propagate (the link
-        logs them; the next fetch reads the same commands again)."""
+        on the link's clock since the last fetch; returns how many were queued. Database errors
+        propagate (the caller logs them; the next fetch reads from the first command not queued)."""
         with self._fetch_lock:
+            now = self._link.clock()
             if not (self._link.take_notified() or now - self._last_fetch >= interval_s):
                 return 0
             self._last_fetch = now
             fetched = 0
             for command in self.queue.pending_after(self._fetched):
-                loaded: PolicyVersion | PolicyStoreError | None = None
-                if isinstance(command, PolicyCommand) and self.store is not None:
-                    try:
-                        loaded = self.store.get(command.version)
-                    except PolicyStoreError as exc:  # acknowledged as a failed load when it runs
-                        loaded = exc
-                self._ready.append((command, loaded))
+                self._ready.append((command, self._load(command)))
                 self._fetched = command.seq
+                self._queued += 1
                 fetched += 1
             return fetched
+
+    def _load(self, command: Command | SkippedCommand) -> _Loaded:
+        """The policy version a policy command names, or why it cannot be used (acknowledged as a
+        failed load when the command runs). A database error propagates: the fetch is retried."""
+        if not isinstance(command, PolicyCommand) or self.store is None:
+            return None
+        try:
+            return self.store.get(command.version)
+        except sa.exc.SQLAlchemyError:
+            raise
+        except PolicyError as exc:  # missing, failing its digest, or refused by this version
+            return exc
+        except Exception as exc:  # a document this version cannot read: never wedge the link
+            return PolicyError(f"policy version could not be read ({type(exc).__name__})")
 
     def poll(self, now: float, target: CommandTarget) -> int:
         """Fetch, run and acknowledge in the caller's thread (an in-process engine between batches);
         returns how many ran. A database that cannot be reached is logged and tried again later."""
         try:
-            self.fetch_if_due(now)
+            self.fetch_if_due()
         except sa.exc.SQLAlchemyError as exc:
             _log.warning("command poll failed; retrying at the next poll", error=type(exc).__name__)
         ran = self.run(now, target)
@@ -235,14 +253,26 @@ class CommandRunner:
 
     def run(self, now: float, target: CommandTarget) -> int:
         """Run every fetched command, in number order; returns how many ran. Touches no database:
-        the acknowledgements wait for `flush_acks`."""
+        the acknowledgements wait for `flush_acks`. A command whose run raises (a full ledger queue
+        under `fail_closed`, G7) stays first in line and runs again at the next call; a purge run
+        twice quarantines nothing more."""
         ran = 0
         while self._ready:
-            command, loaded = self._ready.popleft()
+            command, loaded = self._ready[0]
+            if isinstance(command, SkippedCommand):
+                _log.error(
+                    "engine command this version cannot read; skipped, not acknowledged",
+                    command_id=command.id,
+                    kind=command.kind,
+                )
+                self._ready.popleft()
+                self._last = command.seq
+                continue
             if isinstance(command, PurgeCommand):
                 result: dict[str, Any] = target.purge_for_command(command.selector, now, command.id)
             else:
                 result = self._policy(command, loaded, target)
+            self._ready.popleft()
             self._acks.append((command.id, result))
             self._last = command.seq
             ran += 1
@@ -261,25 +291,36 @@ class CommandRunner:
                 written += 1
         return written
 
-    def close(self) -> None:
-        """Write the acknowledgements still queued (best effort: the engine is stopping)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Write the acknowledgements still queued (best effort, waiting at most `timeout_s` for a
+        write in progress on the link thread: the engine is stopping)."""
+        if self._ready:
+            _log.warning("engine stopping with fetched commands not run", commands=len(self._ready))
+        if not self._ack_lock.acquire(timeout=timeout_s):
+            _log.warning("acknowledgements not written at shutdown", acks=len(self._acks))
+            return
+        self._ack_lock.release()
         try:
             self.flush_acks()
         except sa.exc.SQLAlchemyError as exc:
             _log.warning("acknowledgements lost at shutdown", error=type(exc).__name__)
 
-    def link_tick(self) -> None:
-        """The link thread's chore: acknowledge what ran, then fetch what is new."""
-        self.flush_acks()
-        if self.fetch_if_due(self._link.clock(), LINK_FETCH_S):
-            self._link.hurry(ACK_HURRY_S)  # their acknowledgements follow within 50 ms of the run
-            if self.on_fetched is not None:
-                self.on_fetched()
+    def fetch_chore(self) -> None:
+        """The link thread's first chore: fetch what is new; if anything was queued, wake an idle
+        engine and tick fast until its acknowledgements are written."""
+        queued = self._queued
+        try:
+            self.fetch_if_due(LINK_FETCH_S)
+        finally:
+            if self._queued > queued:  # also for a fetch that failed after queueing some
+                self._link.hurry(ACK_HURRY_S)
+                if self.on_fetched is not None:
+                    self.on_fetched()
 
     def _policy(
         self,
         command: PolicyCommand,
-        loaded: PolicyVersion | PolicyStoreError | None,
+        loaded: _Loaded,
         target: CommandTarget,
     ) -> dict[str, Any]:
         if self.store is None:
@@ -291,7 +332,7 @@ class CommandRunner:
             _log.error(
                 "policy version could not be loaded; keeping the current policy",
                 version=command.version,
-                error=str(loaded),
+                error=type(loaded).__name__,
             )
             return {"policy_version": current, "policy_load_failed": 1}
         target.use_policy(loaded.policy, loaded.change.version)

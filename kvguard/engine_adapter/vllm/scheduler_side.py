@@ -178,7 +178,8 @@ class SchedulerGuard:
         )
         if self.waker is not None:  # fetched commands wake an idle engine at once
             self.commands.on_fetched = self.waker.wake
-        link.every(0.0, self.commands.link_tick)  # every tick: acknowledgements, then new commands
+        link.every(0.0, self.commands.fetch_chore)  # every tick: new commands first,
+        link.every(0.0, self.commands.flush_acks)  # then the acknowledgements of those that ran
         link.every(HEARTBEAT_S, self.reporter.keepalive)
         if self.waker is not None:
             link.every(WAKE_CHECK_S, self.waker.check)
@@ -718,8 +719,8 @@ class SchedulerGuard:
         self._housekeeping(now)
 
     def apply_now(self) -> None:
-        """Run expiry, queued purges and new commands now. Only from the scheduler's thread between
-        steps."""
+        """Run expiry and queued purges now, and the commands due (read here at most once a
+        second, or at once on NOTIFY). Only from the scheduler's thread between steps."""
         self._last_sweep = float("-inf")
         now = self._clock()
         self.stats["commands"] += self.commands.poll(now, self)
