@@ -140,6 +140,26 @@ def test_a_deferred_heartbeat_is_taken_now_written_later_and_never_after_the_las
     assert row.prompt_tokens == 15 and reporter.heartbeats == 2
 
 
+def test_a_deferred_heartbeat_never_replaces_a_newer_one(sqlite_url, make_custody) -> None:
+    """Figures taken at a step and queued for the link's thread, then a heartbeat written at once
+    (`report_now`) with newer figures: the queued one, written last, must not put the older
+    figures back. Its new scope tags still reach the registry with the next heartbeat."""
+    reporter = _reporter(sqlite_url)
+    custody = make_custody()
+    queued: list = []
+    reporter.new_tag("st_a", "a")
+    reporter.heartbeat_soon(1.0, custody.summary(), {"requests": 0}, queued.append)
+    reporter.prompt("a", 7)
+    assert reporter.heartbeat(2.0, custody.summary(), {"requests": 2})
+    assert queued[0]() is True  # nothing to write: a newer heartbeat is there
+    (engine,) = reporter.registry.engines()
+    assert engine.totals["requests"] == 2
+    (row,) = reporter.registry.tenant_stats("a")
+    assert row.prompt_tokens == 7
+    assert reporter.heartbeat(3.0, custody.summary(), {"requests": 2})
+    assert reporter.registry.tags_for_tenant("a") == ["st_a"]
+
+
 def test_a_deferred_heartbeat_that_fails_keeps_its_tags_for_the_next(
     sqlite_url, make_custody, monkeypatch
 ) -> None:

@@ -131,6 +131,7 @@ class EngineReporter:
         self.heartbeats = 0
         self._write_lock = threading.Lock()  # one write at a time; none after the last one
         self._closed = False
+        self._written_at = float("-inf")  # the figures' time of the newest heartbeat written
 
     # --- what the scheduler reports -----------------------------------------------------------
 
@@ -250,6 +251,12 @@ class EngineReporter:
         with self._write_lock:
             if self._closed and not beat.final:
                 return False  # the last heartbeat has been written: an older one must not follow
+            if beat.now < self._written_at:
+                # A deferred heartbeat written after a newer one (`report_now`): its figures are
+                # stale and must not replace the newer ones; its new tags go with the next.
+                for tag, tenant in beat.tags.items():
+                    self._tags.setdefault(tag, tenant)
+                return True
             self._closed = self._closed or beat.final
             try:
                 if not self._registered:
@@ -268,6 +275,7 @@ class EngineReporter:
                 _log.warning("engine heartbeat failed; retrying", error=type(exc).__name__)
                 return False
             self.heartbeats += 1
+            self._written_at = beat.now
             return True
 
     def close(self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]) -> None:
