@@ -5,6 +5,11 @@ Disabling is one-way here (re-enabling is a new decision with its own audit trai
 the row keeps who disabled the tenant, when and why. Enforcement is elsewhere: disabling also stores a
 policy version with `enabled: false`, which engines and front ends load (`admit` refuses), and queues
 a tenant purge.
+
+Rows are never removed (nothing here or in the API deletes one), so an id once read is registered for
+good: `require` remembers the ids it found and answers them without a read (the routes that only
+need to know a tenant exists: a policy PUT then takes no worker-thread hop for it,
+docs/benchmarks.md). What a row says (`enabled`, who disabled it) is always read afresh (`get`).
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ class TenantRegistry:
     def __init__(self, engine: sa.Engine, *, clock: Callable[[], float] = time.time) -> None:
         self._engine = engine
         self._clock = clock
+        # Ids `require` found registered. Only ids read from a committed row enter (never one a
+        # caller sent that was not found, so it holds at most the registered tenants), and none
+        # leaves: rows are never removed (module docstring). Set `add` and `in` are atomic
+        # under the GIL, and a reader that misses a concurrent `add` only reads the row again.
+        self._registered: set[str] = set()
         ensure_schema(engine)
 
     def create(
@@ -100,6 +110,16 @@ class TenantRegistry:
         if row is None:
             raise NotFoundError(f"tenant {tenant_id!r} not found")
         return _tenant(row)
+
+    def is_registered(self, tenant_id: str) -> bool:
+        """Whether `tenant_id` is known to be registered without a read (`require` found it)."""
+        return tenant_id in self._registered
+
+    def require(self, tenant_id: str) -> None:
+        """NotFoundError unless `tenant_id` is registered; an id found once is not read again."""
+        if tenant_id not in self._registered:
+            self.get(tenant_id)
+            self._registered.add(tenant_id)
 
     def list(
         self, *, only: Collection[str] | None = None, after: str | None = None, limit: int = 100

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import sqlalchemy as sa
+
 from kvguard.audit.events import EventKind
 from tests.api.conftest import ApiEnv
 
@@ -162,3 +164,44 @@ def test_inference_keys_create_list_revoke_and_scoping(env) -> None:
     assert ("inference_key.create", "ok") in actions
     assert ("inference_key.revoke", "ok") in actions
     assert body["api_key"] not in str([r.leaf for r in page.records])
+
+
+def test_tenant_policy_put_reads_the_tenant_only_until_it_is_known(env: ApiEnv) -> None:
+    """The existence check of a tenant policy PUT (and of a tenant policy read) reads the tenant
+    row until it has been found once; a tenant_admin's PUT for another, registered tenant stays
+    404 when this process knows that tenant, and an unknown tenant stays 404 with its entry."""
+    sent: list[str] = []
+
+    def seen(_conn: object, _cursor: object, statement: str, *_rest: object) -> None:
+        sent.append(statement)
+
+    def tenant_reads() -> int:
+        return sum(s.lstrip().upper().startswith("SELECT") and "FROM tenants" in s for s in sent)
+
+    body = {"policy": {"retention": {"ttl_s": 120, "idle_s": 60}}, "reason": "r"}
+    sa.event.listen(env.services.db, "before_cursor_execute", seen)
+    try:
+        assert env.call("admin", "PUT", "/v1/tenants/globex/policy", json=body).status_code == 201
+        assert tenant_reads() == 1
+        assert env.call("admin", "PUT", "/v1/tenants/globex/policy", json=body).status_code == 201
+        assert env.call("admin", "GET", "/v1/tenants/globex/policy").status_code == 200
+        assert tenant_reads() == 1
+        r = env.call("acme", "PUT", "/v1/tenants/globex/policy", json=body)
+        assert r.status_code == 404, r.text
+        assert env.call("acme", "GET", "/v1/tenants/globex/policy").status_code == 404
+        for _ in range(2):
+            r = env.call("admin", "PUT", "/v1/tenants/nobody/policy", json=body)
+            assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+        assert tenant_reads() == 3
+    finally:
+        sa.event.remove(env.services.db, "before_cursor_execute", seen)
+    stored = env.services.policies.current()
+    assert stored is not None and stored.change.version == 2
+    outcomes = [(a["action"], a["outcome"]) for a in _actions(env)]
+    assert outcomes == [
+        ("tenant.policy.put", "ok"),
+        ("tenant.policy.put", "ok"),
+        ("tenant.policy.put", "not_found"),
+        ("tenant.policy.put", "not_found"),
+        ("tenant.policy.put", "not_found"),
+    ]

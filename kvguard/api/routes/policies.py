@@ -317,7 +317,7 @@ def tenant_policy(
 ) -> TenantPolicyPublic:
     """The policy that applies to one tenant (`ETag`: the set's version, for `If-Match`)."""
     services = access.services
-    services.tenants.get(access.tenant(tenant_id))
+    services.tenants.require(access.tenant(tenant_id))
     current = services.policies.current()
     policy_set = current.policy if current else PolicySet()
     response.headers.update(_etag(current.change.version if current else 0))
@@ -344,7 +344,9 @@ async def put_tenant_policy(
     """Store a new policy set version that changes only this tenant's entry (a tenant_admin may only
     tighten what the admin set)."""
     access, services = action.access, action.access.services
-    await anyio.to_thread.run_sync(services.tenants.get, access.tenant(tenant_id))
+    tenant = access.tenant(tenant_id)  # 404 for another tenant's, before anything is read
+    if not services.tenants.is_registered(tenant):  # a known tenant needs no read, so no hop
+        await anyio.to_thread.run_sync(services.tenants.require, tenant)
     action.tenant_id = tenant_id
     role = access.principal.role
     expected = if_match(match, body.expected_version)

@@ -67,7 +67,7 @@ def _submit(body: PurgeCreate, action: Action) -> int:
     if tenant is None and access.visible is not None:
         raise PermissionDeniedError("a tenant_admin may purge only sessions or its own tenant")
     if tenant is not None:
-        services.tenants.get(access.tenant(tenant))  # 404: unknown, or another tenant's
+        services.tenants.require(access.tenant(tenant))  # 404: unknown, or another tenant's
         action.tenant_id = tenant
     # Read before the write transaction: inside it, a second pooled connection would be taken
     # while the command head's row lock is held, and under load every pooled connection can be
