@@ -6,10 +6,10 @@ which LISTENs for command notifications (PostgreSQL) and runs the link's chores 
 command fetch and its acknowledgements, the registry keep-alive of an idle engine, the idle wake-up
 check (`wakeup.IdleWaker`), and one-off writes the scheduler hands over (`call_soon`: the
 heartbeats). So vLLM's step loop does no control-database round trip: a database that hangs (a
-network partition, not only a refused connection) delays commands, it does not freeze the step loop. The connector
-builds the link (`open_link`) and passes it into `SchedulerGuard`, which opens nothing itself. The
-thread never touches custody or the pool: chores only read the database, write acknowledgements and
-heartbeats, or put vLLM's no-op wake-up item on its input queue.
+network partition, not only a refused connection) delays commands, it does not freeze the step
+loop. The connector builds the link (`open_link`) and passes it into `SchedulerGuard`, which opens
+nothing itself. The thread never touches custody or the pool: chores only read the database, write
+acknowledgements and heartbeats, or put vLLM's no-op wake-up item on its input queue.
 
 `CommandRunner` splits a command's life between the two threads. The link thread fetches, at most
 every `LINK_FETCH_S` or at once when its PostgreSQL `CommandListener` heard a `NOTIFY` (see
@@ -20,9 +20,10 @@ versions swapped in. The link thread then writes the acknowledgements, which car
 version numbers only. An in-process engine's explicit `poll` between batches does all three in the
 caller's thread.
 
-A policy version that cannot be loaded (missing, or failing its digest check) leaves the engine on
-the policy it has: the last one that loaded is known-good, and refusing every request over a bad row
-would let one bad write stop every engine. The acknowledgement says so (`policy_load_failed: 1`)
+A policy version that cannot be loaded (missing, failing its digest check, or refused by this
+version's validation, as in a rolling upgrade) leaves the engine on the policy it has: the last one
+that loaded is known-good, and refusing every request over a bad row would let one bad write stop
+every engine. The acknowledgement says so (`policy_load_failed: 1`)
 and the error is logged. An engine without `policy_url` follows its policy file only and acknowledges
 policy commands with `policy_version: null`.
 """
