@@ -230,6 +230,8 @@ class Custody:
 
     def take_plan(self) -> StepPlan:
         """Drain the blocks that must be zeroized before the next forward pass."""
+        # What was not held by now is planned (or was taken back) now: nothing left to hold.
+        self._new_pending.clear()
         if not self._pending_release and not self._pending_handover:
             return _NO_PLAN  # most decode steps
         plan = StepPlan(

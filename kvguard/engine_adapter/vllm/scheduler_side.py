@@ -38,6 +38,7 @@ from kvguard.engine_adapter.records import (
     BlockStatus,
     CustodyEvent,
     PurgeSelector,
+    StepPlan,
     purge_event_kind,
 )
 from kvguard.engine_adapter.vllm.engine_link import CommandRunner, EngineLink
@@ -396,7 +397,7 @@ class SchedulerGuard:
             step=self._step,
             release=plan.release,
             handover=plan.handover,
-            verify=self._verify_mode(plan.all_blocks) if plan else self._no_clear_verify(),
+            verify=self._verify_mode(plan),
             canary=tuple(sorted(set(canary))) if self.options.canary else (),
             spill=spill,
             drop=drop,
@@ -524,15 +525,13 @@ class SchedulerGuard:
         if hashed:
             self._c.mark_hashed(hashed)
 
-    def _no_clear_verify(self) -> str:
-        """The verify mode of a step with nothing to clear (what `_verify_mode` gives for no blocks)."""
-        return self.options.verify_override or Verify.NONE.value
-
-    def _verify_mode(self, block_ids: Iterable[int]) -> str:
+    def _verify_mode(self, plan: StepPlan) -> str:
         if self.options.verify_override:
             return self.options.verify_override
+        if not plan:
+            return Verify.NONE.value  # most decode steps: no block sets to build
         best = Verify.NONE
-        for b in block_ids:
+        for b in plan.all_blocks:
             owner = self._c.record(b).owner
             mode = (
                 self.policies.policy_for(owner.tenant_id).zeroize.verify if owner else Verify.SAMPLE
