@@ -160,6 +160,23 @@ def test_a_deferred_heartbeat_never_replaces_a_newer_one(sqlite_url, make_custod
     assert reporter.registry.tags_for_tenant("a") == ["st_a"]
 
 
+def test_scope_tags_of_a_deferred_heartbeat_dropped_at_stop_reach_the_last_one(
+    sqlite_url, make_custody
+) -> None:
+    """A tenant's export finds its entries by the scope tags its engines registered: a tag taken
+    into a deferred heartbeat that the stop then drops must go with the last heartbeat."""
+    reporter = _reporter(sqlite_url)
+    custody = make_custody()
+    queued: list = []
+    reporter.new_tag("st_a", "a")
+    reporter.heartbeat_soon(1.0, custody.summary(), {}, queued.append)
+    reporter.new_tag("st_b", "b")
+    reporter.close(2.0, custody.summary(), {})
+    assert queued[0]() is False  # after the last heartbeat: not written
+    assert reporter.registry.tags_for_tenant("a") == ["st_a"]
+    assert reporter.registry.tags_for_tenant("b") == ["st_b"]
+
+
 def test_a_deferred_heartbeat_that_fails_keeps_its_tags_for_the_next(
     sqlite_url, make_custody, monkeypatch
 ) -> None:

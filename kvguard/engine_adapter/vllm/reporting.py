@@ -114,7 +114,10 @@ class EngineReporter:
         self._identity: dict[str, Any] = {}
         self._registered = False
         self._last_beat = float("-inf")
-        self._tags: dict[str, str] = {}  # scope tag -> tenant, first seen since the last heartbeat
+        # Scope tag -> tenant, first seen and not yet written by a heartbeat. Shared with the link's
+        # thread (deferred writes remove what they wrote), hence the lock.
+        self._tags: dict[str, str] = {}
+        self._tags_lock = threading.Lock()
         self.prompt_tokens: Counter[str] = Counter()
         self.prefix_hit_tokens: Counter[str] = Counter()
         self.blocks_zeroized: Counter[str] = Counter()
@@ -145,7 +148,8 @@ class EngineReporter:
             self.registry.touch(self.engine_id, self._clock())
 
     def new_tag(self, tag: str, tenant: str) -> None:
-        self._tags[tag] = tenant
+        with self._tags_lock:
+            self._tags[tag] = tenant
 
     def prompt(self, tenant: str, tokens: int) -> None:
         self.prompt_tokens[tenant] += tokens
@@ -244,7 +248,8 @@ class EngineReporter:
         final: bool = False,
     ) -> _Beat:
         self._last_beat = now
-        tags, self._tags = self._tags, {}
+        with self._tags_lock:  # a copy: they leave the buffer only once a heartbeat wrote them
+            tags = dict(self._tags)
         return _Beat(now, self._totals(summary, counters), self._tenant_rows(summary), tags, final)
 
     def _write(self, beat: _Beat) -> bool:
@@ -253,9 +258,7 @@ class EngineReporter:
                 return False  # the last heartbeat has been written: an older one must not follow
             if beat.now < self._written_at:
                 # A deferred heartbeat written after a newer one (`report_now`): its figures are
-                # stale and must not replace the newer ones; its new tags go with the next.
-                for tag, tenant in beat.tags.items():
-                    self._tags.setdefault(tag, tenant)
+                # stale and must not replace the newer ones (its tags are still buffered).
                 return True
             self._closed = self._closed or beat.final
             try:
@@ -270,12 +273,13 @@ class EngineReporter:
                 )
             except (sa.exc.SQLAlchemyError, OSError, LookupError) as exc:
                 self._registered = self._registered and not isinstance(exc, LookupError)
-                for tag, tenant in beat.tags.items():  # buffered until a heartbeat succeeds
-                    self._tags.setdefault(tag, tenant)
                 _log.warning("engine heartbeat failed; retrying", error=type(exc).__name__)
                 return False
             self.heartbeats += 1
             self._written_at = beat.now
+            with self._tags_lock:  # written (the registry ignores a tag it already has)
+                for tag in beat.tags:
+                    self._tags.pop(tag, None)
             return True
 
     def close(self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]) -> None:
