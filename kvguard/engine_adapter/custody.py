@@ -474,20 +474,19 @@ class Custody:
     def _reschedule_changed_retention(self) -> None:
         """Reschedule the cached blocks of tenants whose retention changed since they were
         scheduled (a policy command); forget tenants with nothing cached. O(tenants) when nothing
-        changed."""
-        changed: set[str] = set()
+        changed, O(the changed tenants' cached blocks) otherwise: each tenant's age heap holds a
+        live entry for every block it has cached (`_check_indexes`)."""
         for tenant, seen in list(self._retention_of.items()):
             if not self.tenant_cached(tenant):
                 del self._retention_of[tenant]
                 continue
             retention = self._policy(tenant).retention
-            if (retention.ttl_s, retention.idle_s) != seen:
-                changed.add(tenant)
-        if changed:
-            for bid in self._cached:
-                rec = self._blocks[bid]
-                if rec.owner is not None and rec.owner.tenant_id in changed:
-                    self._schedule_expiry(rec)
+            if (retention.ttl_s, retention.idle_s) == seen:
+                continue
+            entries = self._expiry_entry
+            live = [bid for _, n, bid in self._by_age.get(tenant, ()) if entries.get(bid) == n]
+            for bid in live:  # a snapshot: rescheduling pushes onto the same heap
+                self._schedule_expiry(self._blocks[bid])
 
     def purge(
         self, selector: PurgeSelector, now: float, *, details: Details | None = None
@@ -615,6 +614,16 @@ class Custody:
             raise CustodyError("the expiry index disagrees with the cached blocks")
         if self.summary() != summarize(self._blocks):
             raise CustodyError("the running tally disagrees with the pool")
+        aged: set[tuple[str, BlockId]] = {
+            (tenant, bid)
+            for tenant, heap in self._by_age.items()
+            for _, n, bid in heap
+            if self._expiry_entry.get(bid) == n
+        }
+        cached = (self._blocks[b] for b in self._cached)
+        owned = {(r.owner.tenant_id, r.block_id) for r in cached if r.owner is not None}
+        if aged != owned:
+            raise CustodyError("the per-tenant age index disagrees with the cached blocks")
 
     # --- internals --------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.records import (
     BlockStatus,
     CacheAge,
@@ -15,7 +16,7 @@ from kvguard.engine_adapter.records import (
     summarize,
 )
 from kvguard.errors import CustodyError
-from kvguard.policy import Retention, Reuse, TenantPolicy, Zeroize, ZeroizeOn
+from kvguard.policy import PolicySet, Retention, Reuse, TenantPolicy, Zeroize, ZeroizeOn
 from tests.engine_adapter.conftest import DERIVER, scope_for
 
 CROSS = TenantPolicy(zeroize=Zeroize(on_release=ZeroizeOn.CROSS_SCOPE))
@@ -411,3 +412,31 @@ def test_newly_pending_releases_are_handed_out_once(make_custody) -> None:
     c.requeue(plan.release)  # the clear failed: planned again, held again
     assert sorted(c.take_new_pending()) == [0, 1, 2, 3]
     assert sorted(c.pending_release()) == [0, 1, 2, 3]
+
+
+def test_a_retention_change_reschedules_only_its_tenant() -> None:
+    """A policy change that shortens one tenant's TTL expires that tenant's cached blocks and no
+    other's (rescheduled from its own age heap, not a pass over every cached block), and later
+    sweeps expire exactly the due ones; the indexes stay exact (`check_invariants`)."""
+    n = 2348
+    policies = [PolicySet(default=TenantPolicy(retention=Retention(ttl_s=1000, idle_s=1000)))]
+
+    def policy_for(tenant: str) -> TenantPolicy:
+        return policies[0].policy_for(tenant)  # looked up per call: the test swaps the set
+
+    c = Custody(n, policy=policy_for, tagger=DERIVER.scope_tag)
+    for b in range(n):
+        tenant = "short" if b % 3 == 0 else f"t{b % 5}"
+        run_request(c, f"r{b}", scope_for(tenant), [b], float(b % 7))
+    assert c.sweep(100.0) == ()
+    policies[0] = policies[0].model_copy(
+        update={"tenants": {"short": TenantPolicy(retention=Retention(ttl_s=10, idle_s=10))}}
+    )
+    gone = c.sweep(100.0)
+    assert gone == tuple(range(0, n, 3))
+    c.check_invariants()
+    assert c.sweep(1005.5) == tuple(b for b in range(n) if b % 3 and b % 7 <= 5)
+    c.check_invariants()
+    assert c.sweep(1100.0) == tuple(b for b in range(n) if b % 3 and b % 7 == 6)
+    assert c.counts()[BlockStatus.CACHED] == 0
+    c.check_invariants()
