@@ -15,8 +15,10 @@ round trip to the client while they are held.
 
 Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
 
-1. The base: the latest version and the latest one an admin wrote (the limits a tenant_admin may
-   only tighten), as this process last wrote them, else read in one query.
+1. The base: the latest version and the latest one that set every tenant's limits (what a
+   tenant_admin may only tighten), as this process last wrote them, else read in one query; an
+   admin's later versions that set one tenant's limits (`TenantLimits`) are read per tenant when a
+   tenant_admin's write needs them.
 2. `edit(base)` gives the new policy set (the caller's checks, against the base, raise here);
    it is validated and its events are built for version `base + 1`.
 3. PostgreSQL: one statement steps `policy_head` from `base` to `base + 1` only if it still is at
@@ -67,14 +69,22 @@ from kvguard.control.db import read_connection, write_transaction
 from kvguard.control.outbox import Outbox, event_json
 from kvguard.control.publish_sql import PG_NEXT_COMMAND_ID, PG_POLICY_WRITE, PG_PURGE_WRITE
 from kvguard.control.schema import (
+    ALL_TENANTS,
     HEAD_ID,
+    NO_LIMITS,
     PolicyHead,
     PolicyVersionRow,
 )
 from kvguard.errors import ConfigError, PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
-from kvguard.policy.models import PolicySet
-from kvguard.policy.store import PolicyChange, PolicyStore, PolicyVersion, check_metadata
+from kvguard.policy.models import PolicySet, TenantPolicy
+from kvguard.policy.store import (
+    PolicyChange,
+    PolicyStore,
+    PolicyVersion,
+    check_metadata,
+    limits_for_role,
+)
 
 # Fresh bases tried before locking the head: only writers in other processes can move it.
 OPTIMISTIC_TRIES: Final = 3
@@ -82,16 +92,62 @@ CONTENDED_S: Final = 5.0  # after a failed compare-and-set, bases are read first
 _log = get_logger("control.publish")
 
 
+TenantLimitsLookup = Callable[[str, int, int], PolicyVersion | None]  # tenant, after, upto
+
+
+class TenantLimits:
+    """The admin versions later than a base's `limits` that set one tenant's limits alone (an
+    admin's edit of that tenant's entry, a disable): read per tenant, when a tenant_admin's write
+    needs them, from the versions in (`after`, `upto`], and remembered; the drafts of a group add
+    their own. So an admin's write of one tenant's entry never turns another tenant's own
+    tightening into that tenant's limits."""
+
+    __slots__ = ("_after", "_known", "_lookup", "_upto")
+
+    def __init__(
+        self,
+        lookup: TenantLimitsLookup,
+        after: int,
+        upto: int,
+        known: dict[str, PolicyVersion | None] | None = None,
+    ) -> None:
+        self._lookup, self._after, self._upto = lookup, after, upto
+        self._known: dict[str, PolicyVersion | None] = dict(known or {})
+
+    def get(self, tenant_id: str) -> PolicyVersion | None:
+        if tenant_id not in self._known:  # one writer thread per process uses a base at a time
+            found = (
+                self._lookup(tenant_id, self._after, self._upto)
+                if self._upto > self._after
+                else None
+            )
+            self._known[tenant_id] = found
+        return self._known[tenant_id]
+
+    def with_tenant(self, tenant_id: str, version: PolicyVersion) -> TenantLimits:
+        return TenantLimits(
+            self._lookup, self._after, self._upto, {**self._known, tenant_id: version}
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyBase:
-    """What a policy write edits: the latest version and the limits as of it (None: none)."""
+    """What a policy write edits: the latest version and the limits as of it: `limits` the latest
+    version that set every tenant's (None: none, the built-in defaults), `tenant_limits` the later
+    ones that set one tenant's."""
 
     current: PolicyVersion | None
     limits: PolicyVersion | None
+    tenant_limits: TenantLimits
 
     @property
     def version(self) -> int:
         return self.current.change.version if self.current else 0
+
+    def limit_for(self, tenant_id: str) -> TenantPolicy:
+        """What a tenant_admin of `tenant_id` may tighten but never loosen, as of this base."""
+        version = self.tenant_limits.get(tenant_id) or self.limits
+        return (version.policy if version else PolicySet()).policy_for(tenant_id)
 
 
 PolicyEdit = Callable[[PolicyBase], PolicySet]
@@ -109,6 +165,8 @@ class PolicyWrite:
     author_role: str
     events: PolicyEvents
     expected_version: int | None = None
+    # Whose limits an admin's write sets: every tenant's, or the one tenant id it edits.
+    limits_of: str = ALL_TENANTS
 
 
 PolicyOutcome = PolicyChange | Exception  # a write's stored version, or why it was refused
@@ -119,6 +177,7 @@ class _Draft:
     change: PolicyChange
     document: str
     author_role: str
+    limits_of: str
     events: Sequence[AuditEvent]
 
 
@@ -218,7 +277,14 @@ class PolicyPublisher:
         if known is not None and not fresh:
             return known
         current, limits = self._store.latest_and_limits(conn)  # None: a read of its own
-        return PolicyBase(current, limits)
+        upto = current.change.version if current else 0
+        after = limits.change.version if limits else 0
+        return PolicyBase(current, limits, TenantLimits(self._tenant_limits, after, upto))
+
+    def _tenant_limits(self, tenant_id: str, after: int, upto: int) -> PolicyVersion | None:
+        # A read of its own: the versions up to `upto` are committed and never change, and a
+        # write over a base that has moved since fails its compare-and-set and starts again.
+        return self._store.tenant_limits(tenant_id, after, upto)
 
     def _drafts(self, writes: Sequence[PolicyWrite], base: PolicyBase) -> _Batch:
         outcomes: list[PolicyOutcome] = []
@@ -232,8 +298,14 @@ class PolicyPublisher:
             drafts.append(draft)
             outcomes.append(draft.change)
             current = self._store.drafted(draft.change, draft.document)
-            limits = current if draft.author_role != "tenant_admin" else base.limits
-            base = PolicyBase(current, limits)
+            if draft.limits_of == ALL_TENANTS:
+                done = current.change.version
+                base = PolicyBase(current, current, TenantLimits(self._tenant_limits, done, done))
+            elif draft.limits_of != NO_LIMITS:  # an admin's edit of one tenant
+                tenants = base.tenant_limits.with_tenant(draft.limits_of, current)
+                base = PolicyBase(current, base.limits, tenants)
+            else:  # a tenant_admin's: the limits stay
+                base = PolicyBase(current, base.limits, base.tenant_limits)
         return _Batch(outcomes, drafts, base)
 
     def _draft(self, write: PolicyWrite, base: PolicyBase) -> _Draft:
@@ -250,7 +322,8 @@ class PolicyPublisher:
             digest=digest,
             at=self._clock(),
         )
-        return _Draft(change, document, write.author_role, list(write.events(change)))
+        limits_of = limits_for_role(write.author_role, write.limits_of)
+        return _Draft(change, document, write.author_role, limits_of, list(write.events(change)))
 
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
         for draft in batch.drafts:
@@ -339,6 +412,7 @@ def _version_row(draft: _Draft) -> dict[str, object]:
         "digest": change.digest,
         "document": draft.document,
         "author_role": draft.author_role,
+        "limits_of": draft.limits_of,
     }
 
 

@@ -21,8 +21,9 @@ WITH head AS (
     RETURNING version
 ), stored AS (
     INSERT INTO policy_versions
-        (version, created_at, author, reason, digest, document, author_role)
-    SELECT version, :created_at, :author, :reason, :digest, :document, :author_role FROM head
+        (version, created_at, author, reason, digest, document, author_role, limits_of)
+    SELECT version, :created_at, :author, :reason, :digest, :document, :author_role, :limits_of
+    FROM head
     RETURNING version
 ), events AS (
     INSERT INTO control_outbox (created_at, event)

@@ -29,6 +29,9 @@ HEAD_ID: Final = 1
 AUTHOR_MAX: Final = 256
 REASON_MAX: Final = 2000
 TENANT_ID_MAX: Final = 128
+# `policy_versions.limits_of` (tenant ids start with a letter or digit, so neither is one).
+ALL_TENANTS: Final = "*"  # an admin's version that sets every tenant's limits
+NO_LIMITS: Final = "-"  # a tenant_admin's version: it sets no limits
 
 
 class ControlBase(DeclarativeBase):
@@ -97,9 +100,14 @@ class PolicyVersionRow(ControlBase):
     """One stored version: who (and in which role), when, why, and the canonical JSON with its digest.
 
     `author_role` is `admin` for versions that set the limits a tenant_admin may only tighten (every
-    version not written by a tenant_admin; NULL on versions stored before 0.2, read as `admin`)."""
+    version not written by a tenant_admin; NULL on versions stored before 0.2, read as `admin`).
+    `limits_of` says whose limits a version sets: `*` (`ALL_TENANTS`) every tenant's (an admin's
+    whole-set write, a seed), a tenant id that tenant's only (an admin's edit of one tenant's entry,
+    a disable), `-` (`NO_LIMITS`) none (a tenant_admin's version); NULL on versions stored before
+    the column existed (read by `author_role`: an admin's sets every tenant's)."""
 
     __tablename__ = "policy_versions"
+    __table_args__ = (sa.Index("ix_policy_versions_limits_of", "limits_of", "version"),)
     version: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
     created_at: Mapped[float] = mapped_column(sa.Double)  # seconds on the store's clock (UNIX time)
     author: Mapped[str] = mapped_column(sa.String(AUTHOR_MAX))
@@ -107,6 +115,7 @@ class PolicyVersionRow(ControlBase):
     digest: Mapped[str] = mapped_column(sa.String(71))
     document: Mapped[str] = mapped_column(sa.Text)
     author_role: Mapped[str | None] = mapped_column(sa.String(16), nullable=True)
+    limits_of: Mapped[str | None] = mapped_column(sa.String(256), nullable=True)
 
 
 # --- engines --------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.control.db import create_engine, ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import (
+    ALL_TENANTS,
     AUTHOR_MAX,
     HEAD_ID,
+    NO_LIMITS,
     REASON_MAX,
     PolicyHead,
     PolicyVersionRow,
@@ -130,6 +132,7 @@ class PolicyStore:
         reason: str,
         expected_version: int | None = None,
         author_role: str = "admin",
+        limits_of: str = ALL_TENANTS,
         conn: sa.Connection | None = None,
     ) -> int:
         """Store `policy_set` as the next version and return its number.
@@ -144,6 +147,7 @@ class PolicyStore:
             reason=reason,
             expected_version=expected_version,
             author_role=author_role,
+            limits_of=limits_of,
             conn=conn,
         ).version
 
@@ -155,6 +159,7 @@ class PolicyStore:
         reason: str,
         expected_version: int | None = None,
         author_role: str = "admin",
+        limits_of: str = ALL_TENANTS,
         conn: sa.Connection | None = None,
     ) -> PolicyChange:
         """Store `edit(<the latest version>)` as the next version: a read-modify-write that no
@@ -164,7 +169,8 @@ class PolicyStore:
         the head row is locked, on the latest version then; under the lock the head is checked to
         still be that version, and only if another writer got in between is the edit redone under
         the lock. The lock is thus held for the inserts, not for the validation, and writers do not
-        queue behind each other's CPU work."""
+        queue behind each other's CPU work. `limits_of`: whose limits an admin's version sets (every
+        tenant's, or one tenant id's: `PolicyVersionRow`); a tenant_admin's sets none."""
         check_metadata(author, reason)
         if conn is None:
             try:
@@ -175,6 +181,7 @@ class PolicyStore:
                         reason=reason,
                         expected_version=expected_version,
                         author_role=author_role,
+                        limits_of=limits_of,
                         conn=own,
                     )
             except SQLAlchemyError as exc:
@@ -206,6 +213,7 @@ class PolicyStore:
                 digest=change.digest,
                 document=document,
                 author_role=author_role,
+                limits_of=limits_for_role(author_role, limits_of),
             )
         )
         conn.execute(
@@ -228,15 +236,12 @@ class PolicyStore:
     def latest_and_limits(
         self, conn: sa.Connection | None = None
     ) -> tuple[PolicyVersion | None, PolicyVersion | None]:
-        """`current()` and `limits()` in one query: the latest version and the latest an admin
-        wrote, both as of one statement (so the limits are those of the latest version)."""
+        """`current()` and `limits()` in one query: the latest version and the latest that set
+        every tenant's limits, both as of one statement (so the limits are those of the latest
+        version; `tenant_limits` reads the later ones that set one tenant's)."""
         t = PolicyVersionRow
         latest = sa.select(sa.func.max(t.version)).scalar_subquery()
-        by_admin = (
-            sa.select(sa.func.max(t.version))
-            .where(sa.or_(t.author_role.is_(None), t.author_role != "tenant_admin"))
-            .scalar_subquery()
-        )
+        by_admin = _all_tenants_limits()
         with self._reading(conn) as c:
             rows = c.execute(
                 sa.select(
@@ -297,17 +302,31 @@ class PolicyStore:
         return PolicyVersion(change=change, policy=policy)
 
     def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
-        """The latest version written by an admin (or the seed): the limits a tenant_admin may
-        tighten but never loosen. None: no such version, the built-in defaults are the limits."""
+        """The latest version that set every tenant's limits (an admin's whole-set write, the
+        seed): what a tenant_admin may tighten but never loosen, unless a later admin version set
+        its own tenant's (`tenant_limits`). None: no such version, the built-in defaults are the
+        limits."""
         t = PolicyVersionRow
         with self._reading(conn) as c:
             row = c.execute(
-                sa.select(t.version, t.digest)
-                .where(sa.or_(t.author_role.is_(None), t.author_role != "tenant_admin"))
+                sa.select(t.version, t.digest).where(t.version == _all_tenants_limits())
+            ).first()
+            return None if row is None else self._version(c, int(row.version), row.digest)
+
+    def tenant_limits(
+        self, tenant_id: str, after: int, upto: int, conn: sa.Connection | None = None
+    ) -> PolicyVersion | None:
+        """The latest version in (`after`, `upto`] by which an admin set `tenant_id`'s limits
+        alone (an edit of its entry, a disable); None if there is none. One index lookup."""
+        t = PolicyVersionRow
+        with self._reading(conn) as c:
+            row = c.execute(
+                sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
+                .where(t.limits_of == tenant_id, t.version > after, t.version <= upto)
                 .order_by(t.version.desc())
                 .limit(1)
             ).first()
-            return None if row is None else self._version(c, int(row.version), row.digest)
+            return None if row is None else self._cached(c, row)
 
     def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version, or None when nothing has been stored yet (one query of its
@@ -458,3 +477,21 @@ def _to_change(row: Any) -> PolicyChange:
         digest=row.digest,
         at=row.created_at,
     )
+
+
+def limits_for_role(author_role: str, limits_of: str) -> str:
+    """What a version's `limits_of` records: a tenant_admin's version sets no limits."""
+    return NO_LIMITS if author_role == "tenant_admin" else limits_of
+
+
+def _all_tenants_limits() -> Any:
+    """The latest version that set every tenant's limits, as a scalar subquery: the latest marked
+    `*`, or one stored before `limits_of` existed by an admin (two index lookups on
+    `ix_policy_versions_limits_of`, not a scan of the versions)."""
+    t = PolicyVersionRow
+    marked = sa.select(sa.func.max(t.version).label("v")).where(t.limits_of == ALL_TENANTS)
+    legacy = sa.select(sa.func.max(t.version).label("v")).where(
+        t.limits_of.is_(None), sa.or_(t.author_role.is_(None), t.author_role != "tenant_admin")
+    )
+    both = sa.union_all(marked, legacy).subquery()
+    return sa.select(sa.func.max(both.c.v)).scalar_subquery()

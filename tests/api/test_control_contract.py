@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from fastapi.testclient import TestClient
 
+from kvguard.api.app import create_app
+from kvguard.api.services import Services
 from kvguard.audit.events import EventKind
 from kvguard.control.schema import OutboxRow, TenantRow
 from kvguard.errors import LedgerUnavailableError
@@ -194,6 +198,94 @@ def test_a_tenant_admin_may_tighten_and_relax_back_to_the_limit(
     fresh = make_env(f"sqlite:///{tmp_path / 'fresh.db'}")
     assert _put(fresh, "acme", "acme", {"audit": "minimal"}).status_code == 403
     assert _put(fresh, "acme", "acme", {"audit": "full"}).status_code == 201
+
+
+TIGHTER = {**ADMIN_LIMITS, "retention": {"ttl_s": 60, "idle_s": 30}, "audit": "full"}
+
+
+def test_an_admin_write_of_another_tenant_leaves_a_tenant_admins_limits_alone(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    """The limits are what an admin last set for *this* tenant: an admin's edit of another
+    tenant's entry, or another tenant's disable, stores a whole new version that carries acme's own
+    tightening forward, and that must not become acme's limits (reviewer's finding). Checked by
+    this process and by a second one on the same database (which reads the limits afresh)."""
+    env = make_env(any_db)
+    assert _put(env, "admin", "acme", ADMIN_LIMITS).status_code == 201
+    assert _put(env, "acme", "acme", TIGHTER).status_code == 201
+    assert (
+        _put(env, "admin", "globex", {"retention": {"ttl_s": 100, "idle_s": 10}}).status_code == 201
+    )
+    disabled = env.call("admin", "POST", "/v1/tenants/globex/disable", json={"reason": "x"})
+    assert disabled.status_code == 200
+    assert _put(env, "acme", "acme", ADMIN_LIMITS).status_code == 201  # back up to the limit
+    assert _put(env, "acme", "acme", TIGHTER).status_code == 201
+    with _second_process(env) as other:  # no base, no remembered limits
+        _relax_and_reset(env, other)
+    rows = _limits_of(env)
+    assert set(rows) == {"*", "acme", "globex", "-"}
+
+
+def _relax_and_reset(env: ApiEnv, other: ApiEnv) -> None:
+    assert _put(other, "acme", "acme", ADMIN_LIMITS).status_code == 201
+    looser = _put(other, "acme", "acme", {**ADMIN_LIMITS, "audit": "minimal"})
+    assert looser.status_code == 403 and "audit" in looser.json()["message"], looser.text
+    # An admin's edit of acme's own entry moves acme's limits; a whole-set write moves everyone's.
+    assert _put(env, "admin", "acme", TIGHTER).status_code == 201
+    assert _put(other, "acme", "acme", ADMIN_LIMITS).status_code == 403
+    current = env.call("admin", "GET", "/v1/policies/current").json()["policy"]
+    current["tenants"]["acme"] = ADMIN_LIMITS
+    whole = env.call("admin", "PUT", "/v1/policies", json={"policy": current, "reason": "r"})
+    assert whole.status_code == 201, whole.text
+    assert _put(other, "acme", "acme", ADMIN_LIMITS).status_code == 201
+    assert _put(env, "acme", "acme", {**ADMIN_LIMITS, "audit": "minimal"}).status_code == 403
+
+
+@contextmanager
+def _second_process(env: ApiEnv) -> Iterator[ApiEnv]:
+    """Services opened afresh on `env`'s database and settings, as another worker process."""
+    services = Services.open(env.services.config)
+    client = TestClient(create_app(services))
+    try:
+        yield ApiEnv(client, services, keys=env.keys, signing_key=env.signing_key)
+    finally:
+        client.close()
+        services.close()
+
+
+def test_versions_stored_before_limits_of_are_read_by_their_author_role(
+    make_env: Callable[..., ApiEnv],
+) -> None:
+    """A version stored before the column (NULL `limits_of`) by an admin set every tenant's
+    limits, as it did then; one by a tenant_admin set none."""
+    env = make_env()
+    assert _put(env, "admin", "acme", ADMIN_LIMITS).status_code == 201
+    assert _put(env, "acme", "acme", TIGHTER).status_code == 201
+    with env.services.db.begin() as conn:  # as 0.2 stored them: no limits_of
+        for version, role in ((3, "admin"), (4, "tenant_admin")):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO policy_versions (version, created_at, author, reason, digest,"
+                    " document, author_role) SELECT :v, created_at, author, reason, digest,"
+                    " document, :role FROM policy_versions WHERE version = 2"
+                ),
+                {"v": version, "role": role},
+            )
+        conn.execute(sa.text("UPDATE policy_head SET version = 3"))
+        conn.execute(sa.text("UPDATE policy_head SET version = 4"))
+    env.services.publisher.forget()
+    # Version 3 (a legacy admin version holding acme's tightened entry) is acme's limit now.
+    assert _put(env, "acme", "acme", ADMIN_LIMITS).status_code == 403
+    assert _put(env, "acme", "acme", TIGHTER).status_code == 201
+
+
+def _limits_of(env: ApiEnv) -> list[str | None]:
+    with env.services.db.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text("SELECT limits_of FROM policy_versions ORDER BY version")
+            ).scalars()
+        )
 
 
 # --- one transaction: state, commands, ledger events ----------------------------------------------

@@ -44,6 +44,7 @@ from kvguard.api.services import Services
 from kvguard.audit.events import AuditEvent
 from kvguard.control.policy_seed import policy_change_event
 from kvguard.control.publish import PolicyBase, PolicyEdit, PolicyWrite
+from kvguard.control.schema import ALL_TENANTS
 from kvguard.control.tenants import TENANT_ID_PATTERN
 from kvguard.errors import (
     NotFoundError,
@@ -136,15 +137,18 @@ def store_policy(
     reason: str,
     author_role: Role = Role.ADMIN,
     expected_version: int | None = None,
+    limits_of: str = ALL_TENANTS,
 ) -> PolicyChange:
     """Store `edit(<latest version>)` in `conn`'s transaction with its ledger event and engine
-    command (the caller commits all three together)."""
+    command (the caller commits all three together). `limits_of`: the tenant id whose limits an
+    admin's edit of one entry sets (default: every tenant's)."""
     change = services.policies.put_with(
         edit,
         author=author,
         reason=reason,
         expected_version=expected_version,
         author_role=author_role.value,
+        limits_of=limits_of,
         conn=conn,
     )
     services.actions.policy_change(conn, change)
@@ -236,10 +240,11 @@ async def publish_policy(
     *,
     reason: str,
     expected_version: int | None,
+    limits_of: str = ALL_TENANTS,
 ) -> PolicyChange:
     """Store `edit(<base>)` with its `policy.change` and `admin.action` entries and its engine
     command, in one transaction, on this process's policy writer (`services.PolicyWriter`: in a
-    group commit with the writes queued alongside it)."""
+    group commit with the writes queued alongside it). `limits_of` as for `store_policy`."""
     services, principal = action.access.services, action.access.principal
 
     def events(change: PolicyChange) -> list[AuditEvent]:
@@ -253,6 +258,7 @@ async def publish_policy(
             author_role=principal.role.value,
             events=events,
             expected_version=expected_version,
+            limits_of=limits_of,
         )
     )
     action.committed()
@@ -354,26 +360,25 @@ async def put_tenant_policy(
     def edit(base: PolicyBase) -> PolicySet:
         def change(old: TenantPolicy) -> TenantPolicy:
             if role is Role.TENANT_ADMIN:
-                _check_tenant_admin(base.limits, tenant_id, old, body.policy)
+                _check_tenant_admin(base.limit_for(tenant_id), old, body.policy)
             return body.policy
 
         return edit_tenant(tenant_id, change)(base.current)
 
-    stored = await publish_policy(action, edit, reason=body.reason, expected_version=expected)
+    stored = await publish_policy(
+        action, edit, reason=body.reason, expected_version=expected, limits_of=tenant_id
+    )
     response.headers.update(_etag(stored.version))
     return PolicyChangePublic.model_validate(stored)
 
 
-def _check_tenant_admin(
-    limits: PolicyVersion | None, tenant_id: str, old: TenantPolicy, new: TenantPolicy
-) -> None:
-    """Refuse what a tenant_admin may not do, against the version its write replaces and the
-    limits as of that version."""
+def _check_tenant_admin(limit: TenantPolicy, old: TenantPolicy, new: TenantPolicy) -> None:
+    """Refuse what a tenant_admin may not do, against its entry in the version its write replaces
+    (`old`) and its limits as of that version (`limit`: `PolicyBase.limit_for`)."""
     if new.enabled != old.enabled or new.groups != old.groups:
         raise PermissionDeniedError(
             "a tenant_admin may not change `enabled` or `groups`; ask an admin"
         )
-    limit = (limits.policy if limits else PolicySet()).policy_for(tenant_id)
     looser = loosened(limit, new)
     if looser:
         raise PermissionDeniedError(

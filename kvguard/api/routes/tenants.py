@@ -114,6 +114,7 @@ def disable_tenant(
             edit_tenant(tenant_id, lambda p: p.model_copy(update={"enabled": False})),
             author=who,
             reason=f"tenant disabled: {body.reason}",
+            limits_of=tenant_id,
         ).version
         job = services.commands.submit_purge(
             PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn
