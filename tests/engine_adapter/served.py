@@ -108,6 +108,34 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
     port = _free_port()
     model = str(tiny_llama_dir())
     write_lora(workdir / "lora", seed=1)
+    argv = [
+        sys.executable, "-m", "kvguard.cli", "engine", "serve", model,
+        "--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048",
+        "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8",
+        "--enable-prompt-tokens-details", "--port", str(port), "--host", "127.0.0.1",
+        "--seed", "0", "--enable-lora", "--max-lora-rank", "8",
+        "--lora-modules", f"{LORA_NAME}={workdir / 'lora'}", *extra,
+    ]  # fmt: skip
+    return _launch(workdir, db_url, model, argv, port, "serve.log", timeout_s)
+
+
+def restart(old: Served, timeout_s: float = 300.0) -> Served:
+    """`old`'s command, secrets and database again, on a new port (after it stopped or was killed)."""
+    argv = [str(a) for a in old.proc.args]  # type: ignore[union-attr]
+    port = _free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    return _launch(old.workdir, old.db_url, old.model, argv, port, "serve-restart.log", timeout_s)
+
+
+def _launch(
+    workdir: Path,
+    db_url: str,
+    model: str,
+    argv: list[str],
+    port: int,
+    log_name: str,
+    timeout_s: float,
+) -> Served:
     env = {
         **os.environ,
         "KVGUARD_MODE": "prod",
@@ -119,15 +147,7 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
         "KVGUARD_OFFLOAD_BYTES": str(OFFLOAD_BYTES),
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs the engine core as vLLM does
-    argv = [
-        sys.executable, "-m", "kvguard.cli", "engine", "serve", model,
-        "--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048",
-        "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8",
-        "--enable-prompt-tokens-details", "--port", str(port), "--host", "127.0.0.1",
-        "--seed", "0", "--enable-lora", "--max-lora-rank", "8",
-        "--lora-modules", f"{LORA_NAME}={workdir / 'lora'}", *extra,
-    ]  # fmt: skip
-    log = (workdir / "serve.log").open("wb")
+    log = (workdir / log_name).open("wb")
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     served = Served(f"http://127.0.0.1:{port}", model, db_url, workdir, proc)
     deadline = time.monotonic() + timeout_s

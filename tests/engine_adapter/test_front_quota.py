@@ -18,7 +18,7 @@ from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
 from kvguard.control.keys import TenantKeys
 from kvguard.control.tenants import TenantRegistry
-from kvguard.engine_adapter.vllm.frontquota import InFlight, blocks_needed
+from kvguard.engine_adapter.vllm.frontquota import InFlight, blocks_needed, prompt_tokens
 from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
 from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver
 from kvguard.policy import PolicySet
@@ -84,6 +84,12 @@ def test_blocks_needed_counts_prompt_output_and_sequences() -> None:
     assert blocks_needed({"max_tokens": 50}, 40, 0, 32) == 3
     assert blocks_needed({"max_tokens": 50, "n": 2}, 40, 0, 32) == 6
     assert blocks_needed({}, 40, 2048, 32) == 64  # vLLM fills max_tokens up to the model length
+    # Each route's own output field: /v1/responses reads `max_output_tokens` (max_tokens is not
+    # one of its fields), pooling routes generate nothing.
+    assert blocks_needed({"max_output_tokens": 8}, 40, 2048, 32, "/v1/responses") == 2
+    assert blocks_needed({"max_tokens": 8}, 40, 2048, 32, "/v1/responses") == 64
+    assert blocks_needed({"max_tokens": 50}, 40, 2048, 32, "/v1/embeddings") == 2
+    assert blocks_needed({}, 0, 2048, 32, "/pooling") == 1
     flight = InFlight()
     first = flight.take("a", 3, 4)
     assert first is not None and flight.take("a", 2, 4) is None and flight.held("a") == 3
@@ -135,3 +141,20 @@ async def test_a_request_that_can_never_fit_is_400_and_a_failed_one_frees_its_bl
         await _post(client, keys["acme"], {"prompt": [7] * 60, "max_tokens": 60, "fail": True})
     ok = await _post(client, keys["acme"], {"prompt": [7] * 60, "max_tokens": 60})  # 4 blocks
     assert ok.status_code == 200  # the failed request's blocks were released
+
+
+@pytest.mark.anyio
+async def test_a_route_counts_the_prompt_it_runs_and_never_a_decoy_field() -> None:
+    """What a route reads is what counts: `prompt` on /v1/completions even with a `messages` field
+    beside it (reviewer's finding: a one-line decoy made a 900-token request count one block),
+    `messages` on chat, the larger of both on /invocations, `input` on /v1/responses. Without
+    vLLM's tokenizer (no app state here) every string counts its characters, an upper bound."""
+    long_prompt = "x" * 900
+    decoy = {"prompt": long_prompt, "messages": [{"role": "user", "content": "hi"}]}
+    assert (await prompt_tokens({"path": "/v1/completions"}, decoy))[0] == 900
+    assert (await prompt_tokens({"path": "/v1/chat/completions"}, decoy))[0] == len("userhi")
+    assert (await prompt_tokens({"path": "/invocations"}, decoy))[0] == 900
+    assert (await prompt_tokens({"path": "/v1/completions"}, {"prompt": [1, 2, 3]}))[0] == 3
+    responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "abc"}]}]}
+    expected = len("user") + len("input_text") + len("abc")
+    assert (await prompt_tokens({"path": "/v1/responses"}, responses))[0] == expected

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvguard.engine_adapter.vllm import lifeline
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard, open_scheduler_guard
@@ -62,6 +63,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 f"(pipeline_parallel_size is {parallel.pipeline_parallel_size}; use 1)"
             )
         options = GuardOptions.from_extra_config(extra)
+        lifeline.watch_parent()  # an engine child process stops when its parent is gone
         self.scheduler_guard: SchedulerGuard | None = None
         self.worker_guard: WorkerGuard | None = None
         self._worker_pending = 0  # clears the worker has enqueued but not reported yet

@@ -50,6 +50,12 @@ _CHAT_FIELDS: Final = (
     "chat_template_kwargs",
     "tools",
 )
+# What each governed route reads as its prompt and its output length (vLLM's own request types):
+# a field another route reads counts nothing here, as it counts nothing in the engine (a decoy
+# `messages` on /v1/completions must not replace the prompt that runs).
+_CHAT_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/messages"})
+_TEXT_ROUTES: Final = frozenset({"/v1/completions"})
+_GENERATING: Final = _CHAT_ROUTES | _TEXT_ROUTES | {"/v1/responses", "/invocations"}
 
 
 class QuotaRefusalError(Exception):
@@ -93,51 +99,110 @@ class InFlight:
 
 async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens over every prompt of the request, the model's maximum length; 0 when
-    unknown). Tokenized by vLLM's own service; a body it cannot tokenize counts 0 here (vLLM then
-    answers the client's error itself)."""
+    unknown), read the way the request's route reads its body: `messages` on the chat routes,
+    `prompt` on /v1/completions, the larger of both on /invocations (vLLM picks the request type
+    from the body there), `input` on /v1/responses and the pooling routes. Tokenized by vLLM's
+    own service; what it cannot tokenize counts the characters of its strings, an upper bound (a
+    token is at least one character), so an unusual body can never make a request look smaller
+    than it is."""
     state = getattr(scope.get("app"), "state", None)
     serving = getattr(state, "serving_tokenization", None)
     config = getattr(state, "vllm_config", None)
     max_len = int(getattr(getattr(config, "model_config", None), "max_model_len", 0) or 0)
-    prompt = doc.get("prompt")
+    route = _route(scope)
+    counts: list[int] = []
+    if route in _CHAT_ROUTES or (route == "/invocations" and "messages" in doc):
+        counts.append(await _chat_tokens(scope, serving, doc))
+    if route in _TEXT_ROUTES or (route == "/invocations" and "prompt" in doc):
+        counts.append(await _text_tokens(scope, serving, doc.get("model"), doc.get("prompt")))
+    if route not in _CHAT_ROUTES and route not in _TEXT_ROUTES and route != "/invocations":
+        counts.append(_characters(doc.get("input", doc)))  # /v1/responses, pooling: an upper bound
+    return max(counts, default=0), max_len
+
+
+def _route(scope: MutableMapping[str, Any]) -> str:
+    return str(scope.get("path", "")).rstrip("/") or "/"
+
+
+async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[str, Any]) -> int:
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest  # noqa: PLC0415
+
+    fields = {k: doc[k] for k in _CHAT_FIELDS if k in doc}
+    try:
+        request = TokenizeChatRequest.model_validate(fields)
+    except (ValueError, TypeError):
+        return _characters(doc.get("messages"))
+    counted = await _tokenize(scope, serving, request)
+    return _characters(doc.get("messages")) if counted is None else counted
+
+
+async def _text_tokens(
+    scope: MutableMapping[str, Any], serving: Any, model: object, prompt: object
+) -> int:
     if isinstance(prompt, list) and _is_token_ids(prompt):
-        return len(prompt), max_len
-    if isinstance(prompt, list) and all(_is_token_ids(p) for p in prompt):
-        return sum(len(p) for p in prompt), max_len
-    if serving is None:
-        return 0, max_len
-    from fastapi import Request  # noqa: PLC0415 - vLLM's server brings FastAPI
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
+        return sum(len(p) for p in prompt)
     from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: PLC0415
-        TokenizeChatRequest,
         TokenizeCompletionRequest,
     )
 
+    total = 0
+    for text in prompt if isinstance(prompt, list) else [prompt]:
+        try:
+            request = TokenizeCompletionRequest.model_validate({"model": model, "prompt": text})
+        except (ValueError, TypeError):
+            return _characters(prompt)
+        counted = await _tokenize(scope, serving, request)
+        if counted is None:
+            return _characters(prompt)
+        total += counted
+    return total
+
+
+async def _tokenize(scope: MutableMapping[str, Any], serving: Any, request: Any) -> int | None:
+    """The token count vLLM's tokenization service gives `request`; None if it gives none."""
+    if serving is None:
+        return None
+    from fastapi import Request  # noqa: PLC0415 - vLLM's server brings FastAPI
+
     try:
-        if "messages" in doc:
-            fields = {k: doc[k] for k in _CHAT_FIELDS if k in doc}
-            requests: list[Any] = [TokenizeChatRequest.model_validate(fields)]
-        else:
-            texts = prompt if isinstance(prompt, list) else [prompt]
-            requests = [
-                TokenizeCompletionRequest.model_validate({"model": doc.get("model"), "prompt": t})
-                for t in texts
-            ]
-        total = 0
-        for request in requests:
-            answer = await serving.create_tokenize(request, Request(dict(scope)))
-            count = getattr(answer, "count", None)
-            if not isinstance(count, int):
-                return 0, max_len  # an error response: vLLM will say what is wrong
-            total += count
-            max_len = int(getattr(answer, "max_model_len", max_len) or max_len)
+        answer = await serving.create_tokenize(request, Request(dict(scope)))
     except (ValueError, TypeError):
-        return 0, max_len
-    return total, max_len
+        return None
+    count = getattr(answer, "count", None)
+    return count if isinstance(count, int) else None
 
 
-def blocks_needed(doc: dict[str, Any], prompt: int, max_len: int, block_size: int) -> int:
-    """Blocks for every sequence of the request: (prompt + output) rounded up, times `n`."""
-    output = doc.get("max_completion_tokens", doc.get("max_tokens"))
+def _characters(value: object) -> int:
+    """Characters of every string in `value` (and one per token id): at least its token count."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, bool) or value is None:
+        return 0
+    if isinstance(value, int):
+        return 1
+    if isinstance(value, dict):
+        return sum(_characters(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_characters(v) for v in value)
+    return 0
+
+
+def blocks_needed(
+    doc: dict[str, Any], prompt: int, max_len: int, block_size: int, route: str = ""
+) -> int:
+    """Blocks for every sequence of the request: (prompt + output) rounded up, times `n`. The
+    output is what the route reads (`max_output_tokens` on /v1/responses, `max_completion_tokens`
+    or `max_tokens` elsewhere, what vLLM fills in when absent); pooling routes generate none."""
+    if route and route not in _GENERATING:
+        return max(math.ceil(prompt / block_size), 1)
+    keys = (
+        ("max_output_tokens",)
+        if route == "/v1/responses"
+        else ("max_completion_tokens", "max_tokens")
+    )
+    output = next((doc[k] for k in keys if doc.get(k) is not None), None)
     if isinstance(output, bool) or not isinstance(output, int) or output <= 0:
         output = max(max_len - prompt, 1) if max_len else 1  # what vLLM fills in
     n = doc.get("n")
@@ -166,7 +231,7 @@ class FrontQuota:
         never fit, 429 while the tenant's requests in flight leave no room (a `quota.reject`
         entry)."""
         prompt, max_len = await prompt_tokens(scope, doc)
-        needed = blocks_needed(doc, prompt, max_len, block_size)
+        needed = blocks_needed(doc, prompt, max_len, block_size, _route(scope))
         if needed > cap:
             raise QuotaRefusalError(
                 400,

@@ -22,6 +22,7 @@ the policy store when it is empty (`kvguard.control.policy_seed`).
 
 from __future__ import annotations
 
+import logging
 import os
 from argparse import Namespace
 from dataclasses import dataclass
@@ -107,6 +108,13 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
     refuse_owned_options(vllm_argv)
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvguard engine serve"))  # type: ignore[no-untyped-call]
     args: Namespace = parser.parse_args(["--model", model, *vllm_argv])
+    # vLLM's parser also takes other spellings (`--api_key`, an abbreviation such as
+    # `--enable-log-req`): what counts is what it parsed, against what it parses with none.
+    defaults: Namespace = parser.parse_args(["--model", model])
+    for flag, why in _OWNED.items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, dest, None) != getattr(defaults, dest, None):
+            raise ConfigError(f"{flag} is set by kvguard engine serve: {why}")
     args.kv_transfer_config = KVTransferConfig(
         kv_connector="KVGuardConnector",
         kv_connector_module_path=CONNECTOR_MODULE,
@@ -139,4 +147,14 @@ def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) ->
     cli_env_setup()  # type: ignore[no-untyped-call]
     args = vllm_args(model, vllm_argv, config)
     configure_logging_from_args(args)
+    logging.getLogger("uvicorn.access").addFilter(_without_query)
     uvloop.run(run_server(args))
+
+
+def _without_query(record: logging.LogRecord) -> bool:
+    """uvicorn's access line without the query string: a client may put its key there (`?api_key=`;
+    the middleware refuses it, but the line is written anyway), and keys never reach a log (G6)."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+        record.args = (*args[:2], args[2].split("?", 1)[0], *args[3:])
+    return True

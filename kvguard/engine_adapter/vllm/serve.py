@@ -61,6 +61,10 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _log = get_logger("vllm.serve")
 SESSION_HEADER: Final = b"x-kvguard-session"
+# vLLM's /invocations copies this header into the body's `model` (SageMaker's LoRA convention)
+# after the middleware has built the scope from the body: the middleware applies it itself, so the
+# scope names the adapter that runs, and the engine never sees the header.
+ADAPTER_HEADER: Final = b"x-amzn-sagemaker-adapter-identifier"
 MAX_BODY: Final = 16 << 20
 POLICY_REFRESH_S: Final = 1.0
 
@@ -205,6 +209,9 @@ class KVGuardMiddleware:
             raise _RefusedError(413, "request body too large")
         try:
             doc = _json_object(body)
+            named = headers.get(ADAPTER_HEADER)
+            if named and str(scope.get("path", "")).rstrip("/") == "/invocations":
+                doc["model"] = named.decode("latin-1")
             adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
             raise _RefusedError(400, str(exc)) from None
@@ -225,15 +232,18 @@ class KVGuardMiddleware:
                 scope, tenant, doc, cap=quota.max_blocks, block_size=engine.cache.block_size
             )
         else:
-            self._check_quota(tenant, doc, engine.cache.block_size)
+            self._check_quota(tenant, doc, engine.cache.block_size, str(scope.get("path", "")))
         return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), held
 
-    def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int) -> None:
+    def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int, path: str) -> None:
         """A request whose output alone needs more blocks than the tenant's quota can never fit:
         refuse it with a clear error here (the engine can only make requests wait). Prompt length is
         unknown before vLLM tokenizes, so this is the one quota check a front end can make."""
         cap = self.policies.policy_for(tenant).quota.max_blocks
-        tokens = doc.get("max_completion_tokens", doc.get("max_tokens"))
+        if path.rstrip("/") == "/v1/responses":
+            tokens = doc.get("max_output_tokens")
+        else:
+            tokens = doc.get("max_completion_tokens", doc.get("max_tokens"))
         if cap is None or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             return
         needed = -(-tokens // block_size)
@@ -340,7 +350,7 @@ def _required_env(name: str) -> str:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         doc = None
     if not isinstance(doc, dict):
         raise ValueError("request body must be a JSON object")
@@ -385,7 +395,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _with_length(scope: MutableMapping[str, Any], length: int) -> MutableMapping[str, Any]:
-    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
+    """The request as the engine gets it: the rewritten body's length, no adapter header."""
+    dropped = (b"content-length", ADAPTER_HEADER)
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in dropped]
     headers.append((b"content-length", str(length).encode()))
     return {**scope, "headers": headers}
 

