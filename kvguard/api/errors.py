@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+import pydantic
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +44,7 @@ from kvguard.errors import (
     PreconditionFailedError,
 )
 from kvguard.logging import get_logger
+from kvguard.policy.loading import validation_problems
 
 _log = get_logger("kvguard.api")
 
@@ -197,6 +199,9 @@ def response_for(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, PolicyValidationError):
         fields = [{"field": f, "problem": p} for f, p in exc.problems]
         message = str(exc)
+    elif isinstance(exc, pydantic.ValidationError):  # a model built in a route: never its input
+        fields = [{"field": f, "problem": p} for f, p in validation_problems(exc)]
+        message = "; ".join(f"{f['field']}: {f['problem']}" for f in fields) or "invalid"
     else:
         message = _MESSAGES.get(status) or str(exc)
     if isinstance(exc, TooManyFailuresError):

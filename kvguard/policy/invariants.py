@@ -103,12 +103,10 @@ def policy_set_problems(policy_set: PolicySet) -> list[Problem]:
             )
         )
     for tenant_id, policy in policy_set.tenants.items():
-        for group in policy.groups:
+        for n, group in enumerate(policy.groups):
             if group not in policy_set.share_groups:
+                # By position, not by name: an error never echoes a value the caller sent.
                 problems.append(
-                    (
-                        f"tenants.{tenant_id}.groups",
-                        f"share group '{group}' is not defined in share_groups",
-                    )
+                    (f"tenants.{tenant_id}.groups.{n}", "names a share group share_groups lacks")
                 )
     return problems

@@ -77,7 +77,11 @@ BAD_ENTRIES: list[tuple[str, Callable[[], TenantPolicy], str]] = [
     ),
     ("negative ttl", lambda: _unvalidated(retention=Retention.model_construct(ttl_s=-1)), "ttl_s"),
     ("zero quota", lambda: _unvalidated(quota=Quota.model_construct(max_blocks=0)), "max_blocks"),
-    ("unknown group", lambda: TenantPolicy(groups=("nope",)), "share group 'nope'"),
+    (
+        "unknown group",
+        lambda: TenantPolicy(groups=("nope",)),
+        "groups.0: names a share group share_groups lacks",
+    ),
     (
         "idle over ttl",
         lambda: _unvalidated(retention=Retention.model_construct(idle_s=9, ttl_s=1)),

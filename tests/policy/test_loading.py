@@ -66,9 +66,7 @@ def test_invariant_problems_carry_their_own_field_path() -> None:
     text = "tenants:\n  lab:\n    classification: restricted\n    reuse: public\n    retention: {ttl_s: 9}\n"
     assert _paths(text) == ["tenants.lab.reuse", "tenants.lab.retention.ttl_s"]
     text = "tenants:\n  acme:\n    reuse: group\n    groups: [ghost]\n"
-    assert _problems(text) == [
-        ("tenants.acme.groups", "share group 'ghost' is not defined in share_groups")
-    ]
+    assert _problems(text) == [("tenants.acme.groups.0", "names a share group share_groups lacks")]
 
 
 @pytest.mark.parametrize(

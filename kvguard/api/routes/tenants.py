@@ -105,9 +105,11 @@ def disable_tenant(
     """Disable a tenant (admin): new requests are refused (a policy version with `enabled: false`
     that engines and front ends load) and a tenant purge is queued for every engine."""
     services, who = action.access.services, action.access.principal.name
-    action.tenant_id = tenant_id
     with services.write() as conn:
         tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason, conn=conn)
+        # Only a registered id is recorded: a refusal's entry never carries an arbitrary string
+        # from the URL (one over 200 characters would not pass the ledger's G6 check: a 400).
+        action.tenant_id = tenant_id
         version = store_policy(
             services,
             conn,
