@@ -12,18 +12,32 @@ for a well-formed admin key, against its key id (a guess at one key's secret spr
 addresses). Past `max_failures` in `window_s` on either count, a failing request is answered 429 with
 `Retry-After` instead of 401: guessing a 256-bit secret is hopeless anyway, so the limiter's job is to
 make a spray visible and cheap to answer, never to stand between a valid key and the API.
+
+With several API processes (`kvguard serve --workers N`), each counts in its own memory and, while
+its own count is under the limit, in the control database too (`SharedFailures`, the
+`auth_failures` table, written on failures only), so the limit holds for the whole server, not per
+process. Once a process's own count is over the limit it answers 429 without the database: a spray
+costs each process at most `max_failures` writes per subject and window. If the database cannot be
+written, the process's own count decides.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+
+from kvguard.control.db import write_transaction
 from kvguard.control.keys import ApiKeys, IssuedApiKey, Principal, Role, admin_key_id
+from kvguard.control.schema import AuthFailureRow
 from kvguard.errors import AuthenticationError
 from kvguard.logging import get_logger
 
@@ -33,6 +47,7 @@ __all__ = [
     "IssuedApiKey",
     "Principal",
     "Role",
+    "SharedFailures",
     "TooManyFailuresError",
     "authenticate_bearer",
     "bearer_key",
@@ -87,9 +102,58 @@ class _Windows:
         return max(0.0, times[0] + window_s - now)  # times[0]: the oldest of the last `limit`
 
 
+class SharedFailures:
+    """Failure counts shared by the API's processes (`auth_failures`): per subject, the failures
+    since its window began; a failure after the window has passed starts a new one. One upsert per
+    subject, on failures only (module docstring)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        max_failures: int,
+        window_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self._clock = clock
+        self._calls = itertools.count(1)
+
+    def failed(self, subjects: Sequence[str]) -> float:
+        """Count one failure of each subject; seconds until the most limited of them is under the
+        limit again (0.0: none is over it)."""
+        now = self._clock()
+        wait = 0.0
+        with write_transaction(self._engine) as conn:
+            for subject in subjects:
+                failures, start = conn.execute(self._upsert(subject, now)).one()
+                if failures > self.max_failures:
+                    wait = max(wait, float(start) + self.window_s - now)
+            if next(self._calls) % 256 == 0:  # forget windows long past, now and then
+                t = AuthFailureRow
+                conn.execute(sa.delete(t).where(t.window_start < now - self.window_s))
+        return wait
+
+    def _upsert(self, subject: str, now: float) -> Any:
+        t = AuthFailureRow.__table__
+        dialect = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        stmt = dialect.insert(t).values(subject=subject, window_start=now, failures=1)
+        stale = t.c.window_start <= now - self.window_s
+        return stmt.on_conflict_do_update(
+            index_elements=[t.c.subject],
+            set_={
+                "failures": sa.case((stale, 1), else_=t.c.failures + 1),
+                "window_start": sa.case((stale, now), else_=t.c.window_start),
+            },
+        ).returning(t.c.failures, t.c.window_start)
+
+
 class FailureLimiter:
     """Failed authentications per client address and per key id in a sliding window (see the
-    module docstring). Thread-safe; memory is bounded by `max_tracked` subjects of each kind."""
+    module docstring), in this process's memory and, with `shared`, across processes.
+    Thread-safe; memory is bounded by `max_tracked` subjects of each kind."""
 
     def __init__(
         self,
@@ -98,6 +162,7 @@ class FailureLimiter:
         window_s: float = 60.0,
         max_tracked: int = MAX_TRACKED,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedFailures | None = None,
     ) -> None:
         self.max_failures = max_failures
         self.window_s = window_s
@@ -105,6 +170,21 @@ class FailureLimiter:
         self._clients = _Windows(max_failures, max_tracked)
         self._key_ids = _Windows(max_failures, max_tracked)
         self._lock = threading.Lock()
+        self._shared = shared
+
+    def failure(self, client: str, key_id: str | None = None) -> float:
+        """Count a failed authentication; seconds to answer 429 for (0.0: answer 401). The
+        process's own count first; the shared one only while that is under the limit."""
+        wait = self.retry_after(client, key_id)
+        self.failed(client, key_id)  # counted while limited too: a guesser that keeps on trying
+        if wait > 0 or self._shared is None:
+            return wait
+        subjects = [f"addr:{client}"] + ([f"key:{key_id}"] if key_id is not None else [])
+        try:
+            return self._shared.failed(subjects)
+        except SQLAlchemyError as exc:
+            _log.warning("shared failure count unavailable", error=type(exc).__name__)
+            return 0.0
 
     def retry_after(self, client: str, key_id: str | None = None) -> float:
         """Seconds before a failing request from `client` (for `key_id`) is answered 401 again
@@ -157,9 +237,7 @@ def authenticate_bearer(
     if principal is not None:
         return principal
     key_id = admin_key_id(api_key)
-    wait = limiter.retry_after(client, key_id)
-    # Counted while limited too: a guesser that keeps on trying stays limited.
-    limiter.failed(client, key_id)
+    wait = limiter.failure(client, key_id)
     # Never the key, not even its key id (a prefix of it): which part was wrong is nobody's business.
     if wait > 0:
         _log.warning("authentication rate limit hit", client=client, path=path)

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from kvguard.api.actions import ActionLog
-from kvguard.api.auth import ApiKeys, FailureLimiter
+from kvguard.api.auth import ApiKeys, FailureLimiter, SharedFailures
 from kvguard.api.metrics import FleetCollector, new_registry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
@@ -218,7 +218,11 @@ class Services:
             engines=EngineRegistry(db),
             deriver=deriver,
             limiter=FailureLimiter(
-                max_failures=config.auth_max_failures, window_s=config.auth_window_s
+                max_failures=config.auth_max_failures,
+                window_s=config.auth_window_s,
+                shared=SharedFailures(
+                    db, max_failures=config.auth_max_failures, window_s=config.auth_window_s
+                ),
             ),
             actions=ActionLog(ledger, deriver, clock, outbox=outbox, append_seconds=append_seconds),
             metrics=registry,

@@ -35,6 +35,7 @@ PRIVILEGES: Final = {
     "engine_commands": "SELECT, INSERT",
     "engine_command_acks": "SELECT, INSERT",
     "control_outbox": "SELECT, INSERT, UPDATE",  # drained: ledger_index set once
+    "auth_failures": "SELECT, INSERT, UPDATE, DELETE",  # counted on failures, old windows dropped
 }
 SEQUENCES: Final = ("engine_commands_id_seq", "control_outbox_id_seq")
 

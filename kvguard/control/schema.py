@@ -181,7 +181,12 @@ class CommandHead(ControlBase):
 
 class EngineCommand(ControlBase):
     __tablename__ = "engine_commands"
-    __table_args__ = (sa.Index("engine_commands_seq_key", "seq", unique=True),)
+    __table_args__ = (
+        sa.Index("engine_commands_seq_key", "seq", unique=True),
+        # A tenant's purge listing (`kvguard.api.purge_jobs.list_jobs`): O(page), not O(all jobs).
+        sa.Index("ix_engine_commands_tenant", "tenant_id", "kind", "id"),
+        sa.Index("ix_engine_commands_selector", "selector_value", "selector_kind", "kind", "id"),
+    )
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(sa.String(32))
@@ -202,6 +207,21 @@ class EngineCommandAck(ControlBase):
     engine_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     done_at: Mapped[float] = mapped_column(sa.Float)
     result: Mapped[str] = mapped_column(sa.Text)  # JSON: counts only, never identifiers of blocks
+
+
+# --- failed authentications -------------------------------------------------------------------
+
+
+class AuthFailureRow(ControlBase):
+    """Failed authentications of one subject (`addr:<client address>` or `key:<key id>`) in the
+    window that began at `window_start` (UNIX time), shared by every API process
+    (`kvguard.api.auth.SharedFailures`); only ever written on a failure."""
+
+    __tablename__ = "auth_failures"
+
+    subject: Mapped[str] = mapped_column(sa.String(320), primary_key=True)
+    window_start: Mapped[float] = mapped_column(sa.Double)
+    failures: Mapped[int] = mapped_column(sa.Integer)
 
 
 # --- outbox ---------------------------------------------------------------------------------------

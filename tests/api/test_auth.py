@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 
 import sqlalchemy as sa
 import structlog
 
-from kvguard.api.auth import ApiKeys, FailureLimiter, Role
+from kvguard.api.auth import ApiKeys, FailureLimiter, Role, SharedFailures
 from kvguard.control.schema import AdminKeyRow
 from kvguard.errors import ConfigError, NotFoundError
 from tests.api.conftest import ApiEnv
@@ -147,3 +148,25 @@ def test_failed_auth_is_logged_without_the_key(env: ApiEnv) -> None:
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def test_the_failure_limit_holds_across_processes(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    """`kvguard serve --workers N`: each process counts failures in its own memory and, while that
+    is under the limit, in the control database, so a guesser spreading its tries over the
+    processes is limited after `max_failures` in all, not N times that (reviewer's finding). The
+    shared window starts again once it has passed; a process already over its own limit answers
+    429 without writing."""
+    env = make_env(any_db)
+    now = [1000.0]
+    shared = SharedFailures(env.services.db, max_failures=4, window_s=60.0, clock=lambda: now[0])
+    processes = [FailureLimiter(max_failures=4, window_s=60.0, shared=shared) for _ in range(3)]
+    waits = [processes[n % 3].failure("10.0.0.9", "k1") for n in range(6)]
+    assert waits[:4] == [0.0] * 4 and waits[4] == waits[5] == 60.0
+    assert processes[0].failure("10.0.0.8") == 0.0  # another address, no key id: its own count
+    now[0] += 61.0  # the shared window has passed; the processes' own windows have not filled
+    assert processes[1].failure("10.0.0.9", "k1") == 0.0
+    with env.services.db.connect() as conn:
+        rows = dict(conn.execute(sa.text("SELECT subject, failures FROM auth_failures")).all())
+    assert rows == {"addr:10.0.0.9": 1, "key:k1": 1, "addr:10.0.0.8": 1}
