@@ -128,6 +128,8 @@ def test_if_match_guards_a_read_modify_write(make_env: Callable[..., ApiEnv], an
     assert [c.version for c in env.services.policies.history()] == [1, 2]
     garbage = _put(env, "admin", "acme", {}, headers={"If-Match": "yesterday"})
     assert garbage.status_code == 412
+    # The current version's tag, but weak: If-Match compares strongly, so it never matches.
+    assert _put(env, "admin", "acme", {}, headers={"If-Match": 'W/"2"'}).status_code == 412
     assert (
         _put(env, "admin", "acme", {"audit": "full"}, headers={"If-Match": "*"}).status_code == 201
     )

@@ -187,8 +187,8 @@ def if_match(header: str | None, body_version: int | None) -> int | None:
     if header is None or header.strip() == "*":  # `*`: any current version (RFC 9110)
         return body_version
     value = header.strip()
-    if value.startswith("W/"):
-        value = value[2:]
+    if value.startswith("W/"):  # If-Match compares strongly: a weak tag never matches (RFC 9110)
+        raise PreconditionFailedError("If-Match takes the strong ETag of a version, not W/...")
     value = value.strip('"')
     if not value.isdigit() or len(value) > 18:
         raise PreconditionFailedError('If-Match must be a policy version ETag such as "12"')
