@@ -12,7 +12,11 @@ PostgreSQL connections also get bounded network waits (`PG_NETWORK_DEFAULTS`; a 
 query sets wins): a server that stops answering (a partition drops packets rather than refusing)
 fails a new connection after `connect_timeout` seconds and an established one after the TCP
 keepalive probes or `tcp_user_timeout`, instead of hanging the caller for the kernel's minutes-long
-retransmission limits. The API then answers 503 and an engine's link thread retries.
+retransmission limits. The API then answers 503 and an engine's link thread retries. Lock waits are
+bounded too (`PG_LOCK_TIMEOUT_MS`: `SET lock_timeout` once per new connection, unless the URL's
+`options` set one; a SET rather than a startup option, which PgBouncer refuses): a stray session
+that holds a head row (a policy head, the ledger head) fails the writers behind it after that long,
+answered 503, instead of hanging them and every request queued behind them.
 
 Both hide SQL parameters from exception texts: a failed statement's ids never reach a log.
 """
@@ -39,6 +43,9 @@ PG_NETWORK_DEFAULTS: dict[str, int] = {
     "keepalives_count": 3,
     "tcp_user_timeout": 30_000,
 }
+# Far above any lock a kvguard writer holds (a ledger append or a drain: milliseconds to a second
+# under load), far below a request's patience.
+PG_LOCK_TIMEOUT_MS = 15_000
 _WRITE = "kvguard_ledger_write"
 
 
@@ -56,7 +63,7 @@ def create_engine(url: str) -> sa.Engine:
         sa.event.listen(engine, "begin", _sqlite_begin)
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return sa.create_engine(
+        engine = sa.create_engine(
             url,
             connect_args={k: v for k, v in PG_NETWORK_DEFAULTS.items() if k not in parsed.query},
             isolation_level="READ COMMITTED",
@@ -69,7 +76,17 @@ def create_engine(url: str) -> sa.Engine:
             pool_size=10,
             max_overflow=30,
         )
+        if "lock_timeout" not in str(parsed.query.get("options", "")):
+            sa.event.listen(engine, "connect", _pg_lock_timeout)
+        return engine
     raise LedgerUnavailableError(f"unsupported ledger database {parsed.get_backend_name()!r}")
+
+
+def _pg_lock_timeout(dbapi_connection: Any, _record: Any) -> None:
+    """`SET lock_timeout` on a new connection, committed (the pool's reset would undo it)."""
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute(f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}")
+    dbapi_connection.commit()
 
 
 def _create_private(path: Path) -> None:

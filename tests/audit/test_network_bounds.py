@@ -82,3 +82,36 @@ def test_the_bounds_reach_the_driver_and_url_settings_are_kept() -> None:
     for key, value in PG_NETWORK_DEFAULTS.items():
         if key != "keepalives_idle":
             assert params[key] == str(value), key
+
+
+def test_a_lock_held_elsewhere_fails_a_writer_after_the_lock_timeout() -> None:
+    """A stray session holding a row lock (a head row) must not hang kvguard's writers behind it:
+    every connection gets `lock_timeout` (the default, or what the URL's `options` say), so the
+    waiting statement fails (the API answers 503) instead of waiting for ever."""
+    plain = sa.create_engine(PG_URL)  # the stray session: no kvguard settings
+    try:
+        with plain.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE IF NOT EXISTS kvg_lock_probe (id int PRIMARY KEY)"))
+            conn.execute(sa.text("INSERT INTO kvg_lock_probe VALUES (1) ON CONFLICT DO NOTHING"))
+    except sa.exc.OperationalError as exc:
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
+    default = create_engine(PG_URL)
+    url = sa.engine.make_url(PG_URL).update_query_dict({"options": "-c lock_timeout=300"})
+    short = create_engine(url.render_as_string(hide_password=False))
+    try:
+        with default.connect() as conn:
+            assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "15s"
+        with plain.connect() as holder:
+            holder.execute(sa.text("SELECT id FROM kvg_lock_probe WHERE id = 1 FOR UPDATE"))
+            start = time.monotonic()
+            with pytest.raises(sa.exc.OperationalError, match="lock timeout"):  # noqa: SIM117
+                with short.begin() as conn:
+                    conn.execute(sa.text("SELECT id FROM kvg_lock_probe WHERE id = 1 FOR UPDATE"))
+            assert time.monotonic() - start < 5
+            holder.rollback()
+    finally:
+        default.dispose()
+        short.dispose()
+        with plain.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS kvg_lock_probe"))
+        plain.dispose()
