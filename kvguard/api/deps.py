@@ -104,7 +104,7 @@ class Access:
     def tenant(self, tenant_id: str) -> str:
         """`tenant_id` if the caller may see it, else NotFoundError (404, as for a missing tenant)."""
         if not self.may_see(tenant_id):
-            raise NotFoundError(f"tenant {tenant_id!r} not found")
+            raise NotFoundError("tenant not found")  # never the id sent (docs/api.md, errors)
         return tenant_id
 
     def one_tenant_or_all(self, tenant_id: str | None) -> str | None:

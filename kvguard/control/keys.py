@@ -156,7 +156,7 @@ class ApiKeys:
             .values(revoked_at=self._clock())
         ).rowcount
         if done != 1:
-            raise NotFoundError(f"no active admin key with id {key_id!r}")
+            raise NotFoundError("no active admin key with that id")
         if self._notifies:  # delivered at commit to every API process's key cache
             conn.execute(sa.select(sa.func.pg_notify(CHANNEL, key_id)))
 
@@ -304,7 +304,7 @@ class TenantKeys:
             where.append(TenantKeyRow.tenant_id == tenant_id)
         done = conn.execute(sa.update(TenantKeyRow).where(*where).values(revoked=True)).rowcount
         if done != 1:
-            raise NotFoundError(f"tenant key {key_id!r} not found")
+            raise NotFoundError("tenant key not found")
         return self.list(tenant_id, key_id=key_id, conn=conn)[0]
 
     def list(

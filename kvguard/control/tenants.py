@@ -108,7 +108,7 @@ class TenantRegistry:
                 return self.get(tenant_id, conn=own)
         row = conn.execute(sa.select(TenantRow).where(TenantRow.tenant_id == tenant_id)).first()
         if row is None:
-            raise NotFoundError(f"tenant {tenant_id!r} not found")
+            raise NotFoundError("tenant not found")  # never the id sent back
         return _tenant(row)
 
     def is_registered(self, tenant_id: str) -> bool:

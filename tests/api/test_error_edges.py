@@ -32,3 +32,16 @@ def test_disabling_an_overlong_unknown_tenant_id_is_404_not_400(env: ApiEnv) -> 
     for length in (150, 201, 5000):
         r = env.call("admin", "POST", f"/v1/tenants/{'a' * length}/disable", json={"reason": "x"})
         assert r.status_code == 404 and r.json()["error"] == "not_found", (length, r.text)
+
+
+def test_a_404_never_echoes_the_id_sent(env: ApiEnv) -> None:
+    """An unknown tenant id from the path is not repeated in the answer (docs/api.md: a message
+    never echoes the value sent): whatever a caller puts in a URL is not reflected back."""
+    probe = "no-such-tenant-reflected-text"
+    for method, path, body in (
+        ("GET", f"/v1/tenants/{probe}", None),
+        ("POST", f"/v1/tenants/{probe}/disable", {"reason": "x"}),
+        ("GET", f"/v1/tenants/{probe}/policy", None),
+    ):
+        r = env.call("admin", method, path, json=body)
+        assert r.status_code == 404 and probe not in r.text, (path, r.text)
