@@ -422,13 +422,19 @@ class PolicyStore:
         with self._subscribers_lock:
             return self._documents.get(version.change.digest) is version.policy
 
-    def history(self) -> list[PolicyChange]:
-        """Every version's metadata, oldest first."""
+    def history(self, *, after: int = 0, limit: int | None = None) -> list[PolicyChange]:
+        """The metadata of the versions after `after`, oldest first; at most `limit` of them (a
+        page: one index range on the primary key, whatever the store holds)."""
         t = PolicyVersionRow
+        query = (
+            sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
+            .where(t.version > after)
+            .order_by(t.version)
+        )
+        if limit is not None:
+            query = query.limit(limit)
         with self._reading(None) as c:
-            rows = c.execute(  # metadata only: documents can be large
-                sa.select(t.version, t.author, t.reason, t.digest, t.created_at).order_by(t.version)
-            ).all()
+            rows = c.execute(query).all()  # metadata only: documents can be large
             return [_to_change(row) for row in rows]
 
     @contextmanager

@@ -205,3 +205,20 @@ def test_tenant_policy_put_reads_the_tenant_only_until_it_is_known(env: ApiEnv) 
         ("tenant.policy.put", "not_found"),
         ("tenant.policy.put", "not_found"),
     ]
+
+
+def test_policy_history_comes_a_page_at_a_time(env: ApiEnv) -> None:
+    """`GET /v1/policies/history`: oldest first, at most `limit` (1-1000) versions after `after`."""
+    for n in range(1, 6):
+        body = {"policy": {"tenants": {"acme": {"audit": "full"}}}, "reason": f"change {n}"}
+        assert env.call("admin", "PUT", "/v1/policies", json=body).status_code == 201
+    pages = [
+        env.call("auditor", "GET", "/v1/policies/history", params={"after": a, "limit": 2}).json()
+        for a in (0, 2, 4, 5)
+    ]
+    assert [[h["version"] for h in page] for page in pages] == [[1, 2], [3, 4], [5], []]
+    everything = env.call("auditor", "GET", "/v1/policies/history").json()
+    assert [h["version"] for h in everything] == [1, 2, 3, 4, 5]
+    for bad in ({"limit": 1001}, {"limit": 0}, {"after": -1}):
+        r = env.call("auditor", "GET", "/v1/policies/history", params=bad)
+        assert r.status_code == 422, (bad, r.text)

@@ -59,6 +59,7 @@ from kvguard.policy.tighten import loosened
 router = APIRouter(route_class=OneHopRoute, tags=["policies"], responses=ERROR_RESPONSES)
 
 TenantIdPath = Annotated[str, Path(pattern=TENANT_ID_PATTERN, max_length=128)]
+HISTORY_PAGE_MAX = 1000  # versions per page of GET /v1/policies/history
 ReasonField = Field(min_length=1, max_length=2000, description="Why: kept with the version")
 
 
@@ -268,9 +269,15 @@ async def publish_policy(
 @router.get("/v1/policies/history", response_model=list[PolicyChangePublic])
 def policy_history(
     access: Annotated[Access, require(*GLOBAL_READERS)],
+    after: Annotated[
+        int, Query(ge=0, lt=1 << 62, description="Only versions after this one (the last seen)")
+    ] = 0,
+    limit: Annotated[int, Query(ge=1, le=HISTORY_PAGE_MAX)] = HISTORY_PAGE_MAX,
 ) -> list[PolicyChangePublic]:
-    """Every version's metadata, oldest first."""
-    return [PolicyChangePublic.model_validate(c) for c in access.services.policies.history()]
+    """Versions' metadata, oldest first, a page at a time: at most `limit` versions after
+    `after`; the next page starts after the last version of this one (O(page))."""
+    changes = access.services.policies.history(after=after, limit=limit)
+    return [PolicyChangePublic.model_validate(c) for c in changes]
 
 
 @router.get("/v1/policies/versions/{version}", response_model=PolicyVersionPublic)
