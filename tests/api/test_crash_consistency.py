@@ -29,7 +29,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.control.keys import ApiKeys, Role
 from kvguard.control.schema import EngineCommand, OutboxRow, PolicyVersionRow, TenantRow
 from kvguard.isolation.keyring import Keyring
-from tests.dbs import PG_URL, fresh_pg_database
+from tests.dbs import PG_URL, fresh_pg_database, migrate_and_grant, pg_roles
 
 pytestmark = pytest.mark.slow
 ORIGIN = "kvguard.test/ledger"
@@ -273,5 +273,8 @@ def _database(backend: str, tmp_path: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'kvguard.db'}"
         return
-    with fresh_pg_database("kvg_crash") as url:
-        yield url
+    # As production runs it (docs/operations.md): migrated by an owner role, served by an app role
+    # with exactly the printed grants.
+    with fresh_pg_database("kvg_crash") as url, pg_roles(url) as (owner_url, app_url, app):
+        migrate_and_grant(owner_url, app)
+        yield app_url
