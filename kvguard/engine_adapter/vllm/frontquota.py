@@ -35,6 +35,7 @@ from typing import Any, Final
 from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.engine_adapter.vllm.routes import route_path
 from kvguard.errors import KvguardError
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.logging import get_logger
@@ -121,7 +122,22 @@ async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) ->
 
 
 def _route(scope: MutableMapping[str, Any]) -> str:
-    return str(scope.get("path", "")).rstrip("/") or "/"
+    return route_path(str(scope.get("path", "")))
+
+
+def output_tokens(doc: dict[str, Any], route: str) -> int | None:
+    """The output length the request asks for, in the field its route reads
+    (`max_output_tokens` on /v1/responses, `max_completion_tokens` or `max_tokens` elsewhere);
+    None when it asks for none (vLLM then fills in the rest of the model's length)."""
+    keys = (
+        ("max_output_tokens",)
+        if route == "/v1/responses"
+        else ("max_completion_tokens", "max_tokens")
+    )
+    output = next((doc[k] for k in keys if doc.get(k) is not None), None)
+    if isinstance(output, bool) or not isinstance(output, int) or output <= 0:
+        return None
+    return output
 
 
 async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[str, Any]) -> int:
@@ -197,13 +213,8 @@ def blocks_needed(
     or `max_tokens` elsewhere, what vLLM fills in when absent); pooling routes generate none."""
     if route and route not in _GENERATING:
         return max(math.ceil(prompt / block_size), 1)
-    keys = (
-        ("max_output_tokens",)
-        if route == "/v1/responses"
-        else ("max_completion_tokens", "max_tokens")
-    )
-    output = next((doc[k] for k in keys if doc.get(k) is not None), None)
-    if isinstance(output, bool) or not isinstance(output, int) or output <= 0:
+    output = output_tokens(doc, route)
+    if output is None:
         output = max(max_len - prompt, 1) if max_len else 1  # what vLLM fills in
     n = doc.get("n")
     sequences = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1

@@ -89,32 +89,30 @@ class ServeConfig:
         return env
 
 
-def refuse_owned_options(vllm_argv: list[str]) -> None:
-    for arg in vllm_argv:
-        flag = arg.split("=", 1)[0]
-        if flag in _OWNED:
-            raise ConfigError(f"{flag} is set by kvguard engine serve: {_OWNED[flag]}")
-
-
-def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespace:
-    """Parse vLLM's options as `vllm serve` would, then add kvguard's connector and middleware."""
-    from vllm.config import KVTransferConfig  # noqa: PLC0415
-    from vllm.entrypoints.launchers.cli_args import (  # noqa: PLC0415
-        make_arg_parser,
-        validate_parsed_serve_args,
-    )
+def refuse_owned_options(vllm_argv: list[str], model: str = "model") -> Namespace:
+    """vLLM's options parsed as `vllm serve` parses them; ConfigError naming the first option
+    kvguard owns that they set. Judged on what vLLM's parser made of them against what it makes of
+    none, not on their spelling: the parser also takes `--api_key` or an abbreviation such as
+    `--enable-log-req`."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: PLC0415
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
 
-    refuse_owned_options(vllm_argv)
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvguard engine serve"))  # type: ignore[no-untyped-call]
     args: Namespace = parser.parse_args(["--model", model, *vllm_argv])
-    # vLLM's parser also takes other spellings (`--api_key`, an abbreviation such as
-    # `--enable-log-req`): what counts is what it parsed, against what it parses with none.
     defaults: Namespace = parser.parse_args(["--model", model])
     for flag, why in _OWNED.items():
         dest = flag.removeprefix("--").replace("-", "_")
         if getattr(args, dest, None) != getattr(defaults, dest, None):
             raise ConfigError(f"{flag} is set by kvguard engine serve: {why}")
+    return args
+
+
+def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespace:
+    """Parse vLLM's options as `vllm serve` would, then add kvguard's connector and middleware."""
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args  # noqa: PLC0415
+
+    args = refuse_owned_options(vllm_argv, model)
     args.kv_transfer_config = KVTransferConfig(
         kv_connector="KVGuardConnector",
         kv_connector_module_path=CONNECTOR_MODULE,

@@ -48,9 +48,14 @@ GOVERNED: Final = frozenset(
 )
 
 
+def route_path(path: str) -> str:
+    """The route a request path names: a trailing slash is not a different route."""
+    return path.rstrip("/") or "/"
+
+
 def classify(method: str, path: str) -> RouteClass:
-    """How a request for `method path` is handled (a trailing slash is not a different route)."""
-    key = (method.upper(), path.rstrip("/") or "/")
+    """How a request for `method path` is handled."""
+    key = (method.upper(), route_path(path))
     if key in PUBLIC:
         return RouteClass.PUBLIC
     if key in READ:

@@ -43,8 +43,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from kvguard.audit.ledger import Ledger
 from kvguard.control.keys import TenantKeys
 from kvguard.engine_adapter.vllm.adapters import AdapterDigests
-from kvguard.engine_adapter.vllm.frontquota import FrontQuota, QuotaRefusalError, Reservation
-from kvguard.engine_adapter.vllm.routes import RouteClass, classify
+from kvguard.engine_adapter.vllm.frontquota import (
+    FrontQuota,
+    QuotaRefusalError,
+    Reservation,
+    output_tokens,
+)
+from kvguard.engine_adapter.vllm.routes import RouteClass, classify, route_path
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
 from kvguard.errors import ConfigError, KvguardError, PolicyError
 from kvguard.isolation.keyring import Keyring
@@ -210,7 +215,7 @@ class KVGuardMiddleware:
         try:
             doc = _json_object(body)
             named = headers.get(ADAPTER_HEADER)
-            if named and str(scope.get("path", "")).rstrip("/") == "/invocations":
+            if named and route_path(str(scope.get("path", ""))) == "/invocations":
                 doc["model"] = named.decode("latin-1")
             adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
@@ -232,19 +237,17 @@ class KVGuardMiddleware:
                 scope, tenant, doc, cap=quota.max_blocks, block_size=engine.cache.block_size
             )
         else:
-            self._check_quota(tenant, doc, engine.cache.block_size, str(scope.get("path", "")))
+            route = route_path(str(scope.get("path", "")))
+            self._check_quota(tenant, doc, engine.cache.block_size, route)
         return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), held
 
-    def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int, path: str) -> None:
+    def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int, route: str) -> None:
         """A request whose output alone needs more blocks than the tenant's quota can never fit:
         refuse it with a clear error here (the engine can only make requests wait). Prompt length is
         unknown before vLLM tokenizes, so this is the one quota check a front end can make."""
         cap = self.policies.policy_for(tenant).quota.max_blocks
-        if path.rstrip("/") == "/v1/responses":
-            tokens = doc.get("max_output_tokens")
-        else:
-            tokens = doc.get("max_completion_tokens", doc.get("max_tokens"))
-        if cap is None or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        tokens = output_tokens(doc, route)
+        if cap is None or tokens is None:
             return
         needed = -(-tokens // block_size)
         if needed > cap:
