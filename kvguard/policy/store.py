@@ -236,9 +236,10 @@ class PolicyStore:
     def latest_and_limits(
         self, conn: sa.Connection | None = None
     ) -> tuple[PolicyVersion | None, PolicyVersion | None]:
-        """`current()` and `limits()` in one query: the latest version and the latest that set
-        every tenant's limits, both as of one statement (so the limits are those of the latest
-        version; `tenant_limits` reads the later ones that set one tenant's)."""
+        """The latest version and the latest that set every tenant's limits (what a tenant_admin
+        may tighten but never loosen; None: the built-in defaults), both as of one statement, so
+        the limits are those of the latest version; `tenant_limits` reads the later ones that set
+        one tenant's."""
         t = PolicyVersionRow
         latest = sa.select(sa.func.max(t.version)).scalar_subquery()
         by_admin = _all_tenants_limits()
@@ -300,18 +301,6 @@ class PolicyStore:
             with self._subscribers_lock:
                 self._remember_document(change.digest, policy)
         return PolicyVersion(change=change, policy=policy)
-
-    def limits(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
-        """The latest version that set every tenant's limits (an admin's whole-set write, the
-        seed): what a tenant_admin may tighten but never loosen, unless a later admin version set
-        its own tenant's (`tenant_limits`). None: no such version, the built-in defaults are the
-        limits."""
-        t = PolicyVersionRow
-        with self._reading(conn) as c:
-            row = c.execute(
-                sa.select(t.version, t.digest).where(t.version == _all_tenants_limits())
-            ).first()
-            return None if row is None else self._version(c, int(row.version), row.digest)
 
     def tenant_limits(
         self, tenant_id: str, after: int, upto: int, conn: sa.Connection | None = None
