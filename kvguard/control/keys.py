@@ -312,9 +312,16 @@ class TenantKeys:
         tenant_id: str | None = None,
         *,
         key_id: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
         conn: sa.Connection | None = None,
     ) -> list[TenantKeyInfo]:
-        """Keys (newest first), optionally of one tenant."""
+        """Keys (newest first), optionally of one tenant. `after` (a key id of that tenant) and
+        `limit` page through them along `ix_tenant_api_keys_listing`: the keys listed after that
+        key. An `after` that is not a key of `tenant_id` raises NotFoundError."""
+        if conn is None:
+            with self._engine.connect() as own:
+                return self.list(tenant_id, key_id=key_id, after=after, limit=limit, conn=own)
         stmt = sa.select(
             TenantKeyRow.key_id,
             TenantKeyRow.tenant_id,
@@ -325,9 +332,23 @@ class TenantKeys:
             stmt = stmt.where(TenantKeyRow.tenant_id == tenant_id)
         if key_id is not None:
             stmt = stmt.where(TenantKeyRow.key_id == key_id)
-        if conn is None:
-            with self._engine.connect() as own:
-                return self.list(tenant_id, key_id=key_id, conn=own)
+        if after is not None:
+            cursor = conn.execute(
+                sa.select(TenantKeyRow.created_at).where(
+                    TenantKeyRow.key_id == after,
+                    *([TenantKeyRow.tenant_id == tenant_id] if tenant_id is not None else []),
+                )
+            ).scalar_one_or_none()
+            if cursor is None:
+                raise NotFoundError("tenant key not found (after)")
+            stmt = stmt.where(
+                sa.or_(
+                    TenantKeyRow.created_at < cursor,
+                    sa.and_(TenantKeyRow.created_at == cursor, TenantKeyRow.key_id > after),
+                )
+            )
+        if limit is not None:
+            stmt = stmt.limit(limit)
         return [
             TenantKeyInfo(r.key_id, r.tenant_id, float(r.created_at), bool(r.revoked))
             for r in conn.execute(stmt)

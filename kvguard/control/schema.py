@@ -84,6 +84,9 @@ class TenantKeyRow(ControlBase):
     created_at: Mapped[float] = mapped_column(sa.Float)
     revoked: Mapped[bool] = mapped_column(sa.Boolean, default=False)
 
+    # A tenant's keys newest first, paged (`TenantKeys.list`).
+    __table_args__ = (sa.Index("ix_tenant_api_keys_listing", "tenant_id", "created_at", "key_id"),)
+
 
 # --- policy ---------------------------------------------------------------------------------------
 

@@ -166,6 +166,51 @@ def test_inference_keys_create_list_revoke_and_scoping(env) -> None:
     assert body["api_key"] not in str([r.leaf for r in page.records])
 
 
+def test_inference_key_listing_pages_newest_first_without_gaps(
+    make_env, any_db: str, monkeypatch
+) -> None:
+    """A tenant's keys come a page at a time (`after`, `limit`), newest first, each exactly once,
+    also when keys share a creation time; a cursor that is not one of the tenant's keys is 404."""
+    import kvguard.control.keys as keys_module  # noqa: PLC0415
+
+    env = make_env(any_db)
+
+    issued = [env.call("acme", "POST", "/v1/tenants/acme/inference-keys").json() for _ in range(3)]
+    monkeypatch.setattr(keys_module.time, "time", lambda: 4_000_000_000.0)  # ties, newest of all
+    issued += [
+        env.call("admin", "POST", "/v1/tenants/acme/inference-keys").json() for _ in range(4)
+    ]
+    monkeypatch.undo()
+    other = env.call("admin", "POST", "/v1/tenants/globex/inference-keys").json()
+    base = "/v1/tenants/acme/inference-keys"
+    whole = env.call("auditor", "GET", base).json()
+    assert whole["next_after"] is None and len(whole["keys"]) == 7
+    seen: list[dict] = []
+    after = None
+    while True:
+        url = f"{base}?limit=2" + (f"&after={after}" if after else "")
+        page = env.call("acme", "GET", url)
+        assert page.status_code == 200, page.text
+        body = page.json()
+        assert len(body["keys"]) <= 2
+        seen += body["keys"]
+        after = body["next_after"]
+        if after is None:
+            break
+    assert seen == whole["keys"]  # same order, nothing twice, nothing missing
+    assert sorted(k["key_id"] for k in seen) == sorted(k["key_id"] for k in issued)
+    created = [k["created_at"] for k in seen]
+    assert created == sorted(created, reverse=True)
+    assert {k["key_id"] for k in seen[:4]} == {k["key_id"] for k in issued[3:]}  # the tied ones
+    # Another tenant's key or an unknown one as the cursor: 404, the id not echoed.
+    for cursor in (other["key_id"], "0123456789ab"):
+        missing = env.call("acme", "GET", f"{base}?after={cursor}")
+        assert missing.status_code == 404 and cursor not in missing.text
+    assert env.call("acme", "GET", f"{base}?after=XYZ").status_code == 422
+    assert env.call("acme", "GET", f"{base}?limit=0").status_code == 422
+    assert env.call("acme", "GET", f"{base}?limit=1001").status_code == 422
+
+
 def test_tenant_policy_put_reads_the_tenant_only_until_it_is_known(env: ApiEnv) -> None:
     """The existence check of a tenant policy PUT (and of a tenant policy read) reads the tenant
     row until it has been found once; a tenant_admin's PUT for another, registered tenant stays

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, Path, Query, status
 from pydantic import BaseModel, Field
 
 from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
@@ -49,6 +49,9 @@ class InferenceKeyCreated(InferenceKeyPublic):
 
 class InferenceKeyList(BaseModel):
     keys: list[InferenceKeyPublic]
+    next_after: str | None = Field(
+        default=None, description="Pass as `after` for the next page; null on the last page"
+    )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=InferenceKeyCreated)
@@ -68,12 +71,25 @@ def create_inference_key(
 
 @router.get("", response_model=InferenceKeyList)
 def list_inference_keys(
-    tenant_id: str, access: Annotated[Access, require(*READERS)]
+    tenant_id: str,
+    access: Annotated[Access, require(*READERS)],
+    after: Annotated[
+        str | None,
+        Query(
+            pattern=r"^[0-9a-f]{12}$", description="A key id from the previous page's next_after"
+        ),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> InferenceKeyList:
-    """The tenant's keys, newest first (no secrets)."""
+    """The tenant's keys, newest first (no secrets), a page at a time; an `after` that is not one
+    of this tenant's keys: 404."""
     access.services.tenants.get(access.tenant(tenant_id))
-    keys = access.services.inference_keys.list(tenant_id)
-    return InferenceKeyList(keys=[InferenceKeyPublic.of(k) for k in keys])
+    found = access.services.inference_keys.list(tenant_id, after=after, limit=limit + 1)
+    page = found[:limit]
+    return InferenceKeyList(
+        keys=[InferenceKeyPublic.of(k) for k in page],
+        next_after=page[-1].key_id if len(found) > limit else None,
+    )
 
 
 @router.post("/{key_id}/revoke", response_model=InferenceKeyPublic)
