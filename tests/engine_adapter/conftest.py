@@ -57,3 +57,15 @@ def make_custody() -> Callable[..., Custody]:
 # Fresh SQLite / PostgreSQL databases per test (the control-plane fixtures, shared here).
 from tests.api.conftest import make_env, pg_db  # noqa: E402, F401 (the admin API beside engines)
 from tests.control.conftest import db_url, pg_url, sqlite_url  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session")
+def served_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One `kvguard engine serve` for every module that drives the real server with its default
+    options (starting vLLM on the CPU takes most of a minute); modules that need other options or
+    kill the server start their own. Tests keep to their own tenants, so they do not see each other."""
+    from tests.engine_adapter import served  # noqa: PLC0415 (imports vLLM's test helpers)
+
+    server = served.start(tmp_path_factory.mktemp("served"))
+    yield server
+    served.stop(server)

@@ -26,10 +26,8 @@ SHORT = "ba be bi bo bu da de di"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = served_mod.start(tmp_path_factory.mktemp("served"))
-    yield s
-    served_mod.stop(s)
+def server(served_server):
+    return served_server  # one server for this module and the others on default options
 
 
 @pytest.fixture(scope="module")
