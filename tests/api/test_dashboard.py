@@ -647,3 +647,21 @@ def test_in_a_real_browser_an_admin_purges_and_verifies_and_a_tenant_admin_sees_
             assert tenant_page.goto("/dashboard/policies").status == 403
         finally:
             browser.close()
+
+
+def test_tenant_page_says_when_it_shows_only_the_newest_keys(
+    env: ApiEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant page lists the newest page of inference keys and says where the rest are."""
+    import kvguard.api.routes.inference_keys as keys_route  # noqa: PLC0415
+
+    client = signed_in(env, "auditor")
+    for _ in range(3):
+        env.services.inference_keys.issue("acme")
+    assert "The newest" not in client.get("/dashboard/tenants/acme").text
+    listing = keys_route.list_inference_keys
+    monkeypatch.setattr(
+        keys_route, "list_inference_keys", lambda t, a: listing(t, a, after=None, limit=2)
+    )
+    page = client.get("/dashboard/tenants/acme").text
+    assert "The newest 2 keys" in page and page.count("<code>") >= 2

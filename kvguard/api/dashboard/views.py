@@ -59,12 +59,14 @@ def tenant_detail(tenant_id: policies.TenantIdPath, page: Reader) -> HTMLRespons
     access = page.access
     tenant = tenants.get_tenant(tenant_id, access)  # 404 for another tenant's, as in the API
     policy = policies.tenant_policy(tenant_id, access, Response())
+    listed = inference_keys.list_inference_keys(tenant_id, access)  # the newest page
     return page.render(
         "tenant.html",
         tenant=tenant,
         policy=policy,
         policy_text=json.dumps(policy.policy.model_dump(mode="json"), indent=2, sort_keys=True),
-        keys=inference_keys.list_inference_keys(tenant_id, access).keys,
+        keys=listed.keys,
+        more_keys=listed.next_after is not None,
         cache_states=cache.cache_state(access, tenant_id),
         jobs=purges.list_purges(access, tenant_id=tenant_id, before=None, limit=10).jobs,
     )
