@@ -107,6 +107,13 @@ ENGINE_FIGURES: Final = (
         "Zeroization calls that failed (their blocks stay quarantined)",
     ),
     Figure(
+        "ledger_refusals",
+        "ledger_refusals_total",
+        _C,
+        "Times the audit ledger refused custody events (kept and recorded late; no new requests "
+        "start meanwhile)",
+    ),
+    Figure(
         "custody_repairs",
         "custody_repairs_total",
         _C,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -50,13 +51,16 @@ Details = dict[str, str | int | float | bool | None]
 
 
 class _Request:
-    __slots__ = ("blocks", "retain_blocks", "scope", "use_cache")
+    __slots__ = ("blocks", "doomed", "retain_blocks", "scope", "use_cache")
 
     def __init__(self, scope: Scope, use_cache: bool, retain_blocks: int | None) -> None:
         self.scope = scope
         self.use_cache = use_cache
         self.retain_blocks = retain_blocks  # only the first N blocks may be kept (share groups)
         self.blocks: list[BlockId] = []
+        # A purge selected the request's scope while it ran: every block it holds or gets from
+        # then on is doomed (never reused, never cached, zeroized when released).
+        self.doomed = False
 
 
 class Custody:
@@ -75,6 +79,10 @@ class Custody:
         # Blocks added to `_pending_release` since the adapter last took them (`take_new_pending`):
         # it holds each quarantined block out of the engine's pool once, without walking them all.
         self._new_pending: list[BlockId] = []
+        # Doomed blocks whose prefix hash the engine must drop from its index (`take_unhash`), and
+        # the running requests a purge doomed (their later blocks are doomed as they come).
+        self._unhash: list[BlockId] = []
+        self._doomed_requests: set[RequestId] = set()
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks
         # The expiry sweep's index: (earliest expiry, entry number, block) per cached block, in a
@@ -295,6 +303,14 @@ class Custody:
             )
         return tuple(handover)
 
+    def backdate(self, block_id: int, created_at: float) -> None:
+        """An active block holds bytes first computed at `created_at` (restored from the offload
+        tier): its owner's retention counts from then, so spilling and restoring never renews it."""
+        rec = self._blocks[self._check_id(block_id)]
+        if rec.status is not BlockStatus.ACTIVE:
+            raise CustodyError(f"block {block_id} backdated while {rec.status.value}")
+        rec.created_at = min(rec.created_at, created_at)
+
     def reuse(
         self, request_id: str, block_ids: Iterable[int], now: float, *, tokens_matched: int
     ) -> None:
@@ -313,6 +329,8 @@ class Custody:
                 )
             if rec.status is BlockStatus.QUARANTINED:
                 raise CustodyError(f"prefix hit on quarantined block {bid}; refused")
+            if rec.doomed:
+                raise CustodyError(f"prefix hit on block {bid}, doomed by a purge; refused")
         for bid in ids:
             rec = self._blocks[bid]
             self._cache_ages.append(CacheAge(CacheExit.REUSED, now - rec.created_at))
@@ -334,7 +352,9 @@ class Custody:
         cleared: list[BlockId] = []
         for bid in ids:
             rec = self._blocks[bid]
-            if rec.owner is None or not rec.owner.same_domain(req.scope):
+            # A block doomed by a purge holds the purged context: cleared like another domain's.
+            foreign = rec.owner is None or not rec.owner.same_domain(req.scope) or rec.doomed
+            if foreign:
                 self._handover_owner(rec)
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.discard(bid)
@@ -345,11 +365,9 @@ class Custody:
             elif rec.status is BlockStatus.CACHED:
                 self._tenant_dec(rec)
                 self._set(rec, BlockStatus.FREE)
-            if rec.owner is None or not rec.owner.same_domain(req.scope):
+            if foreign:
                 cleared.append(bid)
-            if rec.status is BlockStatus.ACTIVE and (
-                rec.owner is None or not rec.owner.same_domain(req.scope)
-            ):
+            if rec.status is BlockStatus.ACTIVE and foreign:
                 # Shared with requests of another domain: they lose their cached prefix too.
                 self._tenant_dec(rec)
                 rec.owner = None
@@ -385,6 +403,9 @@ class Custody:
             rec = self._blocks[self._check_id(bid)]
             if rec.status is not BlockStatus.ACTIVE:
                 raise CustodyError(f"block {bid} hashed while {rec.status.value}")
+            if rec.doomed:  # never reusable: the engine drops the hash (`take_unhash`)
+                self._unhash.append(rec.block_id)
+                continue
             rec.hashed = True
 
     def finish(self, request_id: str, now: float) -> tuple[int, ...]:
@@ -394,6 +415,7 @@ class Custody:
         req = self._requests.pop(rid, None)
         if req is None:
             raise CustodyError(f"request {request_id!r} is not registered")
+        self._doomed_requests.discard(rid)
         quarantined: list[int] = []
         retained = residue = 0
         for bid in dict.fromkeys(req.blocks):
@@ -454,6 +476,31 @@ class Custody:
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "expired"})
         return tuple(out)
 
+    def reclaim_over_quota(self, tenant: str, now: float) -> tuple[int, ...]:
+        """Quarantine the tenant's oldest cached blocks while its active and cached blocks together
+        exceed its quota (docs/policy.md: the quota bounds both; custody reclaims the tenant's own
+        cache, never another tenant's). Called once its running work has grown (a step's
+        allocations); one `block.evict` entry (reason `quota`)."""
+        cap = self._policy(tenant).quota.max_blocks
+        if cap is None:
+            return ()
+        over = self.tenant_active(tenant) + self.tenant_cached(tenant) - cap
+        if over <= 0 or not self.tenant_cached(tenant):
+            return ()
+        ages, entries = self._by_age.get(tenant, []), self._expiry_entry
+        out: list[int] = []
+        while ages and len(out) < over:
+            _, number, bid = heapq.heappop(ages)
+            if entries.get(bid) != number:
+                continue  # the block left the cache, or was rescheduled, since this entry
+            rec = self._blocks[bid]
+            self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
+            self._quarantine(rec, now)
+            out.append(bid)
+        out.sort()
+        self._emit_grouped(EventKind.EVICT, now, out, {"reason": "quota"})
+        return tuple(out)
+
     def _schedule_expiry(self, rec: BlockRecord) -> None:
         assert rec.owner is not None
         tenant = rec.owner.tenant_id
@@ -502,12 +549,18 @@ class Custody:
                 self._quarantine(rec, now)
                 out.append(rec.block_id)
             elif rec.status is BlockStatus.ACTIVE:
-                rec.doomed = True
+                self._doom(rec)
                 doomed += 1
             elif rec.status is BlockStatus.FREE:
                 # Residue left in the free pool under `cross_scope`: clear it now as well.
                 self._quarantine(rec, now)
                 out.append(rec.block_id)
+        # The purge follows the selected requests still running: what they compute from here on
+        # derives from the purged context, so it is doomed too (`_take`), never cached or reused.
+        for rid, req in self._requests.items():
+            if selector.matches(req.scope):
+                req.doomed = True
+                self._doomed_requests.add(rid)
         self._events.append(
             CustodyEvent(
                 purge_event_kind(selector),
@@ -519,6 +572,28 @@ class Custody:
             )
         )
         return tuple(out)
+
+    def _doom(self, rec: BlockRecord) -> None:
+        if not rec.doomed:
+            rec.doomed = True
+            rec.hashed = False  # its prefix hash leaves the engine's index (`take_unhash`)
+            self._unhash.append(rec.block_id)
+
+    @property
+    def has_doomed(self) -> bool:
+        """True while doomed hashes wait to be dropped or purge-doomed requests run."""
+        return bool(self._unhash or self._doomed_requests)
+
+    def take_unhash(self) -> list[int]:
+        """Doomed blocks whose prefix hashes the engine must drop (so nothing can hit them)."""
+        out: list[int] = list(self._unhash)
+        self._unhash.clear()
+        return out
+
+    def doomed_request_blocks(self) -> list[int]:
+        """The blocks held by running requests a purge doomed (the engine drops any prefix hash it
+        gave them since: a block that filled up during decode is hashed without custody's call)."""
+        return [b for rid in self._doomed_requests for b in self._requests[rid].blocks]
 
     def zeroized(
         self, block_ids: Iterable[int], now: float, details: Details, *, handover: bool = False
@@ -554,22 +629,28 @@ class Custody:
         self, now: float, ids: list[BlockId], owners: dict[BlockId, str | None], details: Details
     ) -> None:
         """One `block.zeroize` event per owner whose bytes were cleared (G5, G6): a tenant's export
-        holds the evidence for its own blocks and never another tenant's block ids. Parts of one
-        clear share `batch_block_count` and `batch_block_ids_sha256`; counts and bytes are the part's
-        own (bytes in proportion); verification figures describe the whole clear."""
+        holds the evidence for its own blocks and nothing about another tenant's. Parts of one clear
+        share a random `batch_id` (it links them and reveals nothing: a digest or a count of the
+        whole clear's ids would let one tenant enumerate the others' block ids, or count them);
+        block count, ids digest and bytes are the part's own (bytes in proportion), and of the
+        verification figures the part keeps the mode and the verdict, and as `blocks_verified` at
+        most its own block count."""
         groups: dict[str | None, list[BlockId]] = {}
         for bid in ids:
             groups.setdefault(owners.get(bid), []).append(bid)
         total = details.get("bytes_cleared")
+        batch = secrets.token_hex(8) if len(groups) > 1 else None
         for tag, group in groups.items():
             part: Details = dict(details)
-            if len(groups) > 1:
-                part["batch_block_count"] = len(ids)
-                part["batch_block_ids_sha256"] = details.get("block_ids_sha256")
+            if batch is not None:
+                part["batch_id"] = batch
                 part["block_count"] = len(group)
                 part["block_ids_sha256"] = digest_block_ids(group)
                 if isinstance(total, int) and not isinstance(total, bool):
                     part["bytes_cleared"] = total // len(ids) * len(group)
+                verified = part.get("blocks_verified")
+                if isinstance(verified, int) and not isinstance(verified, bool):
+                    part["blocks_verified"] = min(verified, len(group))
             self._events.append(CustodyEvent(EventKind.ZEROIZE, now, tag, None, tuple(group), part))
 
     # --- invariants (G4) --------------------------------------------------------------------------
@@ -703,6 +784,7 @@ class Custody:
         ):
             if rec.status is not BlockStatus.FREE:
                 self._tenant_dec(rec)
+            rec.doomed = False  # a new owner's block (a doomed request dooms it again below)
             rec.owner, rec.owner_tag = req.scope, self._tag(req.scope)
             limit, at = req.retain_blocks, len(req.blocks) if position is None else position
             rec.retain = req.use_cache and (limit is None or at < limit)
@@ -711,6 +793,8 @@ class Custody:
         rec.holders.add(rid)
         rec.last_used_at = now
         req.blocks.append(rec.block_id)
+        if req.doomed:
+            self._doom(rec)
 
     def _engine_evicted(self, rec: BlockRecord, now: float) -> None:
         """The engine's LRU took a cached block for a new allocation: its cached life is over. The

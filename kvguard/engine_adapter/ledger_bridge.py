@@ -5,8 +5,9 @@ timestamps. The bridge drops what the owner's audit level does not ask for (on t
 against the policy in force) and submits the rest through the ledger's non-blocking queue as
 `EventSource`s: the conversion and the schema's checks (G6) run on the ledger's writer thread, so an
 engine's scheduler step pays for a filter and a deque append. When the ledger cannot take more
-(overflow policy `fail_closed`), `LedgerUnavailableError` propagates so the engine refuses new work
-(G7) instead of serving it unrecorded.
+(overflow policy `fail_closed`), `LedgerUnavailableError` propagates: the scheduler keeps the events
+to submit again and starts no new request meanwhile (G7) instead of serving it unrecorded
+(`SchedulerGuard._forward`).
 
 Request ids come from clients (vLLM takes them from the `X-Request-Id` header or the request body):
 one that a ledger entry cannot hold as it is (over 128 characters, spaces, non-ASCII) is recorded as

@@ -35,6 +35,10 @@ class IndexEntry:
     size: int  # ciphertext bytes
     stored_at: float
     to_disk: bool = False
+    # The block's life in the cache before it was spilled (its owner's retention counts from these:
+    # a block's time in the tier is part of its cached life, not a new one). None: not known.
+    created_at: float | None = None
+    last_used_at: float | None = None
 
 
 class TierIndex:
@@ -115,9 +119,9 @@ class TierIndex:
             return []
         return [self._pop(k) for k in [k for k in self._entries if k.domain == domain]]
 
-    def expire(self, now: float, ttl_for: Callable[[str], float]) -> list[IndexEntry]:
-        """Remove entries older than their tenant's time in the tier."""
-        doomed = [k for k, e in self._entries.items() if now - e.stored_at >= ttl_for(e.tenant)]
+    def expire(self, now: float, expired: Callable[[IndexEntry, float], bool]) -> list[IndexEntry]:
+        """Remove the entries `expired(entry, now)` says have had their time."""
+        doomed = [k for k, e in self._entries.items() if expired(e, now)]
         return [self._pop(k) for k in doomed]
 
     def has_domain(self, domain: bytes) -> bool:

@@ -41,6 +41,7 @@ ENGINE_COUNTERS = {
     "kvguard_engine_zeroized_bytes_total",
     "kvguard_engine_zeroize_failures_total",
     "kvguard_engine_custody_repairs_total",
+    "kvguard_engine_ledger_refusals_total",
     "kvguard_engine_ledger_submitted_events_total",
     "kvguard_engine_offload_spilled_blocks_total",
     "kvguard_engine_offload_spilled_bytes_total",

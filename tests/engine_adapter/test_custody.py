@@ -133,6 +133,33 @@ def test_purge_tenant_quarantines_cached_and_dooms_active(make_custody) -> None:
     c.check_invariants()
 
 
+def test_a_purge_follows_the_running_requests_it_selects(make_custody) -> None:
+    """A purge dooms the selected requests still running, not only the blocks they hold then: blocks
+    they get afterwards are doomed too (never cached), no doomed block can be hashed for reuse or
+    hit, and the engine is told which prefix hashes to drop. A request admitted after the purge
+    is not doomed."""
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.allocate("r1", [0, 1], 0.0)
+    c.mark_hashed([0])
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 1.0)
+    assert c.has_doomed and c.take_unhash() == [0, 1]
+    c.allocate("r1", [2], 2.0)  # decode after the purge: computed over the purged context
+    c.mark_hashed([1, 2])  # vLLM hashed them as they filled: refused, to be unhashed
+    assert sorted(c.take_unhash()) == [1, 2, 2]
+    assert sorted(c.doomed_request_blocks()) == [0, 1, 2]
+    c.begin("r2", scope_for("a"), use_cache=True)  # after the purge: its own, clean work
+    with pytest.raises(CustodyError, match="refused"):  # unhashed and doomed: no hit
+        c.reuse("r2", [0], 3.0, tokens_matched=16)
+    c.allocate("r2", [3], 3.0)
+    c.mark_hashed([3])
+    assert c.finish("r1", 4.0) == (0, 1, 2)  # every block of the doomed request: zeroized
+    assert not c.has_doomed
+    assert c.finish("r2", 4.0) == ()
+    assert c.record(3).status is BlockStatus.CACHED
+    c.check_invariants()
+
+
 def test_purge_selectors() -> None:
     s = scope_for("a", session="s1")
     assert PurgeSelector(PurgeKind.SESSION, "s1", tenant_id="a").matches(s)
@@ -253,7 +280,12 @@ def test_G5_G6_zeroize_evidence_is_split_per_owner(make_custody) -> None:
     assert by_tag[tag_a].details["block_count"] == 3
     assert by_tag[tag_a].details["bytes_cleared"] == 3000
     assert by_tag[tag_a].details["block_ids_sha256"] == digest_block_ids([0, 1, 2])
-    assert by_tag[tag_b].details["batch_block_count"] == 4
+    # The parts share a random batch id and nothing computed from the other owners' blocks (G6).
+    batch = by_tag[tag_b].details["batch_id"]
+    assert (
+        isinstance(batch, str) and len(batch) == 16 and by_tag[tag_a].details["batch_id"] == batch
+    )
+    assert not any(k.startswith("batch_block") for k in by_tag[tag_b].details)
     # A handover clear is the evidence of the block's *previous* owner.
     c2 = make_custody(policies={"a": CROSS})
     run_request(c2, "r1", scope_for("a"), [5], 0.0)
@@ -439,4 +471,26 @@ def test_a_retention_change_reschedules_only_its_tenant() -> None:
     c.check_invariants()
     assert c.sweep(1100.0) == tuple(b for b in range(n) if b % 3 and b % 7 == 6)
     assert c.counts()[BlockStatus.CACHED] == 0
+    c.check_invariants()
+
+
+def test_a_tenants_cache_yields_to_its_growing_running_work_under_its_quota(make_custody) -> None:
+    """docs/policy.md: the quota bounds active and cached blocks together; when a tenant's running
+    work grows, its own oldest cached blocks are reclaimed (quarantined), never another tenant's."""
+    from kvguard.policy import Quota  # noqa: PLC0415
+
+    c = make_custody(num_blocks=16, policies={"q": TenantPolicy(quota=Quota(max_blocks=4))})
+    run_request(c, "r1", scope_for("q"), [0, 1], 0.0)  # cached at 0
+    run_request(c, "r2", scope_for("q"), [2], 1.0)  # cached at 1
+    run_request(c, "r3", scope_for("other"), [9, 10], 0.0)
+    c.take_events()
+    assert c.reclaim_over_quota("q", 2.0) == ()  # 3 cached, nothing running: within 4
+    c.begin("r4", scope_for("q"), use_cache=True)
+    c.allocate("r4", [3, 4, 5], 2.0)
+    assert c.reclaim_over_quota("q", 2.0) == (0, 1)  # 3 active + 3 cached: the two oldest go
+    assert c.tenant_active("q") + c.tenant_cached("q") == 4
+    assert c.record(2).status is BlockStatus.CACHED and c.record(9).status is BlockStatus.CACHED
+    (evict,) = [e for e in c.take_events() if e.kind is EventKind.EVICT]
+    assert evict.block_ids == (0, 1) and evict.details == {"reason": "quota"}
+    assert c.reclaim_over_quota("other", 2.0) == ()  # no quota: never reclaimed
     c.check_invariants()

@@ -67,7 +67,9 @@ def test_expiry_and_domain_removal() -> None:
     index.add(entry(b"d", 0, at=0.0), tenant_cap=None)
     index.add(entry(b"d", 1, at=50.0), tenant_cap=None)
     index.add(entry(b"e", 0, tenant="b", at=0.0), tenant_cap=None)
-    gone = index.expire(60.0, lambda tenant: 30.0 if tenant == "a" else 100.0)
+    gone = index.expire(
+        60.0, lambda e, now: now - e.stored_at >= (30.0 if e.tenant == "a" else 100.0)
+    )
     assert [g.key for g in gone] == [TierKey(b"d", b"h0", 0)]
     assert index.domain_usage(b"d") == (1, 100)
     assert [g.key.position for g in index.remove_domain(b"d")] == [1]

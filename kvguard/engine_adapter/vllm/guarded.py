@@ -25,7 +25,7 @@ from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.transport import Envelope
 from kvguard.errors import AdmissionError, ConfigError
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
-from kvguard.policy import NO_USAGE, PolicySet, admit
+from kvguard.policy import NO_USAGE, PolicySet, Verdict, admit
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 _SETTLE_STEPS = 64
@@ -170,7 +170,14 @@ class GuardedLLM:
         scope = self.scope(
             request.tenant, session=request.session, group=request.group, public=request.public
         )
-        decision = admit(self.policies, scope, NO_USAGE)
+        # While the ledger refuses entries (G7) the tenant's `on_ledger_unavailable` decides:
+        # `fail_closed` refuses here; `block` lets the request wait in the engine's queue
+        # (`SchedulerGuard.may_schedule`) until the ledger takes entries again.
+        guard = self.connector.scheduler_guard if self.connector is not None else None
+        refusing = guard is not None and guard.ledger_refusing
+        decision = admit(self.policies, scope, NO_USAGE, ledger_available=not refusing)
+        if decision.verdict is Verdict.DEFER:
+            decision = admit(self.policies, scope, NO_USAGE)
         if not decision.admitted or decision.scope is None:
             raise AdmissionError(f"request refused by policy: {decision.reason.value}")
         envelope = Envelope(scope=decision.scope, use_cache=decision.use_cache)

@@ -61,6 +61,7 @@ ENGINE_COUNTERS: Final = (
     "commands",
     "zeroize_failures",
     "custody_repairs",
+    "ledger_refusals",
     "share_narrowed",
     "quota_deferred",
     *(

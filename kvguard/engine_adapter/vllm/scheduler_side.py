@@ -51,7 +51,7 @@ from kvguard.engine_adapter.vllm.tier_scheduler import SchedulerTier, TierSettin
 from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.engine_adapter.vllm.wakeup import WAKE_CHECK_S, IdleWaker
-from kvguard.errors import CustodyError, ScopeError
+from kvguard.errors import CustodyError, LedgerUnavailableError, ScopeError
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import Scope, Share
 from kvguard.logging import get_logger
@@ -160,6 +160,11 @@ class SchedulerGuard:
         self._granted: Counter[str] = Counter()  # blocks let through this schedule, per tenant
         self._step = 0
         self._closed = False
+        self._unsent: list[CustodyEvent] = []  # refused by the ledger, submitted first next time
+        # Requests of tenants with a quota (rid -> tenant), and the tenants among them whose
+        # running work grew in this schedule (`reclaim_over_quota` after the step's allocations).
+        self._quota_tenant: dict[str, str] = {}
+        self._grown: set[str] = set()
         self.timer = PhaseTimer()
         self.engine_id = uuid.uuid4().hex[:12]
         self.commands = CommandRunner(self.engine_id, link)
@@ -305,6 +310,7 @@ class SchedulerGuard:
         max_tokens = int(getattr(params, "max_tokens", None) or 0)
         needed = -(-(int(request.num_prompt_tokens) + max_tokens) // self._block_size)
         self._quota_wait[request.request_id] = (scope, needed, cap)
+        self._quota_tenant[request.request_id] = tenant
         cached = self._c.tenant_cached(tenant)
         # Running work is held by `may_schedule`; here only the cache decides (no growth past it).
         return admit(self.policies, scope, Usage(blocks_cached=cached, blocks_requested=needed))
@@ -314,6 +320,10 @@ class SchedulerGuard:
         waiting and schedules other tenants' requests past it, so a tenant's flood holds at most its
         quota of the pool. A request larger than the whole quota runs when the tenant has nothing
         else running. The first deferral of a request is a `quota.defer` ledger entry."""
+        # While the ledger refuses entries (G7) nothing new starts unrecorded; running work goes on.
+        unsent = self._unsent and request.request_id not in self._begun
+        if unsent and not self._forward_unsent():
+            return False
         waiting = self._quota_wait.get(request.request_id)
         if waiting is None:
             return True
@@ -337,6 +347,7 @@ class SchedulerGuard:
         """The request is done: quarantine what policy releases, keep what it retains."""
         rid = request.request_id
         self._quota_wait.pop(rid, None)
+        self._quota_tenant.pop(rid, None)
         self._deferred.discard(rid)
         if self.tier is not None:
             self.tier.forget_request(rid)
@@ -359,7 +370,9 @@ class SchedulerGuard:
             cached = [b for b in held_by if c.record(b).status is BlockStatus.CACHED]
             env = self._envelopes.get(rid)
             if cached and env is not None:
-                self.tier.note_cached(self._live.get(rid), env.scope, cached, self._pool)
+                self.tier.note_cached(
+                    self._live.get(rid), env.scope, cached, self._pool, self._life
+                )
         for b in held_by:
             if (
                 c.record(b).status is not BlockStatus.CACHED
@@ -385,6 +398,10 @@ class SchedulerGuard:
                 self._end(rid, now, hold=False)
         canary = self._record_schedule(so, now)
         self._granted.clear()  # what may_schedule let through is in custody now
+        if self._grown:  # tenants whose running work grew: their own cache yields to the quota
+            for tenant in self._grown:
+                c.reclaim_over_quota(tenant, now)
+            self._grown.clear()
         # After the allocations: a cached block the engine just re-assigned is active by now.
         self._housekeeping(now)
         self._wake_requested = False
@@ -510,8 +527,19 @@ class SchedulerGuard:
         if self.tier is not None:  # cached blocks vLLM's LRU gave away: spilled before the clears
             self.tier.on_allocated(block_ids, self._is_cached)
         self._c.allocate(rid, block_ids, now, start=start)
+        if self.tier is not None and self.tier.born:  # restored blocks keep their first age
+            for b in block_ids:
+                born = self.tier.born.pop(b, None)
+                if born is not None:
+                    self._c.backdate(b, born)
         self._mark_hashed(block_ids)
+        if rid in self._quota_tenant:
+            self._grown.add(self._quota_tenant[rid])
         return entering
+
+    def _life(self, block_id: int) -> tuple[float, float]:
+        rec = self._c.record(block_id)
+        return rec.created_at, rec.last_used_at
 
     def _is_cached(self, block_id: int) -> bool:
         return self._c.record(block_id).status is BlockStatus.CACHED
@@ -524,6 +552,20 @@ class SchedulerGuard:
         hashed = [b for b in block_ids if self._pool.blocks[b].block_hash is not None]
         if hashed:
             self._c.mark_hashed(hashed)
+            if self._c.has_doomed:
+                self._drop_doomed_hashes()
+
+    def _drop_doomed_hashes(self) -> None:
+        """Take the prefix hashes of blocks a purge doomed out of vLLM's index, so no request can
+        hit KV computed over a purged context: blocks the purge found active, and those that running
+        doomed requests filled since (vLLM hashes a full block as it schedules it)."""
+        c = self._c
+        for b in c.take_unhash():
+            self._evict_hash(b)
+        blocks = self._pool.blocks
+        for b in c.doomed_request_blocks():
+            if blocks[b].block_hash is not None:
+                self._evict_hash(b)
 
     def _verify_mode(self, plan: StepPlan) -> str:
         if self.options.verify_override:
@@ -553,6 +595,8 @@ class SchedulerGuard:
         while self._purges:
             selector = self._purges.pop(0)
             c.purge(selector, now, details={**self._tier_purge(selector, None)})
+        if c.has_doomed:
+            self._drop_doomed_hashes()
         self._hold_quarantined()
         if self.reporter.due(now):  # figures taken here, written on the link's thread
             self.reporter.heartbeat_soon(now, c.summary(), self._counters(), self.link.call_soon)
@@ -577,7 +621,7 @@ class SchedulerGuard:
             for e in events
             if e.kind is purge_event_kind(selector)
         )
-        self._forward(events)
+        self._forward(events, must_record=True)  # refused: the command runs again (engine_link)
         return {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
 
     def use_policy(self, policies: PolicySet, version: int) -> None:
@@ -616,17 +660,46 @@ class SchedulerGuard:
             **tier,
         }
 
-    def _forward(self, events: list[CustodyEvent]) -> None:
+    def _forward(self, events: list[CustodyEvent], *, must_record: bool = False) -> None:
+        """Hand custody's events to the ledger. When the ledger refuses them (its queue is full
+        under `fail_closed`, G7), they are kept, in order, and submitted before anything newer at
+        the next call: what already happened (blocks cleared and returned to the pool, a step's
+        plan handed to the worker) is recorded late, never lost, and the engine keeps stepping.
+        While events wait, no new request starts (`may_schedule`, `ledger_refusing`).
+        `must_record`: raise the refusal after keeping the events (a command then runs again)."""
         if self.tier is not None and self.tier.events:
             events = [*events, *self.tier.events]
             self.tier.events.clear()
         ages = self._c.take_cache_ages()
-        if not events and not ages:
+        if not events and not ages and not self._unsent:
             return  # most decode steps
         self.reporter.observe(events)
         self.reporter.cache_ages(ages)
+        batch = [*self._unsent, *events] if self._unsent else events
         with self.timer.phase("ledger_submit"):
-            self.bridge.forward(events)
+            try:
+                self.bridge.forward(batch)
+            except LedgerUnavailableError:
+                if not self._unsent:
+                    _log.error("audit ledger refusing entries; new requests wait (G7)")
+                self._unsent = batch
+                self.stats["ledger_refusals"] += 1
+                if must_record:
+                    raise
+                return
+        if self._unsent:
+            _log.info("audit ledger taking entries again", recorded_late=len(self._unsent))
+            self._unsent = []
+
+    def _forward_unsent(self) -> bool:
+        """Try the waiting events again now; True once the ledger has taken them."""
+        self._forward([])
+        return not self._unsent
+
+    @property
+    def ledger_refusing(self) -> bool:
+        """True while custody events wait because the ledger refused them (G7: no new work)."""
+        return bool(self._unsent)
 
     def report_now(self) -> bool:
         """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
@@ -732,7 +805,10 @@ class SchedulerGuard:
         self._closed = True
         if self.tier is not None:
             self.tier.closing_shreds(self._clock())
-            self._forward([])
+        if self.custody is not None:
+            self._forward([])  # the tier's last shreds, and events the ledger refused until now
+            if self._unsent:
+                _log.error("custody events the ledger never took", events=len(self._unsent))
         if self.custody is not None:
             self.reporter.close(self._clock(), self.custody.summary(), self._counters())
         self.commands.close()

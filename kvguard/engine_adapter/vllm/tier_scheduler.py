@@ -39,6 +39,7 @@ from kvguard.isolation.scope import Scope
 from kvguard.logging import get_logger
 from kvguard.offload.index import IndexEntry, TierIndex, TierKey
 from kvguard.policy import TenantPolicy
+from kvguard.policy.decisions import expired_at
 
 _log = get_logger("vllm.tier")
 _EWMA: Final = 0.2
@@ -51,6 +52,8 @@ class _Candidate:
     key: TierKey
     scope: Scope
     scope_tag: str
+    created_at: float | None = None  # the block's cached life so far (custody's record)
+    last_used_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +100,11 @@ class SchedulerTier:
         self._matches: dict[str, _Match] = {}
         self._external: dict[str, int] = {}
         self._loading: dict[int, str] = {}  # block id -> request id, loads ordered and unreported
+        # Spills ordered and not yet reported: the block's (created, last used) for its entry.
+        self._life: dict[TierKey, tuple[float | None, float | None]] = {}
+        # Blocks a restore was ordered into -> when the restored bytes were first computed:
+        # custody dates the block from then (`SchedulerGuard._allocate`), not from the restore.
+        self.born: dict[int, float] = {}
         self._spill: list[TierOrder] = []
         self._load: list[TierOrder] = []
         self._drop: list[TierOrder] = []
@@ -119,8 +127,16 @@ class SchedulerTier:
         policy = self._policy_for(tenant)
         return policy.enabled and policy.offload.allowed
 
-    def note_cached(self, request: Any, scope: Scope, block_ids: list[int], pool: Any) -> None:
-        """The request ended and `block_ids` stay cached: note where each belongs in the tier."""
+    def note_cached(
+        self,
+        request: Any,
+        scope: Scope,
+        block_ids: list[int],
+        pool: Any,
+        life: Callable[[int], tuple[float, float]] | None = None,
+    ) -> None:
+        """The request ended and `block_ids` stay cached: note where each belongs in the tier, and
+        (`life`: block -> created, last used) how long it has lived, which its retention counts."""
         if not block_ids or not self.allowed(scope.tenant_id):
             return
         hashes = getattr(request, "block_hashes", None) or ()
@@ -133,8 +149,9 @@ class SchedulerTier:
             raw = bytes(block_hash)[:-4]  # vLLM's hash with its 4-byte KV cache group id
             position = positions.get(raw)
             if position is not None:
+                born, used = life(b) if life is not None else (None, None)
                 self._candidates[b] = _Candidate(
-                    TierKey(scope.domain_key, raw, position), scope, tag
+                    TierKey(scope.domain_key, raw, position), scope, tag, born, used
                 )
 
     def on_allocated(self, block_ids: list[int], still_cached: Callable[[int], bool]) -> None:
@@ -152,6 +169,7 @@ class SchedulerTier:
                 and self._policy_for(scope.tenant_id).offload.disk
             )
             self._scopes.setdefault(scope.domain_key, scope)
+            self._life[candidate.key] = (candidate.created_at, candidate.last_used_at)
             self._spill.append(
                 TierOrder(
                     b, candidate.key, candidate.scope_tag, disk, self._generation[scope.domain_key]
@@ -173,6 +191,12 @@ class SchedulerTier:
         if share_tokens is not None:
             stop = min(stop, share_tokens // self._bs)
         keys = self.index.run(scope.domain_key, hashes, start, stop)
+        now = self._clock()
+        for n, key in enumerate(keys):  # a prefix past its owner's retention is not served
+            entry = self.index.get(key)
+            if entry is None or self._expired(entry, now):
+                keys = keys[:n]
+                break
         if not keys:
             return 0
         decision, restore_s, recompute_s = self._decide(len(keys))
@@ -230,6 +254,9 @@ class SchedulerTier:
             block = block_ids[match.start + i]
             self._load.append(TierOrder(block, key, match.scope_tag))
             self._loading[block] = rid
+            entry = self.index.get(key)
+            if entry is not None and entry.created_at is not None:
+                self.born[block] = entry.created_at
         self.index.touch(match.keys[:count])
         self._external[rid] = count * self._bs
         self.stats["tier_restore_decisions"] += 1
@@ -317,13 +344,16 @@ class SchedulerTier:
     def _spilled(self, report: TierReport, now: float) -> None:
         per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
         for order, size in report.spilled:
+            born, used = self._life.pop(order.key, (None, None))
             if order.generation != self._generation[order.key.domain]:
                 continue  # shredded after it was ordered: the worker deleted it with the domain
             scope = self._scopes.get(order.key.domain)
             if scope is None:
                 continue
             tenant = scope.tenant_id
-            entry = IndexEntry(order.key, tenant, order.scope_tag, size, now, order.to_disk)
+            entry = IndexEntry(
+                order.key, tenant, order.scope_tag, size, now, order.to_disk, born, used
+            )
             cap = self._policy_for(tenant).offload.max_bytes
             for gone in self.index.add(entry, tenant_cap=cap):
                 self._drop.append(TierOrder(-1, gone.key, gone.scope_tag))
@@ -420,8 +450,19 @@ class SchedulerTier:
             del self._candidates[b]
         return {"tier_key_count": keys, "tier_entry_count": entries, "tier_bytes": nbytes}
 
+    def _expired(self, entry: IndexEntry, now: float) -> bool:
+        """Past the tenant's time in the tier (`offload.ttl_s` from the spill), or past its
+        retention (`retention.ttl_s` / `idle_s` from the block's creation / last use): the tier
+        holds a block's cached life, it does not renew it (docs/offload.md)."""
+        policy = self._policy_for(entry.tenant)
+        if now - entry.stored_at >= policy.offload.ttl_s:
+            return True
+        if entry.created_at is None or entry.last_used_at is None:
+            return False
+        return expired_at(policy, entry.created_at, entry.last_used_at, now)
+
     def sweep(self, now: float) -> None:
-        gone = self.index.expire(now, lambda tenant: self._policy_for(tenant).offload.ttl_s)
+        gone = self.index.expire(now, self._expired)
         emptied: set[bytes] = set()
         for entry in gone:
             self._drop.append(TierOrder(-1, entry.key, entry.scope_tag))
