@@ -16,7 +16,12 @@ Verification (`verify_certificate`), failing closed at the first problem with `V
 2. the checkpoint is a C2SP signed note by a trusted key, for the issuer's ledger origin;
 3. every evidence entry's inclusion proof leads from its leaf to the checkpoint's root;
 4. every leaf decodes (canonically) to an event of its stated role: the purge entries name this job
-   and kind, the request entry (if any) this job, requester and tenant tag;
+   and kind; exactly one request entry (every job has one: `purge.create` from the API and the
+   command line, `tenant.disable`) names this job, requester and tenant tag; the `job` claims
+   (status `done`, `engines_expected` as the request recorded it and no more than the listed
+   engines, `no_live_engines` exactly when none is listed) and the `selector` (the request's kind;
+   a tenant tag and no value for tenant and session purges, a value and no tag for model and
+   adapter purges) agree with the entries;
 5. every block a purge entry quarantined is covered by a zeroize entry (`kvguard.audit.erasure`)
    that passed verification, and no zeroize entry is there for nothing;
 6. every offload data key a purge entry says it must destroy (`tier_key_count`) has its `key.shred`
@@ -118,7 +123,7 @@ def load(path: str | Path) -> dict[str, Any]:
         if p.stat().st_size > MAX_BYTES:
             raise VerificationError(f"{p.name} is larger than a certificate can be")
         document = json.loads(p.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise VerificationError(f"{p.name} is not a readable JSON document") from None
     if not isinstance(document, dict):
         raise VerificationError(f"{p.name} is not a JSON object")
@@ -132,6 +137,19 @@ def verify_certificate(
     verifiers = [note.parse_verifier_key(k) for k in verifier_keys]
     if not verifiers:
         raise VerificationError("no verifier key given")
+    try:
+        return _verify(document, verifiers, origin)
+    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as exc:
+        # The checks above name what they expect; a field of a shape none of them foresaw must
+        # still be an INVALID certificate, never a traceback (G7: fail closed).
+        raise VerificationError(
+            f"certificate is malformed (a field of an unexpected type: {type(exc).__name__})"
+        ) from None
+
+
+def _verify(
+    document: Mapping[str, Any], verifiers: Sequence[note.Verifier], origin: str | None
+) -> CertificateReport:
     if document.get("format") != FORMAT or document.get("version") != VERSION:
         raise VerificationError(f"not a version-{VERSION} {FORMAT} document")
     cp = _checkpoint(document, verifiers, origin)
@@ -147,10 +165,15 @@ def verify_certificate(
     for s in shreds:
         if s.command_id != job_id:
             raise VerificationError(f"entry {s.index}: a key shred of another job")
-    if len(requests) > 1:
-        raise VerificationError("evidence holds more than one request entry")
-    for index, obj in requests:
-        _check_request(document, index, obj, job_id)
+    if len(requests) != 1:
+        raise VerificationError(
+            f"evidence holds {len(requests)} request entries, not exactly one: every purge job "
+            "has its request entry (purge.create or tenant.disable) in the ledger"
+        )
+    _engine_list(document)
+    _check_request(document, *requests[0], job_id)
+    _check_job(document, requests[0][1], purges)
+    _check_selector(document, requests[0][1])
     coverage, offload = _cover(purges, zeroizes, shreds)
     shown = erasure.summary(purges, zeroizes, coverage)
     for path, key in CLAIMS.items():
@@ -277,8 +300,77 @@ def _check_request(
     if tag is not None and obj.get("scope_tag") != tag:
         raise VerificationError(f"entry {index}: about another tenant")
     expected = details.get("engines_expected")
-    if isinstance(expected, int) and len(get_path(document, "media.engines")) < expected:
+    if isinstance(expected, int) and len(_engine_list(document)) < expected:
         raise VerificationError(f"entry {index}: fewer engines than were live at the request")
+
+
+def _check_job(
+    document: Mapping[str, Any], request: dict[str, Any], purges: Sequence[erasure.PurgeEntry]
+) -> None:
+    """`job.status`, `engines_expected` and `no_live_engines` against the leaves: a certificate is
+    issued only for a `done` job; the request entry (where it records it) says how many engines
+    were expected, and every expected engine of a done job is listed; "no live engines" means no
+    engine is listed and no purge entry exists."""
+    job = get_path(document, "job")
+    if not isinstance(job, Mapping):
+        raise VerificationError("job is not an object")
+    if job.get("status") != "done":
+        raise VerificationError("job.status: a certificate is issued only for a done job")
+    listed = len(_engine_list(document))
+    claimed = job.get("engines_expected")
+    if not isinstance(claimed, int) or isinstance(claimed, bool) or not 0 <= claimed <= listed:
+        raise VerificationError(
+            "job.engines_expected: not a count of the listed engines (a done job lists every "
+            "engine it expected)"
+        )
+    recorded = request["details"].get("engines_expected")
+    if recorded is not None and claimed != recorded:
+        raise VerificationError(
+            "job.engines_expected: the certificate's value is not what the request entry shows"
+        )
+    none_live = job.get("no_live_engines")
+    if none_live is not (listed == 0 and not purges):
+        raise VerificationError(
+            "job.no_live_engines: the certificate's value is not what the entries show"
+        )
+
+
+def _check_selector(document: Mapping[str, Any], request: dict[str, Any]) -> None:
+    """`selector` against the purge and request entries: the kind (checked against the purge
+    entries by `_check_purges`) is the request's; tenant and session purges name the request's
+    tenant tag and disclose no value; model and adapter purges name a value and no tenant."""
+    sel = get_path(document, "selector")
+    if not isinstance(sel, Mapping):
+        raise VerificationError("selector is not an object")
+    kind = sel.get("kind")
+    details = request["details"]
+    requested = "tenant" if details.get("action") == "tenant.disable" else details.get("purge_kind")
+    if requested is not None and kind != requested:
+        raise VerificationError("selector.kind: not the kind the request entry shows")
+    tag, value = sel.get("tenant_tag"), sel.get("value")
+    if kind in ("tenant", "session"):
+        if not isinstance(tag, str) or value is not None:
+            raise VerificationError(
+                f"selector: a {kind} purge names its tenant tag and discloses no value"
+            )
+    elif kind in ("model", "adapter"):
+        if tag is not None or not isinstance(value, str) or not value:
+            raise VerificationError(f"selector: a {kind} purge names its value and no tenant tag")
+    else:
+        raise VerificationError("selector.kind: not a purge kind")
+    disclosed = sel.get("value_disclosed")
+    if disclosed is not None and disclosed is not (kind in ("model", "adapter")):
+        raise VerificationError("selector.value_disclosed: not what the kind allows")
+
+
+def _engine_list(document: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """`media.engines`, checked to be a list of engines with string (or absent) ids."""
+    listed = get_path(document, "media.engines")
+    if not isinstance(listed, list) or not all(isinstance(e, Mapping) for e in listed):
+        raise VerificationError("media.engines is not a list of engines")
+    if not all(isinstance(e.get("engine_id"), (str, type(None))) for e in listed):
+        raise VerificationError("media.engines: an engine_id is not a string")
+    return listed
 
 
 def _check_offload(document: Mapping[str, Any], shown: Mapping[str, Any] | None) -> None:
@@ -324,9 +416,7 @@ def _check_engines(
     """Engines named in purge entries match one certificate engine each, field for field (their
     offload part included); the rest of the certificate's engines (older engines record no id)
     number the anonymous purge entries."""
-    listed = get_path(document, "media.engines")
-    if not isinstance(listed, list) or not all(isinstance(e, Mapping) for e in listed):
-        raise VerificationError("media.engines is not a list of engines")
+    listed = _engine_list(document)
     ids = [e.get("engine_id") for e in listed]
     if len(set(ids)) != len(ids):
         raise VerificationError("media.engines names an engine twice")

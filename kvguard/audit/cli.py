@@ -86,7 +86,12 @@ def _open(
     key_files: list[Path] | None,
     witnesses: list[str] | None,
     json_output: bool,
+    *,
+    existing: bool = False,
 ) -> Ledger:
+    """Open the ledger. `existing`: refuse (exit 2) a database that does not exist or holds no
+    ledger, rather than create and migrate an empty one: `verify-db` and `export` must not
+    answer "valid" about a ledger that moved or was deleted."""
     from kvguard.audit.ledger import Ledger  # noqa: PLC0415 - `kvguard verify` must not load SQL
     from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
     from kvguard.settings import Settings  # noqa: PLC0415
@@ -101,7 +106,51 @@ def _open(
     except (ValueError, VerificationError) as exc:
         raise fail(f"--witness: {exc}", EXIT_USAGE, json_output, label="usage error") from None
     keys = [SigningKey.load(p) for p in key_files]
+    if existing:
+        _require_ledger(db, json_output)
     return Ledger.open(db, origin=origin, signing_key=keys, witnesses=endpoints)
+
+
+def _require_ledger(url: str, json_output: bool) -> None:
+    """Fail (exit 2, naming the URL with its password masked) unless `url` names an existing
+    database that holds the ledger's tables; creates nothing (SQLite makes a missing file on
+    connect, so its path is checked first)."""
+    import sqlalchemy as sa  # noqa: PLC0415 - `kvguard verify` must not load SQL
+
+    from kvguard.audit import schema as t  # noqa: PLC0415
+    from kvguard.cli_output import safe_url  # noqa: PLC0415
+
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        raise fail("--db: not a database URL", EXIT_USAGE, json_output) from None
+    where = safe_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        path = parsed.database
+        if (
+            path
+            and path != ":memory:"
+            and not path.startswith("file:")
+            and not Path(path).is_file()
+        ):
+            raise fail(
+                f"database {where} does not exist (nothing to verify or export; "
+                "check --db / KVGUARD_DB_URL)",
+                EXIT_USAGE,
+                json_output,
+            )
+    engine = sa.create_engine(url)
+    try:
+        has_ledger = sa.inspect(engine).has_table(t.head.name)
+    finally:
+        engine.dispose()
+    if not has_ledger:
+        raise fail(
+            f"database {where} holds no audit ledger (no {t.head.name} table): nothing to "
+            "verify or export; check --db / KVGUARD_DB_URL, or run `kvguard db migrate` first",
+            EXIT_USAGE,
+            json_output,
+        )
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -186,7 +235,7 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
     since = since.replace(tzinfo=since.tzinfo or UTC) if since else None
     until = until.replace(tzinfo=until.tzinfo or UTC) if until else None
     with reporting(json_output, db_url=db):
-        ledger = _open(db, origin, key, witness, json_output)
+        ledger = _open(db, origin, key, witness, json_output, existing=True)
         try:
             with progress("exporting", "entries", json_output=json_output) as update:
                 summary = ledger.export(
@@ -236,7 +285,7 @@ def verify_db_command(
         message = f"--max-unsigned-age: {exc}"
         raise fail(message, EXIT_USAGE, json_output, label="usage error") from None
     with reporting(json_output, db_url=db, invalid={"valid": False}):
-        ledger = _open(db, origin, key, None, json_output)
+        ledger = _open(db, origin, key, None, json_output, existing=True)
         try:
             with progress("verifying", "entries", json_output=json_output) as update:
                 report = ledger.verify(max_unsigned_age=age, progress=update)

@@ -6,8 +6,9 @@ The linking rules are `kvguard.audit.erasure`'s; this module only fetches candid
 - clears: for each purge entry, `block.zeroize` entries after it that list one of its blocks
   (through the block-link table), read in index order only until every block is covered;
 - the request: the first `admin.action` entry that created the job (`purge.create`, or
-  `tenant.disable` for the purge it queues) between `since` and `until`; jobs queued by the command
-  line have none;
+  `tenant.disable` for the purge it queues) between `since` and `until`; `kvguard purge` records
+  `purge.create` too (through the outbox), so every job has one, and a certificate without it does
+  not verify;
 - key shreds (engines with an offload tier): `key.shred` entries from `since` on whose `command_id`
   is the job, kept where they count for one of its purge entries (`erasure.cover_offload`). A
   `key.shred` leaf that does not parse is skipped: it proves nothing, and the job waits for the
@@ -230,7 +231,7 @@ def prove(ledger: Ledger, indices: Sequence[int]) -> Proven:
     """Inclusion proofs of `indices` against the latest checkpoint if it covers them all, else
     against a freshly signed one."""
     with ledger.store.engine.connect() as conn:
-        latest = ledger.store.latest_checkpoint(conn)
+        latest = ledger.trusted_checkpoint(conn)
     needed = max(indices, default=-1) + 1
     if latest is not None and latest.size >= max(needed, 1):
         signed, size = latest.note, latest.size

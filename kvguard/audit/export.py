@@ -30,12 +30,16 @@ from kvguard.audit.checkpoint import Checkpoint, format_tlog_proof, parse_checkp
 from kvguard.audit.leaf import parse_ts, ts_micros
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
+from kvguard.audit.store import CheckpointRow, blob
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
+from kvguard.logging import get_logger
 from kvguard.secretfile import open_private, private_dir, write_private_file
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
 
+
+_log = get_logger("kvguard.audit.export")
 
 ProofFn = Callable[[int, bytes], list[bytes]]
 Progress = Callable[[int, int], None]  # (entries written, total or 0 when a filter hides it)
@@ -196,7 +200,8 @@ def _rows(conn: sa.Connection, filters: dict[str, Any], size: int) -> Iterator[t
     stmt = select_indices(below=size, **filters).add_columns(
         e.kind, e.scope_tag, e.request_id, e.ts_us
     )
-    for idx, leaf, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
+    for idx, raw, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
+        leaf = blob(raw, f"entry {idx}: leaf")
         try:
             obj = json.loads(leaf)
             expected = [
@@ -205,19 +210,20 @@ def _rows(conn: sa.Connection, filters: dict[str, Any], size: int) -> Iterator[t
                 obj["request_id"],
                 ts_micros(parse_ts(obj["ts"])),
             ]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise VerificationError(f"entry {idx}: leaf is not a valid event") from None
         if columns != expected:
             raise VerificationError(f"entry {idx}: index columns do not match the leaf")
-        yield int(idx), bytes(leaf)
+        yield int(idx), leaf
 
 
 def _complete_proofs(conn: sa.Connection, size: int, root: bytes) -> ProofFn:
     """Build the tree from the stored leaf hashes; each proof call re-checks its leaf's hash."""
     e = t.entries.c
-    stmt = sa.select(e.leaf_hash).where(e.idx < size).order_by(e.idx)
+    stmt = sa.select(e.idx, e.leaf_hash).where(e.idx < size).order_by(e.idx)
     levels = merkle.tree_levels(
-        bytes(h) for (h,) in conn.execute(stmt.execution_options(yield_per=10_000))
+        blob(h, f"entry {i}: leaf hash")
+        for i, h in conn.execute(stmt.execution_options(yield_per=10_000))
     )
     if len(levels[0]) != size or merkle.levels_root(levels) != root:
         raise VerificationError("the stored entries do not reproduce the signed root: run verify()")
@@ -248,25 +254,54 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, cp: Check
     write_private_file(out / bundle.CONSISTENCY, "".join(lines))
 
 
+def _check_unsigned_row(
+    ledger: Ledger, conn: sa.Connection, row: CheckpointRow, problem: str
+) -> None:
+    """Leave out a stored checkpoint row this log did not sign (warning, naming its size), unless
+    it is a checkpoint the log did sign that was edited afterwards: a note of this log's key for
+    the row's own size (the app role cannot INSERT a second row at a size, so only an UPDATE makes
+    the row disagree with it), or the log's true root at that size under a note that no longer
+    verifies. Those are tampering, refused here as `verify()` refuses them."""
+    try:
+        cp = parse_checkpoint(note.open_note(row.note, ledger.verifiers())[0])
+    except VerificationError:
+        cp = None
+    if cp is not None and cp.size == row.size:
+        raise VerificationError(
+            f"stored checkpoint of size {row.size} does not match its signed note: run verify-db"
+        )
+    if row.size <= ledger.store.size(conn) and ledger.store.root(row.size, conn) == row.root:
+        raise VerificationError(
+            f"stored checkpoint of size {row.size} holds the log's root but its note is not "
+            f"signed by this log ({problem}): a signed checkpoint was damaged; run verify-db"
+        )
+    _log.warning(
+        "export: stored checkpoint row left out, not one this log signed",
+        size=row.size,
+        reason=problem,
+    )
+
+
 def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: bytes) -> list[str]:
-    """`consistency.jsonl` lines from every stored checkpoint of 0 < size' < `size`, after checking
-    the stored chain (each row matches its note and names its predecessor) and each proof against
+    """`consistency.jsonl` lines from every stored checkpoint of 0 < size' < `size` that this log
+    signed, after checking the stored chain (each row names its predecessor) and each proof against
     the new `root`: a proof that does not verify is a rewritten log, reported here instead of
-    reaching the auditor as a false "forked log"."""
+    reaching the auditor as a false "forked log". A row whose note the log's keys do not verify
+    (anyone with INSERT on the table can add one) is left out with a warning naming its size: it
+    proves nothing, and must not stop every later export."""
     latest: dict[int, str] = {}
     previous = None
     for row in ledger.store.checkpoints(conn):
-        cp = parse_checkpoint(note.split_note(row.note)[0])
-        if (cp.origin, cp.size, cp.root, row.prev_size) != (
-            ledger.origin,
-            row.size,
-            row.root,
-            previous,
-        ):
+        if row.prev_size != previous:
             raise VerificationError(
-                f"stored checkpoint of size {row.size} does not match its note or its predecessor"
+                f"stored checkpoint of size {row.size} is chained to size {row.prev_size}, the "
+                f"one before it has size {previous}: a checkpoint row was removed"
             )
         previous = row.size
+        problem = ledger.checkpoint_row_problem(row)
+        if problem is not None:
+            _check_unsigned_row(ledger, conn, row, problem)
+            continue
         if 0 < row.size < size:
             latest[row.size] = row.note
     reader = ledger.store.reader(conn)

@@ -14,10 +14,19 @@ leaf hashes (the older ones are vouched for by the previous root), must reproduc
 stored subtree hashes give. The first checkpoint recomputes the whole root from the leaf hashes. A
 corrupted stored hash (the frontier) or a history that contradicts a signed one is refused and
 reported, never signed.
+
+What it proves from: only stored checkpoint rows whose note verifies under the log's own keys and
+names this origin, size and root count as "signed" (a row the app role may INSERT, chained and
+within the log, with a note nobody signed, is skipped with a warning naming its size, so it cannot
+stop later checkpoints); and the (size, root) this process last signed, kept in memory, so that a
+database superuser who deletes the checkpoint rows and rewrites history consistently still cannot
+get this signer to sign a second root for a size it signed (a fork). A restarted process has only
+the stored rows, the witnesses and the auditors' kept checkpoints to go by.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -49,6 +58,8 @@ _log = get_logger("kvguard.audit.ledger")
 
 Clock = Callable[[], datetime]
 
+_OTHER_ORIGIN = "signed for origin"
+
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
@@ -78,6 +89,10 @@ class Ledger:
         self.witnesses: list[WitnessEndpoint] = []
         self._witness_sizes: dict[str, int] = {}  # witness name -> size it last cosigned
         self.last_cosigning: CosignOutcome | None = None
+        # The (size, root) this process last signed: a fork is refused even when the stored
+        # checkpoint rows are gone (module docstring). Guarded by `_anchor_lock`.
+        self._anchor: tuple[int, bytes] | None = None
+        self._anchor_lock = threading.Lock()
 
     @classmethod
     def open(
@@ -247,10 +262,26 @@ class Ledger:
         with write_transaction(self.store.engine) as conn:
             size = self.store.lock_head(conn)
             root = self.store.root(size, conn)
-            last = self.store.latest_checkpoint(conn)
-            self._prove_root(conn, last, size, root)
+            trusted = self.trusted_checkpoint(conn)
+            with self._anchor_lock:
+                anchor = self._anchor
+            try:
+                if trusted is not None:
+                    self._prove_root(conn, trusted.size, trusted.root, size, root)
+                else:  # nothing vouched for yet: the whole root from the leaf hashes
+                    self._recompute(conn, 0, size, root)
+                if anchor is not None and anchor != (
+                    (trusted.size, trusted.root) if trusted else None
+                ):
+                    self._prove_root(conn, anchor[0], anchor[1], size, root, in_memory=True)
+            except VerificationError as exc:
+                _log.error(
+                    "ledger checkpoint refused", origin=self.origin, size=size, reason=str(exc)
+                )
+                raise
             text = format_checkpoint(Checkpoint(self.origin, size, root))
             signed = self.sign_note(text)
+            last = self.store.latest_checkpoint(conn)  # the chain's end, trusted or not
             if last is None or last.size < size:  # one stored checkpoint per size: the first
                 prev = last.size if last is not None else None
                 self.store.insert_checkpoint(conn, size, root, signed, prev)
@@ -260,38 +291,70 @@ class Ledger:
                     size=size,
                     key_ids=[k.key_id.hex() for k in self.signing_keys],
                 )
+        with self._anchor_lock:
+            if self._anchor is None or self._anchor[0] <= size:
+                self._anchor = (size, root)
         return signed
 
-    def _prove_root(
-        self, conn: sa.Connection, last: CheckpointRow | None, size: int, root: bytes
-    ) -> None:
-        """Refuse to sign `root` unless it follows from the leaf hashes appended since `last`
-        and from `last`'s signed root (module docstring)."""
-        old_size, old_root = 0, merkle.EMPTY_ROOT
-        if last is not None:
-            cp = parse_checkpoint(note.split_note(last.note)[0])
-            if cp.origin != self.origin:
+    def trusted_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
+        """The latest stored checkpoint row whose note verifies under this log's keys and names
+        its origin, size and root; rows above it that do not (anyone with INSERT on the table can
+        add one) are skipped with a warning naming their size, never trusted."""
+        for row in self.store.checkpoints_newest_first(conn):
+            problem = self.checkpoint_row_problem(row)
+            if problem is None:
+                return row
+            if problem.startswith(_OTHER_ORIGIN):  # signed by our key: a misconfiguration
                 raise VerificationError(
-                    f"the stored checkpoints are of origin {cp.origin!r}, this ledger was opened "
-                    f"as {self.origin!r} (the wrong origin?): refusing to sign"
+                    f"the stored checkpoint of size {row.size} is {problem}, and this ledger was "
+                    f"opened as {self.origin!r} (the wrong origin?): refusing to sign"
                 )
-            if (cp.size, cp.root) != (last.size, last.root):
-                raise VerificationError("the stored latest checkpoint does not match its own note")
-            old_size, old_root = last.size, last.root
+            _log.warning(
+                "ledger checkpoint row ignored: not a checkpoint this log signed",
+                size=row.size,
+                reason=problem,
+            )
+        return None
+
+    def checkpoint_row_problem(self, row: CheckpointRow) -> str | None:
+        """Why stored checkpoint `row` is not one this log signed (None if it is)."""
+        try:
+            text, _ = note.open_note(row.note, self.verifiers())
+            cp = parse_checkpoint(text)
+        except VerificationError as exc:
+            return str(exc)
+        if cp.origin != self.origin:
+            return f"{_OTHER_ORIGIN} {cp.origin!r}"
+        if (cp.size, cp.root) != (row.size, row.root):
+            return "the row does not match its signed note"
+        return None
+
+    def _prove_root(
+        self,
+        conn: sa.Connection,
+        old_size: int,
+        old_root: bytes,
+        size: int,
+        root: bytes,
+        *,
+        in_memory: bool = False,
+    ) -> None:
+        """Refuse to sign `root` unless it follows from the leaf hashes appended since the
+        signed (`old_size`, `old_root`) and from that signed root (module docstring)."""
+        what = "the checkpoint this process signed" if in_memory else "its checkpoint"
         if old_size > size:
             raise LogRewrittenError(
-                f"tree shrank from {old_size} to {size} entries since the last checkpoint: "
-                "refusing to sign"
+                f"tree shrank from {old_size} to {size} entries since {what}: refusing to sign"
             )
-        if old_size == 0:  # nothing vouched for yet: the whole root from the leaf hashes
-            self._recompute(conn, 0, size, root)
-            return
         if size == old_size:
             if root != old_root:
                 raise LogRewrittenError(
                     f"the root of the first {size} entries changed since it was signed: "
-                    "refusing to sign"
+                    f"refusing to sign (a fork of {what})"
                 )
+            return
+        if old_size == 0:
+            self._recompute(conn, 0, size, root)
             return
         ranges = merkle.consistency_ranges(old_size, size)
         proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn))
@@ -302,7 +365,7 @@ class Ledger:
             merkle.verify_consistency(old_size, size, old_root, root, proof)
         except VerificationError as exc:
             raise LogRewrittenError(
-                f"the log no longer extends its checkpoint of size {old_size} "
+                f"the log no longer extends {what} of size {old_size} "
                 f"(consistency proof: {exc}): refusing to sign"
             ) from None
 
@@ -320,7 +383,7 @@ class Ledger:
 
     def _periodic_checkpoint(self) -> None:
         with self.store.engine.connect() as conn:
-            last = self.store.latest_checkpoint(conn)
+            last = self.trusted_checkpoint(conn)
         if last is None or last.size < self.size:
             self.checkpoint()
 

@@ -107,6 +107,8 @@ def verify_bundle(
         )
     except UnicodeDecodeError:
         raise VerificationError("a bundle file is not valid UTF-8") from None
+    except RecursionError:  # a last guard: each JSON reader below names its own file and line
+        raise VerificationError("a bundle file holds JSON nested too deeply to be one") from None
     except OSError as exc:  # e.g. a proof file replaced by a folder
         raise VerificationError(f"cannot read {Path(exc.filename or '?').name}") from None
 
@@ -406,7 +408,7 @@ def _check_line_proof(
     try:
         obj = json.loads(line)
         index, leaf_b64, proof = obj["index"], obj["leaf"], obj["inclusion_proof"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
         raise VerificationError(f"{where}: not an entry line") from None
     if not isinstance(index, int) or isinstance(index, bool) or index <= previous:
         raise VerificationError(f"{where}: index is not an integer above the previous one")
@@ -468,6 +470,10 @@ def _verify_consistency(
             if old.origin != cp.origin:
                 raise VerificationError("older checkpoint is from another log")
             merkle.verify_consistency(old.size, cp.size, old.root, cp.root, proof)
+        except RecursionError:
+            raise VerificationError(
+                f"{where}: not a consistency line (nested too deeply)"
+            ) from None
         except (ValueError, KeyError, TypeError, VerificationError) as exc:
             raise VerificationError(f"{where}: {exc}") from None
         olds.append(old)

@@ -99,8 +99,12 @@ def erased_line(index: int, erased_by: int, erasure_leaf: bytes, proof: Sequence
 
 
 def erased_index(leaf: bytes) -> int | None:
-    """The index a `payload.erase` leaf names, or None for any other leaf."""
-    obj = json.loads(leaf)
+    """The index a `payload.erase` leaf names, or None for any other leaf (or a leaf that is not
+    JSON at all: a row written outside the append path proves nothing)."""
+    try:
+        obj = json.loads(leaf)
+    except (ValueError, RecursionError):
+        return None
     if not isinstance(obj, dict) or obj.get("kind") != ERASE_KIND:
         return None
     details = obj.get("details")
@@ -134,6 +138,8 @@ def check_payload_lines(
                 erased += 1
             else:
                 raise VerificationError("state is neither present nor erased")
+        except RecursionError:
+            raise VerificationError(f"{where}: not a payload line (nested too deeply)") from None
         except (ValueError, KeyError, TypeError, AttributeError, VerificationError) as exc:
             raise VerificationError(f"{where}: {exc}") from None
     missing = next(wanted, None)

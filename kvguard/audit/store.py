@@ -13,7 +13,7 @@ The frontier is swapped in only after the commit, so a failed transaction leaves
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -28,6 +28,7 @@ from kvguard.logging import get_logger
 _log = get_logger("kvguard.audit.store")
 
 _IN_CHUNK = 500  # bound the IN (...) list of one hash read
+_CHECKPOINT_PAGE = 16  # checkpoint rows read at a time when looking for the latest trusted one
 # Appends of up to this many entries go as pipelined INSERTs on PostgreSQL, larger ones by COPY
 # (several times faster in bulk, docs/benchmarks.md "Audit ledger"; `_insert_pipelined`).
 _PG_PIPELINED_MAX_ENTRIES = 64
@@ -35,6 +36,16 @@ _SQLITE_MAX_PARAMS = 999  # SQLITE_MAX_VARIABLE_NUMBER before SQLite 3.32 (32,76
 # Links that SQLite's triggers do not check (several per entry; migration 0004): a row planted ahead
 # of the head is ignored rather than colliding with the append.
 _IGNORED_ON_SQLITE = frozenset({"ledger_entry_blocks", "ledger_entry_commands"})
+
+
+def blob(value: object, what: str) -> bytes:
+    """A BLOB column's value as bytes. SQLite keeps whatever type a hand edit stores (`UPDATE ...
+    SET leaf = '{...}'` stores TEXT): that is tampering to name, never a TypeError to crash on."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise VerificationError(
+        f"{what} is not binary (stored as {type(value).__name__}: edited outside kvguard?)"
+    )
 
 
 class PreparedEntry(NamedTuple):
@@ -131,7 +142,9 @@ class LedgerStore:
         size = _head_size(sizes[0] if sizes else None)
         if tree_size > size:
             raise ValueError(f"tree size {tree_size} is beyond the ledger ({size} entries)")
-        found = {(int(kind), int(k)): bytes(v) for kind, k, v in rows if kind != 2}
+        found = {
+            (int(kind), int(k)): blob(v, f"stored hash {k}") for kind, k, v in rows if kind != 2
+        }
 
         def read(subtrees: Sequence[merkle.Subtree]) -> list[bytes]:
             out = []
@@ -150,8 +163,11 @@ class LedgerStore:
         """The stored leaf hashes of entries [lo, hi) in order (VerificationError if any is
         missing)."""
         e = t.entries.c
-        stmt = sa.select(e.leaf_hash).where(e.idx >= lo, e.idx < hi).order_by(e.idx)
-        out = [bytes(h) for h in conn.execute(stmt.execution_options(yield_per=10_000)).scalars()]
+        stmt = sa.select(e.idx, e.leaf_hash).where(e.idx >= lo, e.idx < hi).order_by(e.idx)
+        out = [
+            blob(h, f"entry {i}: leaf hash")
+            for i, h in conn.execute(stmt.execution_options(yield_per=10_000))
+        ]
         if len(out) != hi - lo:
             raise VerificationError(f"entries {lo}..{hi - 1}: {hi - lo - len(out)} are missing")
         return out
@@ -163,6 +179,22 @@ class LedgerStore:
         c = t.checkpoints.c
         rows = conn.execute(sa.select(c.size, c.root, c.note, c.prev_size).order_by(c.size))
         return [CheckpointRow(int(s), bytes(r), str(n), p) for s, r, n, p in rows]
+
+    def checkpoints_newest_first(self, conn: sa.Connection) -> Iterator[CheckpointRow]:
+        """Stored checkpoint rows from the largest size down, a page at a time (the caller
+        usually stops at the first; no cursor is left open on the connection)."""
+        c = t.checkpoints.c
+        below: int | None = None
+        while True:
+            stmt = sa.select(c.size, c.root, c.note, c.prev_size).order_by(c.size.desc())
+            if below is not None:
+                stmt = stmt.where(c.size < below)
+            rows = conn.execute(stmt.limit(_CHECKPOINT_PAGE)).all()
+            for s, r, n, p in rows:
+                yield CheckpointRow(int(s), bytes(r), str(n), p)
+            if len(rows) < _CHECKPOINT_PAGE:
+                return
+            below = int(rows[-1][0])
 
     def latest_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
         """The checkpoint the head row names as latest (VerificationError if it is gone)."""
@@ -365,7 +397,9 @@ def _select_in(conn: sa.Connection, select: str, key: str, keys: Sequence[int]) 
     for i in range(0, len(keys), _IN_CHUNK):
         chunk = tuple(keys[i : i + _IN_CHUNK])
         sql = f"{select} WHERE {key} IN ({', '.join(mark for _ in chunk)})"
-        found.update((int(k), bytes(v)) for k, v in conn.exec_driver_sql(sql, chunk))
+        found.update(
+            (int(k), blob(v, f"stored hash {k}")) for k, v in conn.exec_driver_sql(sql, chunk)
+        )
     return found
 
 

@@ -96,10 +96,16 @@ def verify_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         raise _usage(f"--key / --witness-key: {exc}", json_output) from None
     if min_witnesses is not None and min_witnesses > len(witnesses):
         raise _usage(f"--min-witnesses {min_witnesses} needs as many --witness-key", json_output)
-    pinned = _read_pinned(trusted_checkpoint, json_output)
-    trust = _Trust(key, origin, pinned, witnesses, min_witnesses or len(witnesses))
     if kind == "certificate" and full:
         raise _usage("--full applies to export bundles only", json_output)
+    if kind == "certificate" and trusted_checkpoint is not None:
+        raise _usage(
+            "--trusted-checkpoint applies to export bundles (a certificate carries no "
+            "consistency proofs)",
+            json_output,
+        )
+    pinned = _read_pinned(trusted_checkpoint, json_output)
+    trust = _Trust(key, origin, pinned, witnesses, min_witnesses or len(witnesses))
     try:
         if kind == "certificate":
             outcome = _verify_certificate(path, trust)
@@ -167,11 +173,6 @@ def _verify_certificate(path: Path, trust: _Trust) -> _Outcome:
     verifiers = [parse_verifier_key(k) for k in trust.keys]
     expected_origin(report.origin, trust.origin, None, verifiers)
     checkpoint = str(get_path(document, "evidence.checkpoint"))
-    if trust.pinned is not None:
-        raise VerificationError(
-            "--trusted-checkpoint applies to export bundles (a certificate carries no "
-            "consistency proofs)"
-        )
     cosigned = _check_witnesses(checkpoint, trust)
     engines = f"{report.engines} engine{'' if report.engines == 1 else 's'}"
     keys = report.offload_keys_destroyed

@@ -17,7 +17,7 @@ Checked, in one consistent read snapshot:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -30,6 +30,7 @@ from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.events import EventKind
 from kvguard.audit.leaf import command_links, decode_leaf, format_micros, ts_micros
 from kvguard.audit.payloads import check_commitment
+from kvguard.audit.store import blob
 from kvguard.errors import VerificationError
 
 if TYPE_CHECKING:
@@ -96,12 +97,12 @@ def _check_entries(conn: sa.Connection, size: int, progress: Progress | None = N
     ):
         if idx != expected:
             raise VerificationError(f"entry {expected}: missing (next stored index is {idx})")
-        leaf = bytes(raw_leaf)
+        leaf = blob(raw_leaf, f"entry {idx}: leaf")
         try:
             event, commitment = decode_leaf(leaf)
         except VerificationError as exc:
             raise VerificationError(f"entry {idx}: {exc}") from None
-        if bytes(stored_hash) != merkle.leaf_hash(leaf):
+        if blob(stored_hash, f"entry {idx}: leaf hash") != merkle.leaf_hash(leaf):
             raise VerificationError(f"entry {idx}: stored leaf hash does not match the leaf")
         columns = (kind, scope_tag, request_id, ts_us)
         if columns != (event.kind, event.scope_tag, event.request_id, ts_micros(event.ts)):
@@ -130,7 +131,7 @@ def _check_entries(conn: sa.Connection, size: int, progress: Progress | None = N
 
 def _check_blocks(conn: sa.Connection, expected: set[tuple[int, int]]) -> None:
     b = t.entry_blocks.c
-    stored = {(int(x), int(i)) for x, i in conn.execute(sa.select(b.block_id, b.idx))}
+    stored = _int_pairs(conn.execute(sa.select(b.block_id, b.idx)), "block link")
     if stored != expected:
         first = min(stored ^ expected, key=lambda pair: pair[1])
         raise VerificationError(f"entry {first[1]}: block links do not match the leaf")
@@ -138,10 +139,20 @@ def _check_blocks(conn: sa.Connection, expected: set[tuple[int, int]]) -> None:
 
 def _check_commands(conn: sa.Connection, expected: set[tuple[int, int]]) -> None:
     c = t.entry_commands.c
-    stored = {(int(x), int(i)) for x, i in conn.execute(sa.select(c.command_id, c.idx))}
+    stored = _int_pairs(conn.execute(sa.select(c.command_id, c.idx)), "command link")
     if stored != expected:
         first = min(stored ^ expected, key=lambda pair: pair[1])
         raise VerificationError(f"entry {first[1]}: command links do not match the leaf")
+
+
+def _int_pairs(rows: Iterable[Sequence[object]], what: str) -> set[tuple[int, int]]:
+    """(id, entry index) link rows as integers; a value edited to text is named, not a crash."""
+    out: set[tuple[int, int]] = set()
+    for x, i in rows:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (x, i)):
+            raise VerificationError(f"{what} ({x!r}, entry {i!r}) is not a pair of integers")
+        out.add((int(x), int(i)))  # type: ignore[call-overload]
+    return out
 
 
 def _check_hashes(conn: sa.Connection, levels: list[list[bytes]], size: int) -> None:
@@ -153,7 +164,7 @@ def _check_hashes(conn: sa.Connection, levels: list[list[bytes]], size: int) -> 
         level, index = merkle.split_stored_hash_key(int(key))
         if level == 0 or (index + 1) << level > size:
             raise VerificationError(f"stored hash {level}/{index} is not a complete subtree")
-        if bytes(value) != levels[level][index]:
+        if blob(value, f"stored hash {level}/{index}") != levels[level][index]:
             raise VerificationError(
                 f"entries {index << level}..{((index + 1) << level) - 1}: stored subtree hash "
                 f"(level {level}) does not match the recomputed one"
@@ -172,7 +183,9 @@ def _check_payloads(conn: sa.Connection, scan: _Scan) -> int:
         if commitment is None:
             raise VerificationError(f"entry {idx}: payload stored for a leaf without commitment")
         try:
-            check_commitment(commitment, bytes(salt), bytes(body))
+            check_commitment(
+                commitment, blob(salt, f"entry {idx}: salt"), blob(body, f"entry {idx}: payload")
+            )
         except VerificationError as exc:
             raise VerificationError(f"entry {idx}: {exc}") from None
         present.add(int(idx))
@@ -229,7 +242,7 @@ def _check_checkpoints(
                 f"{where}: signed for origin {cp.origin!r}, not {origin!r} (the wrong --origin, "
                 "or a checkpoint of another log)"
             )
-        if (cp.size, cp.root) != (cp_size, bytes(cp_root)):
+        if (cp.size, cp.root) != (cp_size, blob(cp_root, f"{where}: root")):
             raise VerificationError(f"{where}: row does not match its signed note")
         if cp.size > size:
             raise VerificationError(

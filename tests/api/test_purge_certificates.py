@@ -200,10 +200,11 @@ def test_a_whole_engine_left_out_is_caught_by_the_request_entry(
     bad = _without_engine(cert, "engine-b")
     with pytest.raises(VerificationError, match="fewer engines than were live"):
         verify_certificate(bad, [vkey])
-    # Without the request entry (jobs queued by `kvguard purge` have none) the smaller claim is
-    # self-consistent: the verifier cannot know an engine is missing (docs/audit.md says so).
+    # Every job has its request entry (`purge.create`): a certificate without it is refused too,
+    # so dropping it cannot hide the missing engine.
     bad["evidence"]["entries"] = [e for e in bad["evidence"]["entries"] if e["role"] != "request"]
-    assert verify_certificate(bad, [vkey]).engines == 1
+    with pytest.raises(VerificationError):
+        verify_certificate(bad, [vkey])
 
 
 def _foreign_entry(env: ApiEnv, cert: Cert, kind: str) -> dict[str, Any]:
