@@ -21,6 +21,7 @@ accord (the one secret a command prints on purpose, a newly created key, is in i
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +52,13 @@ JsonOpt = Annotated[
 ]
 
 ProgressFn = Callable[[int, int], None]
+
+_MASK: Final = "***"
+_PLACEHOLDER: Final = "kvguardmaskedsecret"
+# Query parameters of a database URL whose value is a secret: libpq's `password` and `sslpassword`,
+# and any driver's `*passwd*`, `*secret*` or `*token*` (a cloud IAM token, say). Masking a
+# parameter that was not secret only costs a line of diagnosis.
+_SECRET_PARAMETER: Final = re.compile(r"passw|secret|token|credential", re.IGNORECASE)
 
 # The errors that mean "the answer is no" (exit 1); every other expected error is a usage or
 # environment problem (exit 2).
@@ -115,20 +123,23 @@ def reporting(
     except Exception as exc:
         if not _is_database_error(exc):
             raise
-        where = f" {safe_url(db_url)}" if db_url else ""
-        message = f"cannot open database{where}: {type(exc).__name__}"
-        raise fail(message, EXIT_USAGE, json_output) from None
+        raise fail(_database_problem(exc, db_url), EXIT_USAGE, json_output) from None
 
 
 def safe_url(url: str) -> str:
-    """A database URL fit to print: the password masked."""
+    """A database URL fit to print: the password masked, in the user information and in the query,
+    where libpq (and docs/operations.md) take `password`, `sslpassword` and the like too."""
     from sqlalchemy.engine import make_url  # noqa: PLC0415 - `kvguard verify` must not load SQL
     from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
         return "(malformed URL)"
+    masked = [name for name in parsed.query if _SECRET_PARAMETER.search(name)]
+    rendered = parsed.update_query_dict(dict.fromkeys(masked, _PLACEHOLDER))
+    # The placeholder survives SQLAlchemy's quoting as it is, and reads as a mask once replaced.
+    return rendered.render_as_string(hide_password=True).replace(_PLACEHOLDER, _MASK)
 
 
 @contextmanager
@@ -161,6 +172,29 @@ def _is_database_error(exc: BaseException) -> bool:
     # Checked without importing SQLAlchemy: if it is not loaded, no error can be one of its own.
     sa_exc = sys.modules.get("sqlalchemy.exc")
     return sa_exc is not None and isinstance(exc, sa_exc.SQLAlchemyError)
+
+
+def _database_problem(exc: BaseException, db_url: str | None) -> str:
+    """What a database error means for the operator, by its type only (a driver's message may quote
+    connection details or the statement's values): a value the database refused, a schema that does
+    not match this release, or a database that could not be reached."""
+    import sqlalchemy.exc as sa_exc  # noqa: PLC0415 - loaded already: `exc` is one of its errors
+
+    where = f" {safe_url(db_url)}" if db_url else ""
+    kind = type(exc).__name__
+    if isinstance(exc, sa_exc.DataError):
+        return f"the database{where} refused a value as too long or malformed ({kind})"
+    if isinstance(exc, sa_exc.IntegrityError):
+        return f"the database{where} refused a change that conflicts with stored data ({kind})"
+    if isinstance(exc, sa_exc.ProgrammingError):
+        # A missing table or column, or a privilege the role lacks: the schema is not this
+        # release's, most often because it was not migrated (the app role cannot migrate).
+        return (
+            f"the database{where} does not have this release's schema, or this role lacks a "
+            f"privilege ({kind}): run `kvguard db migrate` as the owner role, then "
+            "`kvguard db grants APP_ROLE` (docs/operations.md)"
+        )
+    return f"cannot open database{where}: {kind}"
 
 
 def _dumps(result: Mapping[str, Any]) -> str:

@@ -16,6 +16,11 @@ class ConfigError(KvguardError):
     """Settings or secret files are missing, malformed or unsafe."""
 
 
+class SchemaVersionError(ConfigError):
+    """The database schema is at a revision this release cannot use: one made by a newer release,
+    or one this release must migrate but the connecting role may not (it has no DDL)."""
+
+
 class SecretFileError(ConfigError):
     """A secret file is missing, unreadable or readable by group/others."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import TextIO
 
@@ -49,22 +50,71 @@ def read_secret_file(path: str | Path) -> bytes:
 
 
 def write_secret_file(path: str | Path, data: bytes, *, overwrite: bool = False) -> Path:
-    """Create `path` with mode 0600 and write `data`. Refuses to replace an existing file by default."""
+    """Create `path` with mode 0600 and write `data`. Refuses to replace an existing file by default.
+
+    With `overwrite` the file is replaced atomically (`_replace`): a rotation that fails half-way
+    (disk full, a crash) leaves the old file whole, never an empty or truncated one whose keys are
+    lost for good."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    try:
-        fd = os.open(p, flags, 0o600)
-    except FileExistsError:
-        raise SecretFileError(f"secret file {p} already exists; refusing to overwrite it") from None
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if overwrite:
+        _replace(p, data)
+    else:
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise SecretFileError(
+                f"secret file {p} already exists; refusing to overwrite it"
+            ) from None
+        try:
+            os.fchmod(fd, 0o600)
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            p.unlink(missing_ok=True)  # a partial new secret is no secret file at all
+            raise
+        finally:
+            os.close(fd)
     register_secret(data.strip())
     return p
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write `data` to a 0600 temporary file beside `path`, fsync it, rename it over `path` and
+    fsync the directory, so that `path` holds the old bytes or the new ones, also after a crash."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # mkstemp's mode already; said here since it is the point
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (POSIX: the entry lives in the directory's data)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a platform without directory fds: the rename stands, its durability is the OS's
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the data itself is synced
+    finally:
+        os.close(fd)
 
 
 def _private_fd(path: str | Path) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from enum import StrEnum
 from pathlib import Path
 
@@ -59,8 +60,14 @@ class Settings(BaseSettings):
 
     def signing_key_files(self) -> list[Path]:
         """`KVGUARD_SIGNING_KEY_FILE`, else the data directory's `ledger-signing.key` (what
-        `kvguard keys signing-key` writes and `kvguard serve` generates in dev mode)."""
-        return [self.signing_key_file or self.data_dir / "ledger-signing.key"]
+        `kvguard keys signing-key` writes and `kvguard serve` generates in dev mode).
+
+        During a key rotation the variable names both files, separated like PATH entries
+        (`old.key:new.key`, `os.pathsep`): every checkpoint then carries both signatures, so
+        auditors holding either verifier key accept it (docs/operations.md, Secrets)."""
+        if self.signing_key_file is None:
+            return [self.data_dir / "ledger-signing.key"]
+        return [Path(p) for p in str(self.signing_key_file).split(os.pathsep) if p]
 
     def secret_path(self, name: str) -> Path:
         """Where a key command writes `name` when no `--out` is given: the data directory (created
@@ -73,7 +80,9 @@ class Settings(BaseSettings):
         """(salt keyring file, checkpoint signing key file) for a server process. In dev mode the
         missing ones are generated under the data directory (0600); otherwise both must be set, and
         FailClosedError names what `command` needs."""
-        keyring_file, signing_file = self.salt_keyring_file, self.signing_key_file
+        keyring_file = self.salt_keyring_file
+        # The first of several during a rotation (`signing_key_files` lists them all).
+        signing_file = self.signing_key_files()[0] if self.signing_key_file else None
         if self.mode is Mode.DEV:
             from kvguard.audit.signing import SigningKey  # noqa: PLC0415 (audit imports settings)
 

@@ -5,7 +5,8 @@ from `ApiConfig` and closes them at shutdown. Middleware, outermost first: `Acce
 line per request: method, route, status, principal key id, duration; never headers or bodies),
 `errors.ErrorGuard` (answers what no handler took, never re-raises), the dashboard's session layer
 (`dashboard.install`: under `/dashboard` only, it turns the session cookie into the bearer header
-the gate checks), `limits.RequestGate` (body limit, NUL check and authentication before the body
+the gate checks, and answers what escapes a dashboard page itself, as an HTML page with the
+dashboard's security headers, so the guard's bare JSON never reaches a browser), `limits.RequestGate` (body limit, NUL check and authentication before the body
 is read), then FastAPI's exception handlers (`errors.install`) and routes.
 """
 

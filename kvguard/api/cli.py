@@ -7,9 +7,12 @@ already revoked), 2 usage or environment (a bad option, missing secrets, a datab
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 
@@ -19,6 +22,9 @@ from kvguard.logging import capture_stdlib_logging
 if TYPE_CHECKING:
     from kvguard.api.auth import ApiKeys
     from kvguard.api.services import ApiConfig
+
+MIN_CHECKPOINT_INTERVAL_S: Final = 1.0
+MAX_CHECKPOINT_INTERVAL_S: Final = 86_400.0  # a day; `threading.Event.wait` overflows far beyond
 
 DbOption = Annotated[
     str | None,
@@ -51,7 +57,11 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         ),
     ] = None,
     checkpoint_interval: Annotated[
-        float, typer.Option(help="Seconds between periodic checkpoints (0: on demand only).")
+        float,
+        typer.Option(
+            help=f"Seconds between periodic checkpoints, {MIN_CHECKPOINT_INTERVAL_S:g} to "
+            f"{MAX_CHECKPOINT_INTERVAL_S:g} (0: on demand only)."
+        ),
     ] = 60.0,
     max_body_bytes: Annotated[
         int,
@@ -87,15 +97,19 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
     """Serve the compliance admin API (uvicorn).
 
     Secrets: KVGUARD_SIGNING_KEY_FILE and KVGUARD_SALT_KEYRING_FILE (0600 files), or
-    KVGUARD_MODE=dev to generate them under KVGUARD_DATA_DIR. Exit 0 when stopped; 1 the ledger
-    fails its start-up check; 2 usage or environment (missing secrets, a database it cannot
-    open)."""
-    import uvicorn  # noqa: PLC0415
-
+    KVGUARD_MODE=dev to generate them under KVGUARD_DATA_DIR. Exit 0 when stopped (SIGTERM or
+    Ctrl-C); 1 the ledger fails its start-up check; 2 usage or environment (missing secrets, a
+    database it cannot open, an address it cannot listen on)."""
     from kvguard.api.app import create_app  # noqa: PLC0415
     from kvguard.api.services import CONFIG_ENV, Services  # noqa: PLC0415
     from kvguard.audit.witness_client import WitnessEndpoint  # noqa: PLC0415
 
+    if not _valid_checkpoint_interval(checkpoint_interval):
+        message = (
+            f"--checkpoint-interval must be 0 (on demand only) or {MIN_CHECKPOINT_INTERVAL_S:g} "
+            f"to {MAX_CHECKPOINT_INTERVAL_S:g} seconds"
+        )
+        raise fail(message, EXIT_USAGE)
     with reporting(False, usage=(ValueError,)):
         config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
         config = replace(config, witnesses=tuple(witness or ()))
@@ -110,7 +124,7 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         # own services from the same settings.
         services.close()
         os.environ[CONFIG_ENV] = config.to_json()
-        uvicorn.run(
+        run_uvicorn(
             "kvguard.api.app:app_from_environment",
             factory=True,
             workers=workers,
@@ -119,12 +133,57 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
             **uvicorn_options(trusted_proxy or []),
         )
         return
-    uvicorn.run(
+    run_uvicorn(
         create_app(services, close_on_shutdown=True),
         host=host,
         port=port,
         **uvicorn_options(trusted_proxy or []),
     )
+
+
+def _valid_checkpoint_interval(seconds: float) -> bool:
+    # A negative (or NaN) wait returns at once and the checkpoint thread spins; an infinite or huge
+    # one overflows the thread's timed wait. Below a second, signing would be most of the work.
+    return seconds == 0 or MIN_CHECKPOINT_INTERVAL_S <= seconds <= MAX_CHECKPOINT_INTERVAL_S
+
+
+def run_uvicorn(app: Any, *, host: str, port: int, **options: Any) -> None:
+    """`uvicorn.run`, its outcomes mapped to the exit-code table (docs/cli.md).
+
+    - Stopped by SIGTERM (systemd, Docker, Kubernetes) or Ctrl-C after a graceful shutdown: returns
+      (exit 0). uvicorn re-raises a signal it caught once it has shut down, with the handler that
+      was installed before it ran; that handler is `_stopped`, which exits 0, instead of the
+      default one, which would kill the process (status 143).
+    - Could not start (address in use, a host that does not resolve, the application's start-up
+      failed): uvicorn logs the cause and exits 3 (or 1 for a multi-worker bind); raised as exit 2,
+      an environment error."""
+    import uvicorn  # noqa: PLC0415
+
+    previous = _on_sigterm(_stopped)
+    try:
+        uvicorn.run(app, host=host, port=port, **options)
+    except SystemExit as exc:
+        if exc.code in {0, None}:
+            return
+        message = (
+            f"cannot serve on {host}:{port}: the address is in use, does not resolve or cannot be "
+            "bound, or the application failed to start (the log line above says which)"
+        )
+        raise fail(message, EXIT_USAGE) from None
+    finally:
+        _on_sigterm(previous)
+
+
+def _stopped(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM and return the one it replaces (None off the main thread,
+    where signals cannot be handled, and where nothing is installed)."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
@@ -152,6 +211,7 @@ def _config(
     return ApiConfig(
         db_url=db or settings.database_url(),
         signing_key_file=signing_file,
+        more_signing_key_files=tuple(settings.signing_key_files()[1:]),  # during a rotation
         salt_keyring_file=keyring_file,
         origin=origin,
         checkpoint_interval_s=checkpoint_interval,

@@ -54,6 +54,8 @@ _in_write = threading.local()
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
     return str(value) if isinstance(value, Path) else value
 
 
@@ -87,6 +89,8 @@ class ApiConfig:
     worker_threads: int = 8
     # c2sp.org/tlog-witness endpoints ("URL=VKEY") that cosign every checkpoint.
     witnesses: tuple[str, ...] = ()
+    # More checkpoint signing keys during a rotation: checkpoints carry every key's signature.
+    more_signing_key_files: tuple[Path, ...] = ()
 
     def to_json(self) -> str:
         """The settings as JSON (paths and URL only: no secret is in them)."""
@@ -98,6 +102,9 @@ class ApiConfig:
         for name in ("signing_key_file", "salt_keyring_file"):
             data[name] = Path(data[name])
         data["witnesses"] = tuple(data.get("witnesses", ()))
+        data["more_signing_key_files"] = tuple(
+            Path(p) for p in data.get("more_signing_key_files", ())
+        )
         return cls(**data)
 
 
@@ -192,7 +199,10 @@ class Services:
         ledger = Ledger.open(
             config.db_url,
             origin=config.origin,
-            signing_key=SigningKey.load(config.signing_key_file),
+            signing_key=[
+                SigningKey.load(path)
+                for path in (config.signing_key_file, *config.more_signing_key_files)
+            ],
             clock=lambda: datetime.fromtimestamp(clock(), UTC),
             checkpoint_interval=config.checkpoint_interval_s,
             witnesses=[WitnessEndpoint.parse(w) for w in config.witnesses],

@@ -40,13 +40,38 @@ def is_current(engine: sa.Engine) -> bool:
 
 
 def upgrade(engine: sa.Engine) -> None:
-    """Run pending migrations in one write transaction (serialised across processes)."""
+    """Run pending migrations in one write transaction (serialised across processes).
+
+    SchemaVersionError when the database is at a ledger revision this release does not know (a
+    newer release migrated it): alembic would fail with "Can't locate revision"; nothing is ever
+    downgraded implicitly."""
+    from alembic.util import CommandError  # noqa: PLC0415 - kept inside the one function
+
+    from kvguard.errors import SchemaVersionError  # noqa: PLC0415
+
     if is_current(engine):
         return
     cfg = alembic_config()
-    with write_transaction(engine) as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    current, scripts = current_revision(engine), ScriptDirectory.from_config(cfg)
+    try:
+        known = current is None or scripts.get_revision(current) is not None
+    except CommandError:
+        known = False
+    if not known:
+        raise SchemaVersionError(
+            f"database schema {current} is newer than this release "
+            f"(head {scripts.get_current_head()}): run the release that migrated it"
+        )
+    try:
+        with write_transaction(engine) as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    except sa.exc.ProgrammingError as exc:  # the app role, which has no DDL, on an old schema
+        raise SchemaVersionError(
+            f"database schema {current or '(none)'} is behind this release "
+            f"(head {scripts.get_current_head()}) and this role could not migrate it "
+            f"({type(exc).__name__}): run `kvguard db migrate` as the owner role"
+        ) from exc
 
 
 def run_env(

@@ -84,10 +84,31 @@ def _selector(
     if len(chosen) > 1 or (not chosen and not tenant):
         message = "give exactly one of --tenant, --session (with --tenant), --model, --adapter"
         raise fail(message, EXIT_USAGE, json_output)
+    too_long = _too_long(tenant, chosen)
+    if too_long is not None:
+        raise fail(too_long, EXIT_USAGE, json_output)
     if chosen:
         kind, value = chosen[0]
+        if kind != "session" and tenant:
+            # Dropping --tenant would purge the model or adapter for every tenant, which is not
+            # what was asked for; the API refuses the same request (422).
+            message = f"--{kind} purges apply to every tenant; leave --tenant out"
+            raise fail(message, EXIT_USAGE, json_output)
         return PurgeSelector(PurgeKind(kind), value, tenant if kind == "session" else None)
     return PurgeSelector(PurgeKind.TENANT, str(tenant))
+
+
+def _too_long(tenant: str | None, chosen: list[tuple[str, str]]) -> str | None:
+    """The problem with an option longer than its column (the API's limits, 422 there), named
+    before the database refuses it with a DataError that could name neither option nor column."""
+    from kvguard.control.schema import SELECTOR_VALUE_MAX, TENANT_ID_MAX  # noqa: PLC0415
+
+    if tenant is not None and len(tenant) > TENANT_ID_MAX:
+        return f"--tenant is longer than {TENANT_ID_MAX} characters"
+    for kind, value in chosen:
+        if len(value) > SELECTOR_VALUE_MAX:
+            return f"--{kind} is longer than {SELECTOR_VALUE_MAX} characters"
+    return None
 
 
 def _wait_for_acks(queue: CommandQueue, command_id: int, wait: float) -> list[dict[str, Any]]:

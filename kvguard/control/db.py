@@ -23,8 +23,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError as AlembicCommandError
 
 from kvguard.audit.db import create_engine, read_connection, write_transaction
+from kvguard.errors import SchemaVersionError
 
 VERSION_TABLE: Final = "control_alembic_version"
 _SCRIPTS: Final = Path(__file__).resolve().parent / "migrations"
@@ -70,13 +72,39 @@ def current_revision(engine: sa.Engine) -> str | None:
 
 
 def upgrade(engine: sa.Engine, revision: str = "head") -> None:
-    """Run pending control migrations in one write transaction (serialised across processes)."""
-    if revision == "head" and current_revision(engine) == head_revision():
+    """Run pending control migrations in one write transaction (serialised across processes).
+
+    SchemaVersionError when the database is at a revision this release does not know: one that a
+    newer release migrated it to (a rollback, or an older process during a rolling upgrade). Alembic
+    would fail with "Can't locate revision"; downgrading is never done implicitly."""
+    current, head = current_revision(engine), head_revision()
+    if revision == "head" and current == head:
         return
+    if current is not None and not _known(current):
+        raise SchemaVersionError(
+            f"database schema {current} is newer than this release (head {head}): "
+            "run the release that migrated it"
+        )
     cfg = alembic_config()
-    with write_transaction(engine) as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+    try:
+        with write_transaction(engine) as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    except sa.exc.ProgrammingError as exc:
+        # Almost always the app role (no DDL, docs/operations.md) on a database its owner has not
+        # migrated for this release yet: say so, instead of a bare "ProgrammingError".
+        raise SchemaVersionError(
+            f"database schema {current or '(none)'} is behind this release (head {head}) and "
+            f"this role could not migrate it ({type(exc).__name__}): run `kvguard db migrate` "
+            "as the owner role"
+        ) from exc
+
+
+def _known(revision: str) -> bool:
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except AlembicCommandError:  # alembic's "Can't locate revision" (and its ResolutionError)
+        return False
 
 
 def ensure_schema(engine: sa.Engine) -> None:

@@ -20,6 +20,7 @@ from kvguard.control.db import VERSION_TABLE
 from kvguard.control.schema import metadata
 
 _IDENTIFIER: Final = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_RESERVED: Final = frozenset({"public", "none", "current_user", "session_user", "current_role"})
 
 # What each serving process does to each control table.
 PRIVILEGES: Final = {
@@ -40,10 +41,23 @@ PRIVILEGES: Final = {
 SEQUENCES: Final = ("engine_commands_id_seq", "control_outbox_id_seq")
 
 
-def app_role_grants(app_role: str) -> list[str]:
-    """SQL statements (run as the owner) granting `app_role` what the control plane needs."""
+def check_role_name(app_role: str) -> None:
+    """ValueError unless `app_role` can name one login role: a lower-case SQL identifier that is
+    not a reserved role name. `GRANT ... TO public` grants to every role (DELETE on
+    `ledger_payloads` included); `current_user`, `session_user` and `current_role` name whoever
+    runs the statement (the owner); `none` and `pg_*` are reserved by PostgreSQL."""
     if not _IDENTIFIER.match(app_role):
         raise ValueError("role names are lower-case SQL identifiers")
+    if app_role in _RESERVED or app_role.startswith("pg_"):
+        raise ValueError(
+            "that role name is reserved by PostgreSQL (public, none, current_user, "
+            "session_user, current_role, pg_*): name the app role itself"
+        )
+
+
+def app_role_grants(app_role: str) -> list[str]:
+    """SQL statements (run as the owner) granting `app_role` what the control plane needs."""
+    check_role_name(app_role)
     missing = set(metadata.tables) - set(PRIVILEGES)
     if missing:  # a new table must be given its privileges here, on purpose
         raise RuntimeError(f"no app-role privileges defined for {sorted(missing)}")
@@ -57,4 +71,5 @@ def app_role_grants(app_role: str) -> list[str]:
 
 def all_grants(app_role: str) -> list[str]:
     """The ledger's grants, then the control plane's: everything an app role needs."""
+    check_role_name(app_role)
     return [*ledger_grants(app_role), *app_role_grants(app_role)]

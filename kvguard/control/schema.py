@@ -29,6 +29,7 @@ HEAD_ID: Final = 1
 AUTHOR_MAX: Final = 256
 REASON_MAX: Final = 2000
 TENANT_ID_MAX: Final = 128
+SELECTOR_VALUE_MAX: Final = 256  # a purge's session, tenant, model or adapter id
 # `policy_versions.limits_of` (tenant ids start with a letter or digit, so neither is one).
 ALL_TENANTS: Final = "*"  # an admin's version that sets every tenant's limits
 NO_LIMITS: Final = "-"  # a tenant_admin's version: it sets no limits
@@ -194,7 +195,7 @@ class EngineCommand(ControlBase):
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(sa.String(32))
     selector_kind: Mapped[str] = mapped_column(sa.String(16))
-    selector_value: Mapped[str] = mapped_column(sa.String(256))
+    selector_value: Mapped[str] = mapped_column(sa.String(SELECTOR_VALUE_MAX))
     tenant_id: Mapped[str | None] = mapped_column(sa.String(256), nullable=True)
     requested_by: Mapped[str] = mapped_column(sa.String(256))
     created_at: Mapped[float] = mapped_column(sa.Float)

@@ -30,6 +30,8 @@ _MESSAGES: Final = {
     "missing": "required field is missing",
 }
 _ECHO_INPUT: Final = frozenset({"enum", "literal_error"})
+_TOO_MANY_DIGITS: Final = "integer with too many digits for a policy value"
+_TOO_DEEP: Final = "nested too deeply to be a policy document"
 
 
 class _DocumentError(Exception):
@@ -68,6 +70,19 @@ class _StrictLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        # Python refuses to convert integers of more than `sys.get_int_max_str_digits()` digits
+        # (a CPU-time defence, CVE-2020-10735) with a bare ValueError; no policy number is that long.
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, _TOO_MANY_DIGITS, node.start_mark
+            ) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
 
 def _format_for(source: str) -> Format:
     return "json" if source.lower().endswith(".json") else "yaml"
@@ -97,9 +112,22 @@ def _no_constant(name: str) -> Any:
     raise _DocumentError(f"{name} is not a valid number in a policy")
 
 
+def _json_int(digits: str) -> int:
+    # As in YAML: a bare ValueError past Python's integer conversion limit (CVE-2020-10735).
+    try:
+        return int(digits)
+    except ValueError:
+        raise _DocumentError(_TOO_MANY_DIGITS) from None
+
+
 def _load_json(text: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_int=_json_int,
+        )
     except json.JSONDecodeError as exc:
         raise _DocumentError(f"line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
@@ -113,6 +141,10 @@ def parse_policy(text: str, source: str = "<string>", *, fmt: Format | None = No
         data = _load_json(text) if (fmt or _format_for(source)) == "json" else _load_yaml(text)
     except _DocumentError as exc:
         raise PolicyValidationError(source, [(DOCUMENT, str(exc))]) from None
+    except RecursionError:
+        # Both parsers recurse once per nesting level; a hostile document (`[[[[...`) exhausts the
+        # stack long before the 1 MiB size limit. The stack has unwound by the time we get here.
+        raise PolicyValidationError(source, [(DOCUMENT, _TOO_DEEP)]) from None
     if data is None:
         raise PolicyValidationError(source, [(DOCUMENT, "empty policy document")])
     if not isinstance(data, dict):
@@ -124,6 +156,8 @@ def parse_policy(text: str, source: str = "<string>", *, fmt: Format | None = No
         return PolicySet.model_validate(data)
     except ValidationError as exc:
         raise PolicyValidationError(source, validation_problems(exc)) from None
+    except RecursionError:  # nesting shallow enough to parse, too deep to validate
+        raise PolicyValidationError(source, [(DOCUMENT, _TOO_DEEP)]) from None
 
 
 def load_policy_file(path: str | os.PathLike[str]) -> PolicySet:

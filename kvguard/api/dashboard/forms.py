@@ -11,7 +11,7 @@ their validation is a 422 naming the field (`form.tenant_id: ...`), never echoin
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 from urllib.parse import quote
 
 import anyio.to_thread
@@ -49,9 +49,20 @@ def _see(path: str, notice: str) -> RedirectResponse:
     return RedirectResponse(f"{PREFIX}{quote(path)}?notice={notice}", status_code=303)
 
 
-def _int_or_none(value: str) -> int | str | None:
-    value = value.strip()
-    return None if not value else int(value) if value.isdigit() else value
+_MAX_INT_DIGITS: Final = 19  # every version number fits a signed 64-bit column
+
+
+def _int_or_none(fields: dict[str, str], name: str) -> int | None:
+    """The whole number in form field `name`, None when it is empty; a 422 naming the field
+    otherwise. ASCII digits only: `str.isdigit` also accepts '²' and other digits `int` refuses,
+    whose error would quote the value."""
+    value = fields.get(name, "").strip()
+    if not value:
+        return None
+    if value.isascii() and value.isdigit() and len(value) <= _MAX_INT_DIGITS:
+        return int(value)
+    problem = "must be a whole number (digits 0-9)"
+    raise RequestValidationError([{"type": "int_parsing", "loc": ("form", name), "msg": problem}])
 
 
 @router.post("/tenants")
@@ -102,7 +113,7 @@ async def store_policy(
         policies.PolicyPut,
         policy=policy,  # 422 naming each bad field
         reason=form.get("reason", "").strip(),
-        expected_version=_int_or_none(form.get("expected_version", "")),
+        expected_version=_int_or_none(form, "expected_version"),
     )
     stored = await policies.put_policy(body, action, Response())
     return _see(f"/policies/{stored.version}", "policy-stored")

@@ -20,14 +20,17 @@ the cookie's attributes confine:
 The middleware also answers what needs no session (the login form, the stylesheet), checks the
 origin of every unsafe request (`kvguard.api.dashboard.csrf`), signs in (the key is checked with
 `kvguard.api.auth.authenticate_bearer`, the gate's own function, counted by the same limiter) and
-out, turns the API's JSON errors into HTML pages (401: back to the login form), and adds the security
-headers of every dashboard answer (a CSP without scripts, no framing, no caching, no referrer to
-other sites).
+out (with the session's anti-forgery token, as every form), turns the API's JSON errors into HTML
+pages (401: back to the login form), answers an exception that escaped a page the way the
+application's `ErrorGuard` would (same status, message and log line) but as such a page, and adds
+the security headers of every dashboard answer, errors included (a CSP without scripts, no framing,
+no caching, no referrer to other sites).
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import re
 from collections.abc import Callable
@@ -42,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvguard.api.auth import TooManyFailuresError, authenticate_bearer
 from kvguard.api.dashboard import csrf
 from kvguard.api.dashboard.render import LOGIN, LOGOUT, PREFIX, STYLESHEET, anonymous_page
-from kvguard.api.errors import status_for
+from kvguard.api.errors import response_for, status_for
 from kvguard.api.services import Services
 from kvguard.errors import AuthenticationError
 from kvguard.logging import get_logger
@@ -148,8 +151,26 @@ class DashboardSession:
             await self.app(scope, receive, send)
             return
         send = _secured(send)
-        path, method, headers = scope["path"], scope["method"], _headers(scope)
         secure = scope.get("scheme") == "https"
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._dispatch(scope, receive, send_tracked, secure)
+        except Exception as exc:
+            # Answered here, not by the application's `ErrorGuard` outside: its JSON answer would
+            # carry none of the security headers. The same status, message and log line as the
+            # guard's (`errors.response_for`), as an HTML page with the headers.
+            if started:
+                raise  # too late for an answer: the guard logs it and leaves the connection
+            await response_for(exc)(scope, receive, _as_html(send, secure))
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send, secure: bool) -> None:
+        path, method, headers = scope["path"], scope["method"], _headers(scope)
         if method not in _SAFE_METHODS and not csrf.same_origin(headers):
             await error_page(403, csrf.CROSS_ORIGIN)(scope, receive, send)
             return
@@ -158,8 +179,7 @@ class DashboardSession:
         elif path == LOGIN:
             response = await self._login(scope, receive, method, secure)
         elif path == LOGOUT and method == "POST":
-            response = RedirectResponse(f"{LOGIN}?notice=signed-out", status_code=303)
-            clear_session(response, secure=secure)
+            response = await _logout(receive, headers, secure)
         elif path == LOGOUT:
             response = error_page(405, "sign out with the button")
         else:
@@ -220,6 +240,21 @@ class DashboardSession:
             return error_page(status_for(exc), "sign-in is not possible right now; retry later")
         _log.info("dashboard sign-in", key_id=principal.key_id, role=principal.role.value)
         return None
+
+
+async def _logout(receive: Receive, headers: dict[str, str], secure: bool) -> Response:
+    """Sign out: clear the cookie, if the form carries the session's anti-forgery token (as every
+    form does, `kvguard.api.dashboard.csrf`; otherwise any page that got past the origin check could
+    end the session). Without a session there is nothing to protect, and the cookie is cleared."""
+    key = session_key(headers)
+    if key is not None:
+        form = await _small_form(receive, _MAX_LOGIN_BYTES)
+        sent = (form or {}).get(csrf.FIELD, "")
+        if not hmac.compare_digest(sent.encode(), csrf.token(key).encode()):
+            return error_page(403, csrf.FORGED)
+    response = RedirectResponse(f"{LOGIN}?notice=signed-out", status_code=303)
+    clear_session(response, secure=secure)
+    return response
 
 
 async def _small_form(receive: Receive, limit: int) -> dict[str, str] | None:

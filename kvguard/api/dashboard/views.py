@@ -76,23 +76,29 @@ def tenant_detail(tenant_id: policies.TenantIdPath, page: Reader) -> HTMLRespons
 def policy_history(
     page: GlobalReader, before: Annotated[int | None, Query(ge=1, lt=1 << 62)] = None
 ) -> HTMLResponse:
-    """Versions newest first, each with its diff from the version before it."""
+    """Versions newest first, `_POLICY_PAGE` at a time (`before`: the oldest one already shown),
+    each with its diff from the version before it."""
     access = page.access
-    history = policies.policy_history(access)
-    versions = [c.version for c in history]
-    shown = [c for c in reversed(history) if before is None or c.version < before][:_POLICY_PAGE]
-    rows = []
-    for change in shown:
-        at = versions.index(change.version)
-        previous = versions[at - 1] if at > 0 else 0
-        rows.append((change, previous, _text_diff(page, previous, change.version)))
     current = policies.current_policy(access, Response())
-    older = shown[-1].version if shown and shown[-1].version > versions[0] else None
+    latest = current.change.version if current.change else 0
+    top = latest if before is None else min(before - 1, latest)
+    # The API lists oldest first from `after`; versions are numbered without gaps (the store's head
+    # row), so the page ending at `top`, with the version before its oldest, is one window of it.
+    window = policies.policy_history(
+        access, after=max(0, top - _POLICY_PAGE - 1), limit=_POLICY_PAGE + 1
+    )
+    window = [c for c in window if c.version <= top]
+    rows = []
+    for at in range(len(window) - 1, max(len(window) - 1 - _POLICY_PAGE, -1), -1):
+        change = window[at]
+        previous = window[at - 1].version if at > 0 else 0
+        rows.append((change, previous, _text_diff(page, previous, change.version)))
+    oldest_shown = rows[-1][0].version if rows else 0
     return page.render(
         "policies.html",
         rows=rows,
-        older=older,
-        current_version=current.change.version if current.change else 0,
+        older=oldest_shown if oldest_shown > 1 else None,
+        current_version=latest,
         current_text=summaries.policy_text(current.policy),
     )
 
@@ -114,8 +120,12 @@ def policy_detail(
 ) -> HTMLResponse:
     access = page.access
     stored = policies.policy_version(version, access)
-    earlier = [c.version for c in policies.policy_history(access) if c.version < version]
-    previous = earlier[-1] if earlier else 0
+    # The version before this one: the first after `version - 2` (numbered without gaps), or the
+    # built-in defaults (0) for version 1.
+    earlier = (
+        policies.policy_history(access, after=max(0, version - 2), limit=1) if version > 1 else []
+    )
+    previous = earlier[0].version if earlier and earlier[0].version < version else 0
     changes = (
         policies.policy_diff(access, from_version=previous, to_version=version).changes
         if version
