@@ -47,3 +47,43 @@ def test_ledger_commit_interval_reaches_the_ledger_writer_and_is_bounded(tmp_pat
         assert ledger._writer._interval == 0.25
     finally:
         ledger.close()
+
+
+def test_an_engine_signs_with_both_keys_during_a_rotation(tmp_path, monkeypatch) -> None:
+    """docs/operations.md: during a signing-key rotation both keys are configured and every
+    checkpoint carries both signatures, so auditors holding either verifier key accept it. The
+    engine's connector options carry the second key; `kvguard engine serve` reads both from
+    KVGUARD_SIGNING_KEY_FILE (joined like PATH) and hands both to the front end's ledger."""
+    import os  # noqa: PLC0415
+
+    from kvguard.audit import note  # noqa: PLC0415
+    from kvguard.audit.signing import SigningKey  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.launch import ServeConfig  # noqa: PLC0415
+    from kvguard.settings import Settings  # noqa: PLC0415
+
+    secrets = write_secrets(tmp_path)
+    new = SigningKey.generate("kvguard.test/ledger")
+    new.save(tmp_path / "new.key")
+    options = GuardOptions(**secrets, more_signing_key_files=(tmp_path / "new.key",))
+    assert GuardOptions.from_extra_config(options.to_extra_config()) == options
+    with pytest.raises(ConfigError, match="more_signing_key_files"):
+        GuardOptions.from_extra_config({**options.to_extra_config(), "more_signing_key_files": "x"})
+    ledger = options.open_ledger()
+    try:
+        signed = ledger.checkpoint()
+        old = SigningKey.load(secrets["signing_key_file"])
+        for key in (old, new):  # either verifier alone accepts the checkpoint
+            note.open_note(signed, [key.verifier()])
+    finally:
+        ledger.close()
+    both = os.pathsep.join([str(secrets["signing_key_file"]), str(tmp_path / "new.key")])
+    monkeypatch.setenv("KVGUARD_SIGNING_KEY_FILE", both)
+    monkeypatch.setenv("KVGUARD_SALT_KEYRING_FILE", str(secrets["salt_keyring_file"]))
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path / "data"))
+    config = ServeConfig.from_settings(Settings(), origin="kvguard.test/ledger")
+    assert config.options.signing_key_file == secrets["signing_key_file"].resolve()
+    assert config.options.more_signing_key_files == ((tmp_path / "new.key").resolve(),)
+    assert config.environment()["KVGUARD_SIGNING_KEY_FILE"].split(os.pathsep) == [
+        str(secrets["signing_key_file"].resolve()),
+        str((tmp_path / "new.key").resolve()),
+    ]

@@ -282,7 +282,8 @@ def ledger_from_environment() -> Ledger | None:
     if not url or not key_file:
         return None
     origin = os.environ.get("KVGUARD_LEDGER_ORIGIN", "kvguard.local/ledger")
-    return Ledger.open(url, origin=origin, signing_key=SigningKey.load(key_file))
+    keys = [SigningKey.load(path) for path in key_file.split(os.pathsep) if path]  # a rotation: 2
+    return Ledger.open(url, origin=origin, signing_key=keys)
 
 
 def refusal_event(

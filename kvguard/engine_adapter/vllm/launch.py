@@ -66,6 +66,10 @@ class ServeConfig:
             salt_keyring_file=keyring_file.resolve(),
             ledger_url=db_url,
             signing_key_file=signing_file.resolve(),
+            # KVGUARD_SIGNING_KEY_FILE=old.key:new.key during a rotation: both sign (operations.md)
+            more_signing_key_files=tuple(
+                p.resolve() for p in settings.signing_key_files()[1:] if settings.signing_key_file
+            ),
             policy_file=settings.policy_file.resolve() if settings.policy_file else None,
             ledger_origin=origin,
             commands_url=db_url,
@@ -81,7 +85,10 @@ class ServeConfig:
             "KVGUARD_DB_URL": self.db_url,
             "KVGUARD_SALT_KEYRING_FILE": str(self.options.salt_keyring_file),
             # the ledger quota refusals are recorded in (`frontquota`)
-            "KVGUARD_SIGNING_KEY_FILE": str(self.options.signing_key_file),
+            "KVGUARD_SIGNING_KEY_FILE": os.pathsep.join(
+                str(p)
+                for p in (self.options.signing_key_file, *self.options.more_signing_key_files)
+            ),
             "KVGUARD_LEDGER_ORIGIN": self.options.ledger_origin,
         }
         if self.options.policy_file is not None:

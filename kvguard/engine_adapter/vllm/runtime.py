@@ -8,6 +8,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `policy_file` | policy set (YAML/JSON) | built-in secure defaults |
 | `ledger_url` | audit ledger database URL | required (G7) |
 | `signing_key_file` | checkpoint signing key (0600) | required with `ledger_url` |
+| `more_signing_key_files` | other signing key files during a rotation (each signs) | `[]` |
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
 | `ledger_commit_interval_s` | seconds between the ledger writer's group commits: longer means fewer commits (less CPU taken from the engine) and more entries lost if the process is killed | `0.05` |
@@ -53,6 +54,8 @@ class GuardOptions:
     ledger_url: str
     signing_key_file: Path
     policy_file: Path | None = None
+    # During a signing-key rotation, the other key(s): each checkpoint carries every signature.
+    more_signing_key_files: tuple[Path, ...] = ()
     ledger_origin: str = DEFAULT_ORIGIN
     ledger_overflow: str = "fail_closed"
     ledger_commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S
@@ -85,6 +88,7 @@ class GuardOptions:
             salt_keyring_file=Path(extra["salt_keyring_file"]),
             ledger_url=str(extra["ledger_url"]),
             signing_key_file=Path(extra["signing_key_file"]),
+            more_signing_key_files=_paths(extra, "more_signing_key_files"),
             policy_file=Path(extra["policy_file"]) if extra.get("policy_file") else None,
             ledger_origin=str(extra.get("ledger_origin", DEFAULT_ORIGIN)),
             ledger_overflow=str(extra.get("ledger_overflow", "fail_closed")),
@@ -105,6 +109,7 @@ class GuardOptions:
             "ledger_url": self.ledger_url,
             "signing_key_file": str(self.signing_key_file),
             "ledger_origin": self.ledger_origin,
+            "more_signing_key_files": [str(p) for p in self.more_signing_key_files],
             "ledger_overflow": self.ledger_overflow,
             "ledger_commit_interval_s": self.ledger_commit_interval_s,
             "canary": self.canary,
@@ -169,10 +174,20 @@ class GuardOptions:
         return Ledger.open(
             self.ledger_url,
             origin=self.ledger_origin,
-            signing_key=SigningKey.load(self.signing_key_file),
+            signing_key=[
+                SigningKey.load(path)
+                for path in (self.signing_key_file, *self.more_signing_key_files)
+            ],
             overflow=self.ledger_overflow,
             batch_interval=self.ledger_commit_interval_s,
         )
+
+
+def _paths(extra: dict[str, Any], name: str) -> tuple[Path, ...]:
+    value = extra.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
+        raise ConfigError(f"kv_connector_extra_config.{name}: expected a list of file paths")
+    return tuple(Path(p) for p in value)
 
 
 def _non_negative_int(extra: dict[str, Any], name: str) -> int:
