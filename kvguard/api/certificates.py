@@ -162,6 +162,18 @@ def _evidence(report: JobReport, services: Services) -> dict[str, Any]:
     return {"checkpoint": proven.checkpoint, "tree_size": proven.tree_size, "entries": entries}
 
 
+def _engines_expected(report: JobReport) -> int:
+    """What the request entry recorded (the verifier compares the two), else the live count:
+    the registry's count now can differ from the one taken when the job was created."""
+    ev = report.evidence
+    if ev.request is not None:
+        recorded = erasure.parse_leaf(ev.leaves[ev.request]).get("details", {})
+        count = recorded.get("engines_expected") if isinstance(recorded, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+    return report.engines_expected
+
+
 def issue(services: Services, report: JobReport) -> dict[str, Any]:
     """The certificate of a `done` job (the caller checks the status)."""
     ev, job = report.evidence, report.job
@@ -183,7 +195,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
         "job": {
             "job_id": job.job_id,
             "status": report.status.value,
-            "engines_expected": report.engines_expected,
+            "engines_expected": _engines_expected(report),
             "no_live_engines": report.no_live_engines,
         },
         "selector": selector(services, job),

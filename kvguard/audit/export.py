@@ -256,12 +256,15 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, cp: Check
 
 def _check_unsigned_row(
     ledger: Ledger, conn: sa.Connection, row: CheckpointRow, problem: str
-) -> None:
-    """Leave out a stored checkpoint row this log did not sign (warning, naming its size), unless
-    it is a checkpoint the log did sign that was edited afterwards: a note of this log's key for
+) -> bool:
+    """True for a row this log signed with a key it no longer holds (kept: `retired_key_row`).
+    Otherwise leave out a stored checkpoint row this log did not sign (warning, naming its size,
+    False), unless it is a checkpoint the log did sign that was edited afterwards: a note of this log's key for
     the row's own size (the app role cannot INSERT a second row at a size, so only an UPDATE makes
     the row disagree with it), or the log's true root at that size under a note that no longer
     verifies. Those are tampering, refused here as `verify()` refuses them."""
+    if ledger.retired_key_row(conn, row):
+        return True  # signed before a key rotation: auditors with that verifier key check it
     try:
         cp = parse_checkpoint(note.open_note(row.note, ledger.verifiers())[0])
     except VerificationError:
@@ -280,6 +283,7 @@ def _check_unsigned_row(
         size=row.size,
         reason=problem,
     )
+    return False
 
 
 def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: bytes) -> list[str]:
@@ -299,8 +303,7 @@ def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: byte
             )
         previous = row.size
         problem = ledger.checkpoint_row_problem(row)
-        if problem is not None:
-            _check_unsigned_row(ledger, conn, row, problem)
+        if problem is not None and not _check_unsigned_row(ledger, conn, row, problem):
             continue
         if 0 < row.size < size:
             latest[row.size] = row.note

@@ -268,7 +268,7 @@ class Ledger:
             try:
                 if trusted is not None:
                     self._prove_root(conn, trusted.size, trusted.root, size, root)
-                else:  # nothing vouched for yet: the whole root from the leaf hashes
+                elif anchor is None:  # nothing vouched for yet: the whole root from the leaf hashes
                     self._recompute(conn, 0, size, root)
                 if anchor is not None and anchor != (
                     (trusted.size, trusted.root) if trusted else None
@@ -304,6 +304,8 @@ class Ledger:
             problem = self.checkpoint_row_problem(row)
             if problem is None:
                 return row
+            if self.retired_key_row(conn, row):
+                return None  # signed before a key rotation: nothing older is trusted either
             if problem.startswith(_OTHER_ORIGIN):  # signed by our key: a misconfiguration
                 raise VerificationError(
                     f"the stored checkpoint of size {row.size} is {problem}, and this ledger was "
@@ -315,6 +317,28 @@ class Ledger:
                 reason=problem,
             )
         return None
+
+    def retired_key_row(self, conn: sa.Connection, row: CheckpointRow) -> bool:
+        """True for a stored checkpoint this log signed with a key it no longer holds (a finished
+        rotation, docs/operations.md): its note is a checkpoint of this origin for the row's own
+        size and root, signed by no key this process holds, and the stored tree reproduces that
+        root. Auditors holding the retired verifier key check its signature; here it can neither
+        be trusted nor condemned by its signature: an export keeps its consistency proof (which
+        the auditor checks against the new, signed root), but the signer never proves from it (a
+        process whose stored rows are all of a retired key recomputes the root from the leaf
+        hashes once, then proves from what it signed itself)."""
+        try:
+            text, sigs = note.split_note(row.note)
+            cp = parse_checkpoint(text)
+        except (VerificationError, ValueError):
+            return False
+        ours = {(v.name, v.key_id) for v in self.verifiers()}
+        if not sigs or any((name, raw[:4]) in ours for name, raw in sigs):
+            return False  # unsigned, or one of our keys signed and it did not verify: tampered
+        if (cp.origin, cp.size, cp.root) != (self.origin, row.size, row.root):
+            return False
+        size = self.store.size(conn)
+        return row.size <= size and self.store.root(row.size, conn) == row.root
 
     def checkpoint_row_problem(self, row: CheckpointRow) -> str | None:
         """Why stored checkpoint `row` is not one this log signed (None if it is)."""

@@ -150,6 +150,13 @@ def open_note(note: str, verifiers: Iterable[Verifier]) -> tuple[str, list[Verif
     return text, signed
 
 
+def signed_by_any(note: str, verifiers: Iterable[Verifier]) -> bool:
+    """Whether any signature line of `note` claims one of `verifiers`' keys (not checked here:
+    `open_note` checks it). False for a note signed only by keys the caller does not hold."""
+    known = {(v.name, v.key_id) for v in verifiers}
+    return any((name, raw[:_KEY_ID_SIZE]) in known for name, raw in split_note(note)[1])
+
+
 def join_note(text: str, lines: Sequence[str]) -> str:
     """Assemble a signed note from its text and signature lines."""
     check_text(text)

@@ -83,6 +83,8 @@ class Custody:
         # the running requests a purge doomed (their later blocks are doomed as they come).
         self._unhash: list[BlockId] = []
         self._doomed_requests: set[RequestId] = set()
+        # Doomed requests the engine preempted: doomed again when they resume (`begin`).
+        self._doomed_preempted: set[RequestId] = set()
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks
         # The expiry sweep's index: (earliest expiry, entry number, block) per cached block, in a
@@ -261,7 +263,16 @@ class Custody:
         rid = RequestId(request_id)
         if rid in self._requests:
             raise CustodyError(f"request {request_id!r} is already registered")
-        self._requests[rid] = _Request(scope, use_cache, retain_blocks)
+        req = self._requests[rid] = _Request(scope, use_cache, retain_blocks)
+        if rid in self._doomed_preempted:  # resumed after a preemption: recomputes purged context
+            self._doomed_preempted.discard(rid)
+            req.doomed = True
+            self._doomed_requests.add(rid)
+
+    def forget(self, request_id: str) -> None:
+        """The engine is done with a request custody does not hold now (one that ended while
+        preempted): forget what was kept for its resumption."""
+        self._doomed_preempted.discard(RequestId(request_id))
 
     def allocate(
         self, request_id: str, block_ids: Iterable[int], now: float, *, start: int | None = None
@@ -408,14 +419,17 @@ class Custody:
                 continue
             rec.hashed = True
 
-    def finish(self, request_id: str, now: float) -> tuple[int, ...]:
-        """The request is done. Returns the blocks quarantined for zeroization (the engine must not
+    def finish(self, request_id: str, now: float, *, preempted: bool = False) -> tuple[int, ...]:
+        """The request is done (`preempted`: for now; it may resume, and a purge that doomed it
+        still holds then). Returns the blocks quarantined for zeroization (the engine must not
         free them until `zeroized` is called); the rest are cached or were still shared."""
         rid = RequestId(request_id)
         req = self._requests.pop(rid, None)
         if req is None:
             raise CustodyError(f"request {request_id!r} is not registered")
         self._doomed_requests.discard(rid)
+        if preempted and req.doomed:
+            self._doomed_preempted.add(rid)
         quarantined: list[int] = []
         retained = residue = 0
         for bid in dict.fromkeys(req.blocks):
@@ -590,10 +604,11 @@ class Custody:
         self._unhash.clear()
         return out
 
-    def doomed_request_blocks(self) -> list[int]:
-        """The blocks held by running requests a purge doomed (the engine drops any prefix hash it
-        gave them since: a block that filled up during decode is hashed without custody's call)."""
-        return [b for rid in self._doomed_requests for b in self._requests[rid].blocks]
+    def doomed_requests(self) -> list[tuple[str, list[BlockId]]]:
+        """Running requests a purge doomed, each with its blocks in the order it got them (the
+        engine drops any prefix hash it gave them since: a block that filled up during decode is
+        hashed without custody's call)."""
+        return [(rid, self._requests[rid].blocks) for rid in self._doomed_requests]
 
     def zeroized(
         self, block_ids: Iterable[int], now: float, details: Details, *, handover: bool = False

@@ -506,3 +506,18 @@ def test_certificates_without_a_tier_keep_their_shape(issued: tuple[ApiEnv, Cert
         _set(path, {"keys_destroyed": 0})(bad)
         with pytest.raises(VerificationError, match="offload"):
             verify_certificate(bad, [vkey])
+
+
+def test_the_certificate_states_the_engine_count_its_request_entry_recorded(
+    issued: tuple[ApiEnv, Cert, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier compares `job.engines_expected` with the request entry's count; the issuer
+    takes it from that entry, not from the registry at report time, which can count differently
+    (an engine whose heartbeat was stale when the job was created and is fresh now)."""
+    from kvguard.api import purge_jobs  # noqa: PLC0415
+
+    env, _cert, vkey = issued
+    monkeypatch.setattr(purge_jobs.JobReport, "engines_expected", property(lambda _self: 3))
+    fresh = env.call("acme", "GET", "/v1/purges/1/certificate").json()
+    assert fresh["job"]["engines_expected"] == 2
+    verify_certificate(fresh, [vkey])

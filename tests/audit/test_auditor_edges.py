@@ -137,6 +137,35 @@ def test_foreign_leaf_appended_at_the_head_does_not_stop_complete_exports(
     ledger.export(tmp_path / "bundle")  # raises VerificationError: entry 6 ...
 
 
+def test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation(
+    sqlite_url: str, open_ledger: Opener, tmp_path: Path
+) -> None:
+    """docs/operations.md: rotate by configuring both keys, then drop the old one. The checkpoints
+    signed before hold no signature this process can check: they are neither forged nor damaged
+    (their notes name this origin, size and root, the stored tree reproduces those roots), so
+    checkpoints and complete exports go on and keep their consistency proofs from them."""
+    old, new = SigningKey.generate(ORIGIN), SigningKey.generate(ORIGIN)
+    ledger = open_ledger(sqlite_url, signing_key=old)
+    ledger.append_many([make_event(i) for i in range(4)])
+    ledger.checkpoint()
+    ledger.append_many([make_event(i) for i in range(4, 8)])
+    ledger.checkpoint()
+    ledger.close()
+    rotated = open_ledger(sqlite_url, signing_key=new)
+    rotated.append_many([make_event(i) for i in range(8, 11)])
+    rotated.checkpoint()  # proves from the newest old-key row, no refusal
+    rotated.append_many([make_event(11)])
+    rotated.checkpoint()
+    summary = rotated.export(tmp_path / "bundle")
+    assert summary.tree_size == 12
+    lines = (tmp_path / "bundle" / "consistency.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # sizes 4 and 8 (old key) and 11 (new key)
+    # With every verifier key the log has used the old notes are checked too; with the new key
+    # alone they are not, but their consistency proofs still show the log extends them.
+    verify_bundle(tmp_path / "bundle", [new.verifier_key(), old.verifier_key()], full=True)
+    verify_bundle(tmp_path / "bundle", [new.verifier_key()], full=True)
+
+
 def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows_vanish(
     sqlite_url: str, open_ledger: Opener
 ) -> None:

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 from kvguard.control.commands import PurgeCommand, PurgeKind, PurgeSelector
 from kvguard.control.db import open_engine, write_transaction
 from kvguard.control.schema import PolicyVersionRow
-from kvguard.engine_adapter.records import BlockStatus
+from kvguard.engine_adapter.records import BlockStatus, EventKind
 from kvguard.engine_adapter.vllm.engine_link import CommandRunner, EngineLink
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
@@ -185,34 +185,43 @@ def test_acknowledgements_that_keep_failing_do_not_stop_later_purges(
     assert set(queue.acks) == {5, 6}
 
 
-def test_a_purge_whose_run_raises_runs_again_and_is_acknowledged(
+def test_a_purge_run_while_the_ledger_refuses_entries_is_acknowledged_and_recorded_once(
     make_guard: Any,  # noqa: F811 (the fixture imported above)
 ) -> None:
-    """Under `ledger_overflow: fail_closed` a full ledger queue raises LedgerUnavailableError while
-    a purge runs (the engine refuses work, G7). The command stays first in line: once the ledger
-    drains it runs again (quarantining nothing more) and is acknowledged once."""
+    """Under `ledger_overflow: fail_closed` a full ledger queue refuses the purge's entries while
+    it runs. Nothing raises (out of vLLM's scheduler hooks that would stop the engine core, and a
+    second run would record the purge twice): the purge runs once, its entries wait and reach the
+    ledger once it drains, the command is acknowledged, and no new request starts meanwhile (G7)."""
     guard, f = _block_1_cached_for_a(make_guard)
     queue = f.link.queue
     queue.commands.append(PurgeCommand(9, PurgeSelector(PurgeKind.TENANT, "a"), seq=1))
     f.clock.now += 5
     f.link.tick()  # fetched
     real = f.ledger.submit_many
+    submitted: list[Any] = []
 
     def full(events: Any) -> None:
         if events:
             raise LedgerUnavailableError("ledger queue full: refusing work")
 
+    def recording(events: Any) -> None:
+        submitted.extend(events)
+        real(events)
+
     f.ledger.submit_many = full
-    with pytest.raises(LedgerUnavailableError):
-        guard.on_new_request(request("b", BLOCK))  # the request is refused (G7)
-    f.ledger.submit_many = real
+    b = request("b", BLOCK)
+    guard.on_new_request(b)  # runs the purge: no exception
+    assert guard.ledger_refusing and not guard.may_schedule(b)
+    f.ledger.submit_many = recording
     for _ in range(3):  # the ledger drained; the engine goes on
         f.clock.now += 1
         f.link.tick()
-        guard.on_new_request(request("b", BLOCK))
         guard.build_step(schedule())
+    assert not guard.ledger_refusing and guard.may_schedule(b)
     assert 9 in queue.acks, "purge 9 ran (its blocks are quarantined) but is never acknowledged"
     assert guard.commands.last_seq == 1
+    purges = [e for e in submitted if getattr(e, "event", e).kind is EventKind.TENANT_PURGE]
+    assert len(purges) == 1
 
 
 def test_a_command_this_version_cannot_read_is_stepped_past(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ def test_a_purge_follows_the_running_requests_it_selects(make_custody) -> None:
     c.allocate("r1", [2], 2.0)  # decode after the purge: computed over the purged context
     c.mark_hashed([1, 2])  # vLLM hashed them as they filled: refused, to be unhashed
     assert sorted(c.take_unhash()) == [1, 2, 2]
-    assert sorted(c.doomed_request_blocks()) == [0, 1, 2]
+    assert [(rid, sorted(b)) for rid, b in c.doomed_requests()] == [("r1", [0, 1, 2])]
     c.begin("r2", scope_for("a"), use_cache=True)  # after the purge: its own, clean work
     with pytest.raises(CustodyError, match="refused"):  # unhashed and doomed: no hit
         c.reuse("r2", [0], 3.0, tokens_matched=16)
@@ -493,4 +493,30 @@ def test_a_tenants_cache_yields_to_its_growing_running_work_under_its_quota(make
     (evict,) = [e for e in c.take_events() if e.kind is EventKind.EVICT]
     assert evict.block_ids == (0, 1) and evict.details == {"reason": "quota"}
     assert c.reclaim_over_quota("other", 2.0) == ()  # no quota: never reclaimed
+    c.check_invariants()
+
+
+def test_a_purge_doomed_request_stays_doomed_across_a_preemption(make_custody) -> None:
+    """A request a purge doomed and the engine then preempted recomputes the purged context when
+    it resumes: the blocks it gets then are doomed too, never cached. One that ends while
+    preempted is forgotten."""
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.allocate("r1", [0, 1], 0.0)
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 1.0)
+    assert c.finish("r1", 2.0, preempted=True) == (0, 1)
+    c.begin("r1", scope_for("a"), use_cache=True)  # resumed
+    c.allocate("r1", [5, 6], 3.0)
+    c.mark_hashed([5, 6])
+    assert c.finish("r1", 4.0) == (5, 6)  # zeroized, not cached
+    c.begin("r2", scope_for("a"), use_cache=True)
+    c.allocate("r2", [7], 5.0)
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 6.0)
+    c.finish("r2", 7.0, preempted=True)
+    c.forget("r2")  # ended while preempted
+    c.begin("r2", scope_for("a"), use_cache=True)  # a new request reusing the id: not doomed
+    c.allocate("r2", [8], 8.0)
+    c.mark_hashed([8])
+    assert c.finish("r2", 9.0) == ()
+    assert c.record(8).status is BlockStatus.CACHED
     c.check_invariants()

@@ -254,6 +254,47 @@ def test_a_ledger_refusal_during_a_step_does_not_strand_quarantined_blocks(tmp_p
     guard.close()
 
 
+def test_a_purge_command_during_a_ledger_outage_neither_stops_the_engine_nor_records_twice(
+    tmp_path,
+) -> None:
+    """A purge command run while the ledger refuses entries: raising out of the step would stop
+    vLLM's engine core (an exception in `build_connector_meta`), and running the command again
+    would record the purge twice. Its events wait and are recorded once; while they wait, a
+    scheduling pass retries the ledger once, not once per waiting request."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from tests.engine_adapter.test_scheduler_guard import request, schedule  # noqa: PLC0415
+
+    guard, ledger, _pool, outage = _guard_on_real_ledger(tmp_path)
+    a = request("a", 32, max_tokens=40)
+    guard.on_new_request(a)
+    guard.build_step(schedule(new=[(a, [3, 4], 0)]))
+    ledger.flush()
+    lock = outage()
+    selector = PurgeSelector(kind=PurgeKind.TENANT, value="a")
+    counts = guard.purge_for_command(selector, 1000.0, 7)  # no exception
+    assert counts == {"blocks_quarantined": 0, "blocks_active_doomed": 2}
+    guard.build_step(schedule())
+    waiting = [request("b", 32) for _ in range(5)]
+    for r in waiting:
+        guard.on_new_request(r)
+    before = guard.stats["ledger_refusals"]
+    assert not any(guard.may_schedule(r) for r in waiting)
+    assert guard.stats["ledger_refusals"] - before <= 1  # one retry for the whole pass
+    lock.rollback()
+    lock.close()
+    for _ in range(2):
+        guard.build_step(schedule())
+        ledger.flush()
+    assert all(guard.may_schedule(r) for r in waiting)
+    with ledger.store.engine.connect() as conn:
+        purges = conn.execute(
+            sa.text("select count(*) from ledger_entries where kind = 'tenant.purge'")
+        ).scalar_one()
+    guard.close()
+    assert purges == 1
+
+
 def test_a_tenant_never_holds_more_than_its_quota_of_active_plus_cached_blocks(guarded) -> None:
     """docs/policy.md: `quota.max_blocks` is 'the most KV blocks (active + cached) the tenant may
     hold'; docs/vllm.md: 'a tenant's flood holds at most its quota of the pool'. The engine bounds

@@ -254,9 +254,9 @@ class CommandRunner:
 
     def run(self, now: float, target: CommandTarget) -> int:
         """Run every fetched command, in number order; returns how many ran. Touches no database:
-        the acknowledgements wait for `flush_acks`. A command whose run raises (a full ledger queue
-        under `fail_closed`, G7) stays first in line and runs again at the next call; a purge run
-        twice quarantines nothing more."""
+        the acknowledgements wait for `flush_acks`. A command whose run raises stays first in line
+        and runs again at the next call (a purge run twice quarantines nothing more); a full ledger
+        queue does not make a purge raise: its entries wait in the scheduler (`_forward`)."""
         ran = 0
         while self._ready:
             command, loaded = self._ready[0]

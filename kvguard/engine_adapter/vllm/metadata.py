@@ -70,6 +70,10 @@ class TierOrder:
     scope_tag: str
     to_disk: bool = False
     generation: int = 0  # the domain's shred generation when ordered (scheduler_tier.py)
+    # A spill's block: when its bytes were computed and last used (its owner's retention counts
+    # from these in the tier too); carried back in the worker's report with the order.
+    created_at: float | None = None
+    last_used_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

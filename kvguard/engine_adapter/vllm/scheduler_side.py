@@ -165,6 +165,9 @@ class SchedulerGuard:
         # running work grew in this schedule (`reclaim_over_quota` after the step's allocations).
         self._quota_tenant: dict[str, str] = {}
         self._grown: set[str] = set()
+        self._refused_at = self._retried_at = -1  # the step of the last refusal / retry
+        # Purge-doomed requests -> their blocks whose prefix hash was dropped (`_drop_doomed_hashes`)
+        self._doomed_seen: dict[str, set[int]] = {}
         self.timer = PhaseTimer()
         self.engine_id = uuid.uuid4().hex[:12]
         self.commands = CommandRunner(self.engine_id, link)
@@ -321,9 +324,12 @@ class SchedulerGuard:
         quota of the pool. A request larger than the whole quota runs when the tenant has nothing
         else running. The first deferral of a request is a `quota.defer` ledger entry."""
         # While the ledger refuses entries (G7) nothing new starts unrecorded; running work goes on.
-        unsent = self._unsent and request.request_id not in self._begun
-        if unsent and not self._forward_unsent():
-            return False
+        if self._unsent and request.request_id not in self._begun:
+            if self._retried_at != self._step:  # once a schedule, not once per waiting request
+                self._retried_at = self._step
+                self._forward([])
+            if self._unsent:
+                return False
         waiting = self._quota_wait.get(request.request_id)
         if waiting is None:
             return True
@@ -352,6 +358,7 @@ class SchedulerGuard:
         if self.tier is not None:
             self.tier.forget_request(rid)
         if rid not in self._begun:
+            self._c.forget(rid)  # it ended while preempted
             self._envelopes.pop(rid, None)
             self._live.pop(rid, None)
             return
@@ -360,10 +367,13 @@ class SchedulerGuard:
         self._live.pop(rid, None)
 
     def _end(self, rid: str, now: float, *, hold: bool = True) -> None:
+        """`hold` False: a preemption (the request may resume; the engine already freed its
+        blocks and may re-allocate some in this schedule, so they are held after it)."""
         c = self._c
         held_by = c.request_blocks(rid)
         self._mark_hashed(b for b in held_by if c.record(b).status is BlockStatus.ACTIVE)
-        c.finish(rid, now)
+        c.finish(rid, now, preempted=not hold)
+        self._doomed_seen.pop(rid, None)
         self._begun.discard(rid)
         if self.tier is not None:
             self.tier.forget_request(rid)
@@ -553,19 +563,32 @@ class SchedulerGuard:
         if hashed:
             self._c.mark_hashed(hashed)
             if self._c.has_doomed:
-                self._drop_doomed_hashes()
+                self._drop_doomed_hashes(scan=False)
 
-    def _drop_doomed_hashes(self) -> None:
+    def _drop_doomed_hashes(self, *, scan: bool = True) -> None:
         """Take the prefix hashes of blocks a purge doomed out of vLLM's index, so no request can
-        hit KV computed over a purged context: blocks the purge found active, and those that running
-        doomed requests filled since (vLLM hashes a full block as it schedules it)."""
-        c = self._c
+        hit KV computed over a purged context: blocks the purge found active, and (`scan`, once a
+        step) those that running doomed requests filled since: vLLM hashes a full block as it
+        schedules it, in block-table order, so each request is scanned from the first of its
+        blocks not yet seen hashed, amortised O(1) per request and step. A hit that slips through
+        within one schedule is refused by custody and repaired (the block is cleared first)."""
+        c, blocks = self._c, self._pool.blocks
         for b in c.take_unhash():
-            self._evict_hash(b)
-        blocks = self._pool.blocks
-        for b in c.doomed_request_blocks():
             if blocks[b].block_hash is not None:
                 self._evict_hash(b)
+                for holder in c.record(b).holders:  # full and dropped: the scan goes past it
+                    self._doomed_seen.setdefault(holder, set()).add(b)
+        if not scan:
+            return
+        for rid, held in c.doomed_requests():
+            seen = self._doomed_seen.setdefault(rid, set())
+            for b in held:
+                if b in seen:
+                    continue
+                if blocks[b].block_hash is None:
+                    break  # not full yet: the blocks after it cannot be hashed before it is
+                self._evict_hash(b)
+                seen.add(b)
 
     def _verify_mode(self, plan: StepPlan) -> str:
         if self.options.verify_override:
@@ -621,7 +644,9 @@ class SchedulerGuard:
             for e in events
             if e.kind is purge_event_kind(selector)
         )
-        self._forward(events, must_record=True)  # refused: the command runs again (engine_link)
+        # A refusal keeps the events (recorded once the ledger takes entries again); raising here
+        # would stop vLLM's engine core, and running the purge again would record it twice.
+        self._forward(events)
         return {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
 
     def use_policy(self, policies: PolicySet, version: int) -> None:
@@ -660,13 +685,12 @@ class SchedulerGuard:
             **tier,
         }
 
-    def _forward(self, events: list[CustodyEvent], *, must_record: bool = False) -> None:
+    def _forward(self, events: list[CustodyEvent]) -> None:
         """Hand custody's events to the ledger. When the ledger refuses them (its queue is full
         under `fail_closed`, G7), they are kept, in order, and submitted before anything newer at
         the next call: what already happened (blocks cleared and returned to the pool, a step's
         plan handed to the worker) is recorded late, never lost, and the engine keeps stepping.
-        While events wait, no new request starts (`may_schedule`, `ledger_refusing`).
-        `must_record`: raise the refusal after keeping the events (a command then runs again)."""
+        While events wait, no new request starts (`may_schedule`, `ledger_refusing`)."""
         if self.tier is not None and self.tier.events:
             events = [*events, *self.tier.events]
             self.tier.events.clear()
@@ -683,18 +707,13 @@ class SchedulerGuard:
                 if not self._unsent:
                     _log.error("audit ledger refusing entries; new requests wait (G7)")
                 self._unsent = batch
-                self.stats["ledger_refusals"] += 1
-                if must_record:
-                    raise
+                if self._refused_at != self._step:  # counted once a step
+                    self._refused_at = self._step
+                    self.stats["ledger_refusals"] += 1
                 return
         if self._unsent:
             _log.info("audit ledger taking entries again", recorded_late=len(self._unsent))
             self._unsent = []
-
-    def _forward_unsent(self) -> bool:
-        """Try the waiting events again now; True once the ledger has taken them."""
-        self._forward([])
-        return not self._unsent
 
     @property
     def ledger_refusing(self) -> bool:

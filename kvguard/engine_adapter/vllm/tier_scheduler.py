@@ -100,8 +100,6 @@ class SchedulerTier:
         self._matches: dict[str, _Match] = {}
         self._external: dict[str, int] = {}
         self._loading: dict[int, str] = {}  # block id -> request id, loads ordered and unreported
-        # Spills ordered and not yet reported: the block's (created, last used) for its entry.
-        self._life: dict[TierKey, tuple[float | None, float | None]] = {}
         # Blocks a restore was ordered into -> when the restored bytes were first computed:
         # custody dates the block from then (`SchedulerGuard._allocate`), not from the restore.
         self.born: dict[int, float] = {}
@@ -169,10 +167,15 @@ class SchedulerTier:
                 and self._policy_for(scope.tenant_id).offload.disk
             )
             self._scopes.setdefault(scope.domain_key, scope)
-            self._life[candidate.key] = (candidate.created_at, candidate.last_used_at)
             self._spill.append(
                 TierOrder(
-                    b, candidate.key, candidate.scope_tag, disk, self._generation[scope.domain_key]
+                    b,
+                    candidate.key,
+                    candidate.scope_tag,
+                    disk,
+                    self._generation[scope.domain_key],
+                    candidate.created_at,
+                    candidate.last_used_at,
                 )
             )
 
@@ -344,7 +347,6 @@ class SchedulerTier:
     def _spilled(self, report: TierReport, now: float) -> None:
         per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
         for order, size in report.spilled:
-            born, used = self._life.pop(order.key, (None, None))
             if order.generation != self._generation[order.key.domain]:
                 continue  # shredded after it was ordered: the worker deleted it with the domain
             scope = self._scopes.get(order.key.domain)
@@ -352,7 +354,14 @@ class SchedulerTier:
                 continue
             tenant = scope.tenant_id
             entry = IndexEntry(
-                order.key, tenant, order.scope_tag, size, now, order.to_disk, born, used
+                order.key,
+                tenant,
+                order.scope_tag,
+                size,
+                now,
+                order.to_disk,
+                order.created_at,
+                order.last_used_at,
             )
             cap = self._policy_for(tenant).offload.max_bytes
             for gone in self.index.add(entry, tenant_cap=cap):
