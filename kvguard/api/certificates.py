@@ -32,8 +32,10 @@ from kvguard.audit.certificate import (
     ENGINE_CLAIMS,
     ENGINE_OFFLOAD_CLAIMS,
     FORMAT,
+    MEDIA_TYPE,
     OFFLOAD_CLAIMS,
     OFFLOAD_PATH,
+    SANITIZATION,
     VERSION,
     set_path,
 )
@@ -43,14 +45,6 @@ from kvguard.control.commands import PurgeKind
 STANDARDS: Final = (
     "NIST SP 800-88 Rev. 1, Appendix G: Certificate of Sanitization",
     "NIST SP 800-53 Rev. 5, SC-4: Information in Shared System Resources",
-)
-MEDIA_TYPE: Final = (
-    "KV cache blocks (paged attention cache) in the device memory of LLM serving engines"
-)
-METHOD_DETAILS: Final = (
-    "Each block was held out of the engine's free pool (quarantined) and overwritten with zeros on "
-    "its device, in every layer, before the engine could hand it to another owner; the clear was "
-    "read back per the tenant's policy (verification modes) and recorded in the audit ledger."
 )
 OFFLOAD_MEDIA_TYPE: Final = (
     "Encrypted copies of KV cache blocks in the offload tiers (host memory, local disk) of LLM "
@@ -200,12 +194,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
         },
         "selector": selector(services, job),
         "media": {"type": MEDIA_TYPE, "engines": _engines(report, facts, offload_facts)},
-        "sanitization": {
-            "method_type": "Clear",
-            "method_used": "Overwrite with zeros",
-            "method_details": METHOD_DETAILS,
-            "destination": "Returned to the engine's free block pool for reuse",
-        },
+        "sanitization": dict(SANITIZATION),
         "timestamps": {
             "requested": _iso(job.created_at),
             "acknowledged_first": _iso(min(acks, default=None)),

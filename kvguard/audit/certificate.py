@@ -147,12 +147,39 @@ def verify_certificate(
         ) from None
 
 
+MEDIA_TYPE: Final = (
+    "KV cache blocks (paged attention cache) in the device memory of LLM serving engines"
+)
+# What kvguard's clears are (every `block.zeroize` entry is one): fixed statements a certificate
+# makes about them, checked as they are (a certificate claiming "Destroy" or "Degauss" is false).
+SANITIZATION: Final[Mapping[str, str]] = {
+    "method_type": "Clear",
+    "method_used": "Overwrite with zeros",
+    "method_details": (
+        "Each block was held out of the engine's free pool (quarantined) and overwritten with zeros "
+        "on its device, in every layer, before the engine could hand it to another owner; the clear "
+        "was read back per the tenant's policy (verification modes) and recorded in the audit "
+        "ledger."
+    ),
+    "destination": "Returned to the engine's free block pool for reuse",
+}
+
+
 def _verify(
     document: Mapping[str, Any], verifiers: Sequence[note.Verifier], origin: str | None
 ) -> CertificateReport:
     if document.get("format") != FORMAT or document.get("version") != VERSION:
         raise VerificationError(f"not a version-{VERSION} {FORMAT} document")
     cp = _checkpoint(document, verifiers, origin)
+    if get_path(document, "evidence.tree_size") != cp.size:
+        raise VerificationError("evidence.tree_size: not the size of the evidence's checkpoint")
+    for key, statement in SANITIZATION.items():  # the rest of `sanitization` is in CLAIMS
+        if get_path(document, f"sanitization.{key}") != statement:
+            raise VerificationError(
+                f"sanitization.{key}: not what kvguard's clears are (Clear, overwrite with zeros)"
+            )
+    if get_path(document, "media.type") != MEDIA_TYPE:
+        raise VerificationError("media.type: not the KV cache blocks kvguard clears")
     entries = _proven_entries(document, cp)
     job_id = get_path(document, "job.job_id")
     if not isinstance(job_id, int) or isinstance(job_id, bool):

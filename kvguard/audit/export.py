@@ -258,11 +258,12 @@ def _check_unsigned_row(
     ledger: Ledger, conn: sa.Connection, row: CheckpointRow, problem: str
 ) -> bool:
     """True for a row this log signed with a key it no longer holds (kept: `retired_key_row`).
-    Otherwise leave out a stored checkpoint row this log did not sign (warning, naming its size,
-    False), unless it is a checkpoint the log did sign that was edited afterwards: a note of this log's key for
-    the row's own size (the app role cannot INSERT a second row at a size, so only an UPDATE makes
-    the row disagree with it), or the log's true root at that size under a note that no longer
-    verifies. Those are tampering, refused here as `verify()` refuses them."""
+    Otherwise the row is left out (False, a warning naming its size): a row the log's keys do not
+    verify proves nothing, and anyone with INSERT on the table can add one, also with the log's
+    true root (every checkpoint publishes it), so refusing the export for it would let one INSERT
+    stop every later export. `verify-db` reports such rows. Refused: a row whose note this log
+    signed for the row's own size but with another root (only an UPDATE makes that: the app role
+    cannot INSERT a second row at a size), as `verify()` refuses it."""
     if ledger.retired_key_row(conn, row):
         return True  # signed before a key rotation: auditors with that verifier key check it
     try:
@@ -273,13 +274,8 @@ def _check_unsigned_row(
         raise VerificationError(
             f"stored checkpoint of size {row.size} does not match its signed note: run verify-db"
         )
-    if row.size <= ledger.store.size(conn) and ledger.store.root(row.size, conn) == row.root:
-        raise VerificationError(
-            f"stored checkpoint of size {row.size} holds the log's root but its note is not "
-            f"signed by this log ({problem}): a signed checkpoint was damaged; run verify-db"
-        )
     _log.warning(
-        "export: stored checkpoint row left out, not one this log signed",
+        "export: stored checkpoint row left out, not one this log signed (verify-db reports it)",
         size=row.size,
         reason=problem,
     )

@@ -40,7 +40,15 @@ import typer
 from typer.testing import CliRunner
 
 from kvguard.audit import erasure
-from kvguard.audit.certificate import CLAIMS, FORMAT, VERSION, set_path, verify_certificate
+from kvguard.audit.certificate import (
+    CLAIMS,
+    FORMAT,
+    MEDIA_TYPE,
+    SANITIZATION,
+    VERSION,
+    set_path,
+    verify_certificate,
+)
 from kvguard.audit.cli import audit_app, verify_command
 from kvguard.audit.events import AuditEvent
 from kvguard.audit.ledger import Ledger
@@ -313,10 +321,12 @@ def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
         "job": {"job_id": 7, "status": "done", "engines_expected": 2, "no_live_engines": False},
         "selector": {"kind": "tenant", "tenant_tag": "tt_acme", "value": None},
         "media": {
+            "type": MEDIA_TYPE,
             "engines": [
                 {"engine_id": e, **{n: f[n] for n in engine_fields}} for e, f in facts.items()
-            ]
+            ],
         },
+        "sanitization": dict(SANITIZATION),
         "evidence": {"checkpoint": signed, "tree_size": size, "entries": entries},
     }
     shown = erasure.summary(purges, zeroizes, coverage)

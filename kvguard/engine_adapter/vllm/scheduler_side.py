@@ -585,6 +585,11 @@ class SchedulerGuard:
             for b in held:
                 if b in seen:
                     continue
+                if not c.record(b).doomed:
+                    # Another owner's block the request reuses (a share group's prefix): the
+                    # purge did not select its owner, so it stays reusable for that owner.
+                    seen.add(b)
+                    continue
                 if blocks[b].block_hash is None:
                     break  # not full yet: the blocks after it cannot be hashed before it is
                 self._evict_hash(b)
