@@ -241,6 +241,18 @@ def install(app: FastAPI) -> None:
         return response_for(exc)
 
 
+class TrackedSend:
+    """`send`, noting whether the response has started: after that no error answer can be sent."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class ErrorGuard:
     """Outermost middleware: answers any exception that escaped the handlers and the request gate
     (module docstring) and never re-raises it."""
@@ -252,17 +264,13 @@ class ErrorGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, send_tracked)
+            await self.app(scope, receive, tracked)
         except Exception as exc:
-            if started:  # too late for an answer: the server closes the connection unfinished
+            if (
+                tracked.started
+            ):  # too late for an answer: the server closes the connection unfinished
                 _log.error("response failed", error_type=type(exc).__name__)
                 return
             await response_for(exc)(scope, receive, send)

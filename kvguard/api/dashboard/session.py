@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvguard.api.auth import TooManyFailuresError, authenticate_bearer
 from kvguard.api.dashboard import csrf
 from kvguard.api.dashboard.render import LOGIN, LOGOUT, PREFIX, STYLESHEET, anonymous_page
-from kvguard.api.errors import response_for, status_for
+from kvguard.api.errors import TrackedSend, response_for, status_for
 from kvguard.api.services import Services
 from kvguard.errors import AuthenticationError
 from kvguard.logging import get_logger
@@ -152,20 +152,14 @@ class DashboardSession:
             return
         send = _secured(send)
         secure = scope.get("scheme") == "https"
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self._dispatch(scope, receive, send_tracked, secure)
+            await self._dispatch(scope, receive, tracked, secure)
         except Exception as exc:
             # Answered here, not by the application's `ErrorGuard` outside: its JSON answer would
             # carry none of the security headers. The same status, message and log line as the
             # guard's (`errors.response_for`), as an HTML page with the headers.
-            if started:
+            if tracked.started:
                 raise  # too late for an answer: the guard logs it and leaves the connection
             await response_for(exc)(scope, receive, _as_html(send, secure))
 
