@@ -10,10 +10,12 @@ are rendered, and the verifier regenerates nothing that is absent.
 Memory stays flat however large the export: entries are read in index order through a
 server-side cursor and written chunk by chunk (`kvguard.audit.proof_runs`). A tar header must state
 its member's size before the member, so `entries.jsonl` is measured first, by a pass over the
-matching indices and leaf lengths only: a line's size follows from its index, leaf length and proof
-length (`bundle.entry_line_size`). The log is append-only and the export stops at the signed tree
-size, so both passes see the same rows; if they did not, the stream fails (`VerificationError`)
-rather than end in a well-formed but wrong archive.
+matching rows: a line's size follows from its index, leaf length and proof length
+(`bundle.entry_line_size`) and whether the leaf is an event or a foreign entry (`bundle.leaf_event`:
+an event is embedded, a foreign leaf is carried as `"event":null`), which this pass decides once per
+leaf, checking a filtered export's index columns against each event on the way. The log is
+append-only and the export stops at the signed tree size, so both passes see the same rows; if they
+did not, the stream fails (`VerificationError`) rather than end in a well-formed but wrong archive.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ from kvguard.audit.manifest import MANIFEST, Manifest, format_manifest, selectio
 from kvguard.audit.proof_runs import CHUNK_BITS, ProofRuns
 from kvguard.audit.query import select_indices
 from kvguard.errors import VerificationError
+from kvguard.logging import get_logger
 
 if TYPE_CHECKING:
     from kvguard.audit.ledger import Ledger
 
+_log = get_logger("kvguard.audit.export")
 _BLOCK = 512  # tar block size
 _FLUSH = 1 << 20  # bytes handed to the transport at once: few enough hand-offs per second
 _GZIP_LEVEL = 1  # base64 hashes barely compress; level 1 keeps up with the generator (measured)
@@ -80,6 +84,8 @@ class BundleStream:
         self, ledger: Ledger, query: ExportQuery, *, gzip: bool = False, mtime: int = 0
     ) -> None:
         self._ledger, self._query, self._gzip, self._mtime = ledger, query, gzip, mtime
+        self._foreign: set[int] = set()  # foreign leaves a complete export carries (`_measure`)
+        self._skipped: set[int] = set()  # foreign leaves a filtered export leaves out
         self.checkpoint = ledger.checkpoint()
         cp = parse_checkpoint(note.split_note(self.checkpoint)[0])
         self.tree_size, self._root = cp.size, cp.root
@@ -116,12 +122,15 @@ class BundleStream:
             size = self._measure(conn)
             yield _header(f"{self.name}/{bundle.ENTRIES}", size, self._mtime)
             written, count, digest = 0, 0, hashlib.sha256()
+            foreign = self._foreign
             for piece, rows in self._entries(conn, aux):
                 written += len(piece)
                 digest.update(piece)
                 count += len(rows)
                 committed += [
-                    (i, c) for i, leaf in rows if (c := payloads.commitment_in_leaf(leaf))
+                    (i, c)
+                    for i, leaf in rows
+                    if not (foreign and i in foreign) and (c := payloads.commitment_in_leaf(leaf))
                 ]
                 yield piece
             if written != size:
@@ -155,18 +164,47 @@ class BundleStream:
         yield _padding(len(data))
 
     def _measure(self, conn: sa.Connection) -> int:
-        """Bytes of `entries.jsonl`, from the matching indices and leaf lengths alone."""
+        """Bytes of `entries.jsonl`. Decides, once per leaf, which are foreign (`self._foreign`,
+        used by the writing pass) and which filtered rows are left out (foreign ones: no filter
+        selects what is not an event), and checks a filtered export's columns against its
+        events."""
+        q = self._query
         e = t.entries.c
-        stmt = select_indices(**self._query.filters(self.tree_size)).with_only_columns(
-            e.idx, sa.func.length(e.leaf)
-        )
+        stmt = select_indices(**q.filters(self.tree_size))
+        if not q.complete:
+            stmt = stmt.add_columns(e.kind, e.scope_tag, e.ts_us)
         n, line_size, path_length = (
             self.tree_size,
             bundle.entry_line_size,
             merkle.inclusion_path_length,
         )
-        rows = conn.execute(stmt.execution_options(yield_per=_YIELD_PER * 4))
-        return sum(line_size(i, length, path_length(i, n)) for i, length in rows)
+        timed = q.since is not None or q.until is not None
+        total = 0
+        for index, raw, *columns in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
+            leaf = bytes(raw)
+            event = bundle.is_event(leaf)
+            if not event:
+                _log.warning(
+                    "ledger entry is not a kvguard event (written outside kvguard)", index=index
+                )
+                if not q.complete:
+                    self._skipped.add(int(index))
+                    continue
+                self._foreign.add(int(index))
+            elif columns and (
+                (q.kinds and not _holds(leaf, b',"kind":', json.dumps(columns[0]), b',"payload_c'))
+                or (
+                    q.scope_tags is not None
+                    and not _holds(leaf, b',"scope_tag":', json.dumps(columns[1]), b',"ts":')
+                )
+                or (
+                    timed
+                    and not _holds(leaf, b',"ts":', f'"{format_micros(columns[2])}"', b',"v":')
+                )
+            ):
+                raise VerificationError(f"entry {index}: index columns do not match the leaf")
+            total += line_size(index, len(leaf), path_length(index, n), foreign=not event)
+        return total
 
     def _entries(
         self, conn: sa.Connection, aux: sa.Connection
@@ -176,57 +214,46 @@ class BundleStream:
             self._ledger.store, aux, self.tree_size, self._root, complete=self._query.complete
         )
         chunk: list[tuple[int, bytes]] = []
+        foreign = self._foreign
         for index, leaf in self._rows(conn):
             if chunk and index >> CHUNK_BITS != chunk[0][0] >> CHUNK_BITS:
-                yield _lines(chunk, proofs.chunk(chunk)), chunk
+                yield _lines(chunk, proofs.chunk(chunk), foreign), chunk
                 chunk = []
             chunk.append((index, leaf))
         if chunk:
-            yield _lines(chunk, proofs.chunk(chunk)), chunk
+            yield _lines(chunk, proofs.chunk(chunk), foreign), chunk
 
     def _rows(self, conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
-        """(index, leaf) of the matching entries. In a filtered export each row's filtered columns
-        are held to its leaf: a doctored column could otherwise slip a foreign entry in."""
-        q = self._query
-        e = t.entries.c
-        stmt = select_indices(**q.filters(self.tree_size))
-        if q.complete:
-            for index, leaf in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
-                yield int(index), bytes(leaf)
-            return
-        stmt = stmt.add_columns(e.kind, e.scope_tag, e.ts_us)
-        timed = q.since is not None or q.until is not None
-        for index, raw, kind, tag, ts_us in conn.execute(
-            stmt.execution_options(yield_per=_YIELD_PER)
-        ):
-            leaf = bytes(raw)
-            if (
-                (q.kinds and not _holds(leaf, b',"kind":', json.dumps(kind), b',"payload_c'))
-                or (
-                    q.scope_tags is not None
-                    and not _holds(leaf, b',"scope_tag":', json.dumps(tag), b',"ts":')
-                )
-                or (timed and not _holds(leaf, b',"ts":', f'"{format_micros(ts_us)}"', b',"v":'))
-            ):
-                raise VerificationError(f"entry {index}: index columns do not match the leaf")
-            yield int(index), leaf
+        """(index, leaf) of the matching entries, less the foreign ones a filtered export leaves
+        out (`_measure` decided which, and checked the columns)."""
+        stmt = select_indices(**self._query.filters(self.tree_size))
+        skipped = self._skipped
+        for index, leaf in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
+            if skipped and index in skipped:
+                continue
+            yield int(index), bytes(leaf)
 
 
 def _holds(leaf: bytes, key: bytes, value: str, following: bytes) -> bool:
-    """Whether the canonical leaf's top-level field `key` is `value` (JSON text). `kind`,
-    `scope_tag` and `ts` come after `details` in a canonical leaf (sorted keys) and a `,"` can occur
-    only between fields (a quote inside a string is escaped), so the last `key` is the top-level
-    one. Slicing costs a fraction of `json.loads` per row (a leaf that is not canonical fails its
-    proof anyway)."""
+    """Whether an event leaf's (`bundle.is_event`: canonical, keys sorted) top-level field `key`
+    is `value` (JSON text). `kind`, `scope_tag` and `ts` come after `details` (sorted keys) and a
+    `,"` can occur only between fields (a quote inside a string is escaped), so the last `key` is
+    the top-level one. Slicing costs a fraction of `json.loads` per row."""
     at = leaf.rfind(key)
     return at >= 0 and leaf.startswith(key + value.encode("utf-8") + following, at)
 
 
-def _lines(rows: list[tuple[int, bytes]], proofs: list[bytes]) -> bytes:
+def _lines(rows: list[tuple[int, bytes]], proofs: list[bytes], foreign: set[int]) -> bytes:
     b2a = binascii.b2a_base64
     return b"".join(
         [
-            _LINE % (leaf, p, i, b2a(leaf, newline=False))
+            _LINE
+            % (
+                bundle.FOREIGN_EVENT if foreign and i in foreign else leaf,
+                p,
+                i,
+                b2a(leaf, newline=False),
+            )
             for (i, leaf), p in zip(rows, proofs, strict=True)
         ]
     )

@@ -13,7 +13,6 @@ itself.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -90,14 +89,15 @@ def export_bundle(
         proofs = _complete_proofs(conn, cp.size, cp.root) if complete else None
         writers = _open_outputs(out, files, renderings)
         count = 0
-        for index, leaf in _rows(conn, filters, cp.size):
+        for row in _rows(conn, filters, cp.size, complete=complete):
+            index, leaf, event = row
             proof = proofs(index, leaf) if proofs else _stored_proof(ledger, conn, index, cp, leaf)
-            _write_entry(writers, index, leaf, proof, ledger.origin)
+            _write_entry(writers, row, proof, ledger.origin)
             if tlog_proofs:
                 private_dir(out / bundle.PROOFS)
                 text = format_tlog_proof(index, proof, signed)
                 write_private_file(out / bundle.PROOFS / bundle.proof_name(index), text)
-            commitment = payloads.commitment_in_leaf(leaf)
+            commitment = payloads.commitment_in_leaf(leaf) if event is not None else None
             if commitment is not None:
                 committed.append((index, commitment))
             count += 1
@@ -184,37 +184,49 @@ def _open_outputs(out: Path, files: ExitStack, renderings: bool) -> dict[str, Te
 
 
 def _write_entry(
-    writers: dict[str, TextIO], index: int, leaf: bytes, proof: list[bytes], origin: str
+    writers: dict[str, TextIO],
+    row: tuple[int, bytes, dict[str, Any] | None],
+    proof: list[bytes],
+    origin: str,
 ) -> None:
-    writers[bundle.ENTRIES].write(bundle.entry_line(index, leaf, [bundle.b64(h) for h in proof]))
-    if bundle.CSV in writers:
-        obj = json.loads(leaf)
-        writers[bundle.CSV].write(bundle.csv_line(index, obj))
-        writers[bundle.OCSF].write(bundle.ocsf_line(index, obj, origin))
+    index, leaf, event = row
+    proof_b64 = [bundle.b64(h) for h in proof]
+    writers[bundle.ENTRIES].write(bundle.entry_line(index, leaf, proof_b64, foreign=event is None))
+    if bundle.CSV in writers and event is not None:  # the renderings hold events only
+        writers[bundle.CSV].write(bundle.csv_line(index, event))
+        writers[bundle.OCSF].write(bundle.ocsf_line(index, event, origin))
 
 
-def _rows(conn: sa.Connection, filters: dict[str, Any], size: int) -> Iterator[tuple[int, bytes]]:
-    """Matching (index, leaf) rows. Each row's index columns are checked against its leaf, so a
-    doctored column (which could hide an entry from a filtered export) stops the export."""
+def _rows(
+    conn: sa.Connection, filters: dict[str, Any], size: int, *, complete: bool
+) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """Matching (index, leaf, event) rows; `event` is None for a foreign leaf (`bundle.leaf_event`).
+
+    An event's index columns are checked against its leaf, so a doctored column (which could hide
+    an entry from a filtered export) stops the export. A foreign leaf (a row some other writer put
+    at the head) is not an event, so no filter selects it: a complete export carries it as
+    `"event":null` (the tree needs every leaf), a filtered one leaves it out, with a warning."""
     e = t.entries.c
     stmt = select_indices(below=size, **filters).add_columns(
         e.kind, e.scope_tag, e.request_id, e.ts_us
     )
     for idx, raw, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
         leaf = blob(raw, f"entry {idx}: leaf")
-        try:
-            obj = json.loads(leaf)
-            expected = [
-                obj["kind"],
-                obj["scope_tag"],
-                obj["request_id"],
-                ts_micros(parse_ts(obj["ts"])),
-            ]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            raise VerificationError(f"entry {idx}: leaf is not a valid event") from None
+        event = bundle.leaf_event(leaf)
+        if event is None:
+            _log.warning("ledger entry is not a kvguard event (written outside kvguard)", index=idx)
+            if complete:
+                yield int(idx), leaf, None
+            continue
+        expected = [
+            event["kind"],
+            event["scope_tag"],
+            event["request_id"],
+            ts_micros(parse_ts(event["ts"])),
+        ]
         if columns != expected:
             raise VerificationError(f"entry {idx}: index columns do not match the leaf")
-        yield int(idx), leaf
+        yield int(idx), leaf, event
 
 
 def _complete_proofs(conn: sa.Connection, size: int, root: bytes) -> ProofFn:

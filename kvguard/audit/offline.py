@@ -46,6 +46,7 @@ from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
 _PROGRESS_EVERY = 4096
+_FOREIGN_LINE = b'{"event":' + bundle.FOREIGN_EVENT + b',"inclusion_proof":['  # bundle.entry_line
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class BundleReport:
     payloads: int = 0
     erased_payloads: int = 0
     pinned_size: int | None = None
+    # Entries whose leaf is not a kvguard event (`bundle.leaf_event`): proven part of the log, but
+    # written into it by something other than kvguard (e.g. a database role holding INSERT).
+    foreign: tuple[int, ...] = ()
 
 
 class OriginNotPinnedError(VerificationError):
@@ -158,7 +162,7 @@ def _verify_files(
             f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
             "(lines deleted or added)"
         )
-    present, erased = _verify_payloads(d, cp)
+    present, erased, foreign = _verify_payloads(d, cp)
     olds = _verify_consistency(d, cp, verifiers)
     if pinned is not None:
         _check_pinned(pinned, cp, olds)
@@ -175,6 +179,7 @@ def _verify_files(
         present,
         erased,
         pinned.size if pinned is not None else None,
+        tuple(foreign),
     )
 
 
@@ -344,15 +349,19 @@ def _verify_proven_lines(
     previous = -1
     with ExitStack() as stack:
         for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
-            index, leaf, proof = _check_line_proof(line, _where(number), cp, previous)
+            index, leaf, proof, foreign = _check_line_proof(line, _where(number), cp, previous)
             if complete and index != number - 1:
                 raise VerificationError(
                     f"{_where(number, index)}: a complete bundle holds entry {number - 1} here "
                     "(a line was deleted or moved)"
                 )
-            if line != bundle.entry_line(index, leaf, proof):
+            if line != bundle.entry_line(index, leaf, proof, foreign=foreign):
                 raise VerificationError(
                     f"{_where(number, index)}: line differs from the canonical entry"
+                )
+            if foreign and bundle.leaf_event(leaf) is not None:
+                raise VerificationError(
+                    f"{_where(number, index)}: a kvguard event is carried as a foreign entry"
                 )
             hashes[index] = merkle.leaf_hash(leaf)
             previous = index
@@ -368,13 +377,17 @@ def _verify_proven_lines(
     return hashes
 
 
-def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
-    """Every exported commitment stated present or its erasure proven (`kvguard.audit.payloads`)."""
+def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, list[int]]:
+    """Every exported commitment stated present or its erasure proven (`kvguard.audit.payloads`).
+    Also returns the indices of the foreign entries (`"event":null`, which commit to nothing)."""
     committed: dict[int, bytes] = {}
+    foreign: list[int] = []
     marker = b',"payload_commitment":"'
     with open(d / bundle.ENTRIES, "rb") as f:
         for line in f:
-            if marker in line:  # canonical lines (checked above): the leaf holds a commitment
+            if line.startswith(_FOREIGN_LINE):  # canonical (checked above): a foreign entry
+                foreign.append(json.loads(line)["index"])
+            elif marker in line:  # canonical lines (checked above): the leaf holds a commitment
                 obj = json.loads(line)
                 leaf = b64decode_strict(obj["leaf"], bundle.ENTRIES)
                 found = payloads.commitment_in_leaf(leaf)
@@ -384,9 +397,10 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int]:
     if not path.is_file():
         if committed:
             raise VerificationError(f"bundle has no {payloads.PAYLOADS} but entries commit to one")
-        return 0, 0
+        return 0, 0, foreign
     with ExitStack() as stack:
-        return payloads.check_payload_lines(_lines(path, stack), committed, cp)
+        present, erased = payloads.check_payload_lines(_lines(path, stack), committed, cp)
+    return present, erased, foreign
 
 
 def _check_all_renderings(
@@ -395,6 +409,8 @@ def _check_all_renderings(
     """Third pass, only where renderings exist: regenerate each from the (now proven) leaves."""
     for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
         obj = json.loads(line)
+        if obj["event"] is None:
+            continue  # a foreign entry (proven above not to be an event): not rendered
         index, leaf = obj["index"], b64decode_strict(obj["leaf"], _where(number))
         _check_renderings(renderings, index, leaf, origin, _where(number, index))
     for name, lines in renderings.items():
@@ -404,10 +420,13 @@ def _check_all_renderings(
 
 def _check_line_proof(
     line: str, where: str, cp: Checkpoint, previous: int
-) -> tuple[int, bytes, list[str]]:
+) -> tuple[int, bytes, list[str], bool]:
+    """(index, leaf, proof, foreign) of a line whose inclusion proof leads to the signed root;
+    `foreign`: the line carries `"event":null` (`bundle.leaf_event`)."""
     try:
         obj = json.loads(line)
         index, leaf_b64, proof = obj["index"], obj["leaf"], obj["inclusion_proof"]
+        foreign = obj["event"] is None
     except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
         raise VerificationError(f"{where}: not an entry line") from None
     if not isinstance(index, int) or isinstance(index, bool) or index <= previous:
@@ -420,7 +439,7 @@ def _check_line_proof(
         merkle.verify_inclusion(index, cp.size, merkle.leaf_hash(leaf), raw, cp.root)
     except VerificationError as exc:
         raise VerificationError(f"{where} (entry {index}): {exc}") from None
-    return index, leaf, proof
+    return index, leaf, proof, foreign
 
 
 def _open_renderings(d: Path, stack: ExitStack) -> dict[str, Iterator[str]]:
@@ -438,7 +457,9 @@ def _check_renderings(
 ) -> None:
     if not renderings:
         return
-    obj = json.loads(leaf)
+    obj = bundle.leaf_event(leaf)
+    if obj is None:  # embedded, yet not an event: nothing can render it
+        raise VerificationError(f"{where}: the leaf is not an event, but has renderings")
     expected = {
         bundle.CSV: lambda: bundle.csv_line(index, obj),
         bundle.OCSF: lambda: bundle.ocsf_line(index, obj, origin),

@@ -38,10 +38,11 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
+from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
-from kvguard.audit import merkle
+from kvguard.audit import bundle, merkle
 from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes) of the part checked in this process
@@ -55,6 +56,9 @@ _PROOF = b',"inclusion_proof":['
 _INDEX = b'],"index":%d,"leaf":"'
 _END = b'"}\n'
 _LEAF_KEY = b'"leaf":"'
+# A foreign entry's line (`bundle.leaf_event` is None): `"event":null`, the leaf as base64 only.
+_FOREIGN = _EVENT + bundle.FOREIGN_EVENT + _PROOF
+_is_foreign = methodcaller("startswith", _FOREIGN)
 _LEAF_PREFIX = b"\x00"  # RFC 6962 section 2.1 (as `merkle.leaf_hash`, inlined on the hot path)
 _BLOCK = 256 << 10  # bytes per read + split: larger blocks fall out of the L2 cache (measured)
 _PARALLEL_MIN_BYTES = 8 << 20  # below ~6,000 entries a fork costs more than it saves
@@ -227,6 +231,11 @@ def _leaf_hashes(
             x[at : at + (len(x) - x.rfind(key) - around) // 4 * 3 - x[-5:-3].count(61)]
             for x in lines
         ]
+        if any(map(_is_foreign, lines)):  # rare: a foreign leaf is read from its base64
+            leaves = [
+                _foreign_leaf(x) if _is_foreign(x) else y
+                for x, y in zip(lines, leaves, strict=True)
+            ]
         hashes += [sha256(_LEAF_PREFIX + leaf).digest() for leaf in leaves]
         lengths.extend(map(len, leaves))
         blocks.append((len(leaves), sha256(b"".join(leaves)).digest()))
@@ -262,10 +271,13 @@ def _check_part(
         if block >= len(blocks) or blocks[block][0] != len(lines):
             raise _PartError(index - part.first, "the file changed while verifying")
         leaves = [line[body : body + n] for line, n in zip(lines, lengths[index:stop], strict=True)]
+        proofs = paths.block(index, stop)
         expected = [
             join((_EVENT, leaf, _PROOF, proof, _INDEX % i, b2a(leaf, newline=False), _END))
-            for i, leaf, proof in zip(count(index), leaves, paths.block(index, stop))
+            for i, leaf, proof in zip(count(index), leaves, proofs)
         ]
+        if any(map(_is_foreign, lines)):
+            _foreign_lines(lines, leaves, expected, proofs, lengths[index:stop], index, part.first)
         if lines != expected:
             _raise_first(lines, expected, index - part.first)
         if sha256(join(leaves)).digest() != blocks[block][1]:
@@ -278,6 +290,46 @@ def _check_part(
         raise _PartError(index - part.first, "the file changed while verifying")
     if part.stop == size and path.stat().st_size != size:
         raise _PartError(index - part.first, "the file changed while verifying")
+
+
+def _foreign_leaf(line: bytes) -> bytes:
+    """The leaf of a foreign entry's line, from its base64 (b"" when it does not decode: a wrong
+    leaf, which fails the root or pass 2)."""
+    start = line.rfind(_LEAF_KEY) + len(_LEAF_KEY)
+    try:
+        return binascii.a2b_base64(line[start : line.rfind(_END[:2])], strict_mode=True)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def _foreign_lines(  # noqa: PLR0917 (private: pass 2's own state, in its order)
+    lines: list[bytes],
+    leaves: list[bytes],
+    expected: list[bytes],
+    proofs: list[bytes],
+    lengths: array[int],
+    index: int,
+    first: int,
+) -> None:
+    """Pass 2 for the foreign lines of a block (`leaves`, `expected` updated in place): the leaf
+    comes from the base64, no longer than pass 1's length (as `_check_part` requires), the
+    expected line carries `"event":null`, and the leaf must not be a kvguard event (an exporter
+    never carries an event as foreign)."""
+    for j, line in enumerate(lines):
+        if not _is_foreign(line):
+            continue
+        leaf = leaves[j] = _foreign_leaf(line)[: lengths[j]]
+        expected[j] = b"".join(
+            (
+                _FOREIGN,
+                proofs[j],
+                _INDEX % (index + j),
+                binascii.b2a_base64(leaf, newline=False),
+                _END,
+            )
+        )
+        if bundle.leaf_event(leaf) is not None:
+            raise _PartError(index + j - first, "a kvguard event is carried as a foreign entry")
 
 
 def _raise_first(lines: list[bytes], expected: list[bytes], offset: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from kvguard.audit import bundle
 from kvguard.audit import schema as t
 from kvguard.audit.events import AuditEvent, DetailValue
 from kvguard.audit.leaf import decode_leaf, ts_micros
@@ -120,11 +121,15 @@ def run_query(
     payloads = _payloads(conn, [idx for idx, _ in rows])
     records = []
     for idx, leaf in rows:
+        if not bundle.is_event(leaf):
+            # A foreign leaf (written outside kvguard, docs/audit.md): no event to show. Paging
+            # goes on past it: `next_after` is the last row read, shown or not.
+            continue
         body = payloads.get(idx)
         erased = body is None and _has_commitment(leaf)
         payload = json.loads(body) if body is not None else None
         records.append(LedgerRecord(idx, leaf, payload, erased))
-    return QueryPage(records, records[-1].index if more else None)
+    return QueryPage(records, rows[-1][0] if more else None)
 
 
 def _has_commitment(leaf: bytes) -> bool:

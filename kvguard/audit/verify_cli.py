@@ -220,7 +220,7 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         f"{report.origin!r} size {report.tree_size}; {report.consistency_proofs} consistency "
         f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present, "
         f"{report.erased_payloads} erased{pinned}"
-        f"{_witnessed(cosigned)}{'; root recomputed' if full else ''}"
+        f"{_witnessed(cosigned)}{'; root recomputed' if full else ''}{_foreign(report.foreign)}"
     )
     result = {
         "valid": True,
@@ -236,5 +236,18 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         "erased_payloads": report.erased_payloads,
         "pinned_size": report.pinned_size,
         "cosigned_by": cosigned,
+        "foreign_entries": list(report.foreign),
     }
     return _Outcome(checkpoint, result, human)
+
+
+def _foreign(indices: tuple[int, ...]) -> str:
+    """The warning for entries that are not kvguard events: the log proves they are in it, but
+    something other than kvguard wrote them (docs/audit.md, Append guards)."""
+    if not indices:
+        return ""
+    shown = ", ".join(map(str, indices[:10])) + (", ..." if len(indices) > 10 else "")
+    return (
+        f"\nWARNING: {len(indices)} entries are not kvguard events (written into the log by "
+        f"something other than kvguard, e.g. a database role holding INSERT): {shown}"
+    )

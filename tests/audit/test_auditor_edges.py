@@ -1,5 +1,6 @@
 """Edges of the auditor's path found by an independent review (twelfth session); each test failed on
-the code before its fix (the foreign-leaf export is a known gap, marked xfail: docs/audit.md).
+the code before its fix (the foreign-leaf export, a known gap then, is fixed and tested in
+test_foreign_leaves.py).
 
 1. A single INSERT the app role may run (a forged `ledger_checkpoints` row, chained and within the
    log; or a foreign leaf at the head) stops every later checkpoint, or every complete export:
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 import json
 import sqlite3
 import time
@@ -119,30 +119,6 @@ def test_postgres_app_role_forged_checkpoint_row_does_not_stop_later_checkpoints
             ledger.checkpoint()  # raises VerificationError
         finally:
             ledger.close()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/audit.md, Limits): a bundle's entries.jsonl holds each leaf as JSON, so a "
-    "non-event leaf appended by a role with INSERT needs a bundle format change",
-)
-def test_foreign_leaf_appended_at_the_head_does_not_stop_complete_exports(
-    sqlite_url: str, open_ledger: Opener, tmp_path: Path
-) -> None:
-    """An INSERT at the head with a correct leaf hash is an append (docs/audit.md); afterwards no
-    complete export can ever be made again ("entry N: leaf is not a valid event")."""
-    ledger = open_ledger(sqlite_url)
-    ledger.append_many([make_event(i) for i in range(6)])
-    leaf = b"not an event"
-    with ledger.store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, ts_us) "
-            "SELECT size, ?, ?, 'block.alloc', 0 FROM ledger_head",
-            (leaf, hashlib.sha256(b"\x00" + leaf).digest()),
-        )
-    ledger.append_many([make_event(i) for i in range(7, 10)])
-    ledger.checkpoint()
-    ledger.export(tmp_path / "bundle")  # raises VerificationError: entry 6 ...
 
 
 def test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation(
