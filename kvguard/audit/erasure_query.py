@@ -128,11 +128,12 @@ def _evidence(
 ) -> JobEvidence:
     since_us, until_us = ts_micros(since), ts_micros(until)
     leaves: dict[int, bytes] = {}
-    # (index, leaf, its JSON, whether before `until`) of each entry in the window, parsed once
+    # (index, leaf, its JSON, whether before `until`) of each entry in the window, parsed once; a
+    # leaf that is not an event (a row linked by another writer) proves nothing and is left out
     found = [
-        (e.idx, e.leaf, erasure.parse_leaf(e.leaf), e.ts_us < until_us)
+        (e.idx, e.leaf, obj, e.ts_us < until_us)
         for e in linked
-        if e.ts_us >= since_us
+        if e.ts_us >= since_us and (obj := _parsed(e.leaf)) is not None
     ]
     purges = []
     shreds: dict[int, tuple[erasure.ShredEntry, bytes]] = {}
@@ -141,7 +142,10 @@ def _evidence(
         if obj["details"].get("command_id") != job_id:
             continue
         if kind in erasure.PURGE_KINDS:
-            purges.append(erasure.purge_entry(index, obj))
+            try:
+                purges.append(erasure.purge_entry(index, obj))
+            except VerificationError:
+                continue  # malformed: not written by an engine, proves nothing
             leaves[index] = leaf
         elif kind == erasure.SHRED_KIND:
             try:
@@ -172,6 +176,17 @@ def _evidence(
         shreds=[shreds[i][0] for i in shredded],
         offload=offload,
     )
+
+
+def _parsed(leaf: bytes) -> dict[str, Any] | None:
+    """The leaf's event JSON, or None for a leaf that is not a canonical version-1 event: a row
+    that something other than kvguard put at the head of the log, and linked to a job or to a
+    purge's blocks (a role holding INSERT can), proves nothing and must not stop a certificate
+    (docs/audit.md, Trust model)."""
+    try:
+        return erasure.parse_leaf(leaf)
+    except VerificationError:
+        return None
 
 
 def _is_request(obj: dict[str, Any], job_id: int) -> bool:
@@ -217,7 +232,13 @@ def _clears_for(
     )
     uncovered = set(purge.block_ids)
     for index, leaf in _scan(conn, stmt, first_page=_FIRST_CLEARS):
-        z = erasure.zeroize_entry(index, erasure.parse_leaf(leaf))
+        obj = _parsed(leaf)
+        try:
+            z = erasure.zeroize_entry(index, obj) if obj is not None else None
+        except VerificationError:
+            z = None
+        if z is None:
+            continue  # not an engine's clear (written outside kvguard): clears nothing
         if not z.handover and erasure.same_engine(purge.engine_id, z.engine_id):
             found[index] = z
             leaves[index] = leaf

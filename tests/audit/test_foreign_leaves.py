@@ -32,6 +32,7 @@ from typer.testing import CliRunner
 from kvguard.audit import bundle, manifest
 from kvguard.audit.bundle_stream import BundleStream, ExportQuery
 from kvguard.audit.cli import audit_app, verify_command
+from kvguard.audit.erasure_query import find_job_evidence
 from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.offline import verify_bundle
@@ -39,7 +40,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 from tests.dbs import migrate_and_grant, pg_roles
 
-from .conftest import ORIGIN, make_event
+from .conftest import ORIGIN, T0, make_event
 
 Opener = Callable[..., Ledger]
 
@@ -281,3 +282,68 @@ def test_every_leaf_kvguard_writes_is_an_event(
         event.request_id,
         list(event.block_ids),
     )
+
+
+def test_foreign_rows_linked_to_a_job_do_not_stop_its_erasure_evidence(
+    open_ledger: Opener, sqlite_url: str
+) -> None:
+    """A role holding INSERT adds rows at the head and links them to purge job 5 and to its
+    purge's blocks (the link tables accept links to any entry in the log): a foreign leaf, and a
+    canonical `block.zeroize` event that is no engine's clear. Both prove nothing; before, either
+    made finding the job's evidence raise, so no certificate could be issued for it."""
+    ledger = open_ledger(sqlite_url)
+    request = make_event(
+        0,
+        kind="admin.action",
+        scope_tag="tt_acme",
+        block_ids=[],
+        details={"action": "purge.create", "outcome": "ok", "principal": "key:a", "job_id": 5},
+    )
+    purge = make_event(
+        1,
+        kind="tenant.purge",
+        block_ids=[1, 2],
+        details={"command_id": 5, "blocks_quarantined": 2, "blocks_active_doomed": 0},
+    )
+    ledger.append_many([request, purge])
+    bogus_clear = make_event(2, kind="block.zeroize", block_ids=[1, 2], details={"handover": 3})
+    with ledger.store.engine.begin() as conn:
+        for leaf, kind in (
+            (FOREIGN["not-json"], "block.zeroize"),
+            (prepare_entry(bogus_clear).leaf, "block.zeroize"),
+        ):
+            conn.exec_driver_sql(
+                "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, ts_us) "
+                "SELECT size, ?, ?, ?, ? FROM ledger_head",
+                (leaf, _leaf_hash(leaf), kind, int(T0.timestamp() * 1e6) + 2000),
+            )
+        for idx in (2, 3):
+            conn.exec_driver_sql(
+                "INSERT INTO ledger_entry_commands (command_id, idx) VALUES (5, ?)", (idx,)
+            )
+            for block in (1, 2):
+                conn.exec_driver_sql(
+                    "INSERT INTO ledger_entry_blocks (block_id, idx) VALUES (?, ?)", (block, idx)
+                )
+    clear = make_event(
+        4,
+        kind="block.zeroize",
+        block_ids=[1, 2],
+        details={
+            "handover": False,
+            "verify_mode": "sample",
+            "verified": True,
+            "method": "torch",
+            "device": "cpu",
+            "block_count": 2,
+            "bytes_cleared": 8192,
+        },
+    )
+    ledger.append_many([clear])
+    evidence = find_job_evidence(
+        ledger, 5, since=T0 - timedelta(minutes=5), until=T0 + timedelta(minutes=5)
+    )
+    assert evidence.request == 0
+    assert [p.index for p in evidence.purges] == [1]
+    assert [z.index for z in evidence.zeroizes] == [4]
+    assert evidence.coverage.complete
