@@ -22,7 +22,15 @@ from kvguard.audit.cli import (
     verify_command,
 )
 from kvguard.audit.witness_cli import witness_app, witness_key_command
-from kvguard.cli_output import EXIT_INVALID, EXIT_USAGE, JsonOpt, emit, fail, reporting
+from kvguard.cli_output import (
+    EXIT_FAILED,
+    EXIT_INVALID,
+    EXIT_USAGE,
+    JsonOpt,
+    emit,
+    fail,
+    reporting,
+)
 from kvguard.control.cli import db_app, purge, tenant_key_app
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
@@ -170,13 +178,23 @@ def engine_serve(
     Every other option goes to vLLM unchanged (`--port`, `--max-model-len`, ...). Secrets and the
     database come from KVGUARD_* settings (KVGUARD_MODE=dev generates development keys).
 
-    Exit 0 when stopped; 2 vLLM is missing or a setting is unusable."""
+    Exit 0 when stopped (SIGTERM or Ctrl-C); 1 the server stopped on its own (its engine core
+    died) or failed to start; 2 vLLM is missing, an option or setting is unusable, or the address
+    cannot be bound."""
     try:
         from kvguard.engine_adapter.vllm.launch import serve  # noqa: PLC0415
     except ImportError as exc:
         raise fail(_NO_VLLM.format(exc=exc), EXIT_USAGE) from None
     with reporting(False):
-        serve(model, list(ctx.args))
+        stopped = serve(model, list(ctx.args))
+    if not stopped:
+        raise fail(_ENGINE_DIED, EXIT_FAILED)
+
+
+_ENGINE_DIED = (
+    "the server stopped without being asked to: its engine core died (the log above says why); "
+    "exit 1 so that a supervisor restarts it"
+)
 
 
 _NO_VLLM = (

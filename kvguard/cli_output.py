@@ -9,6 +9,12 @@ One table of exit statuses (issue 13, item 5; documented in docs/cli.md):
 - 2 (`EXIT_USAGE`): the command could not do its work: a bad option, a missing or unreadable file or
   key, a database it cannot open, a file it refuses to overwrite, a missing dependency.
 
+The long-running servers (`kvguard serve`, `kvguard engine serve`, `kvguard witness serve`) map their
+ends onto the same table (docs/operations.md, "Exit codes of the servers"): 0 stopped by SIGTERM or
+SIGINT; 1 (`EXIT_FAILED`) the server failed while starting or running (a worker that cannot be
+replaced, an engine core that died); 2 usage or environment, an address it cannot listen on
+included.
+
 With `--json`, stdout carries exactly one JSON object (sorted keys): the result, or on a non-zero
 exit `{"error": ..., "exit_code": N}` plus whatever result fields the command had (a failed check
 keeps `"valid": false`). Human messages go to stderr. Progress bars go to stderr, only when stderr is
@@ -45,6 +51,7 @@ from kvguard.errors import (
 EXIT_OK: Final = 0
 EXIT_INVALID: Final = 1
 EXIT_USAGE: Final = 2
+EXIT_FAILED: Final = EXIT_INVALID  # a server failed at start-up or while running
 
 JsonOpt = Annotated[
     bool,

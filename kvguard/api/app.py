@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Final
 
 import anyio.to_thread
 import structlog
@@ -28,6 +29,7 @@ from kvguard.api.auth import Principal
 from kvguard.api.limits import PRINCIPAL_STATE, RequestGate
 from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
 from kvguard.api.services import CONFIG_ENV, ApiConfig, Services
+from kvguard.errors import KvguardError
 from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.api.access")
@@ -77,7 +79,21 @@ def app_from_environment() -> FastAPI:
     """The app of one `kvguard serve --workers N` worker process: opens its own `Services` from the
     settings the parent checked (`KVGUARD_API_CONFIG`) and closes them at shutdown."""
     config = ApiConfig.from_json(os.environ[CONFIG_ENV])
-    return create_app(Services.open(config), close_on_shutdown=True)
+    try:
+        services = Services.open(config)
+    except Exception as exc:
+        # uvicorn takes only exit status 3 from a worker as "failed to start", and then stops every
+        # worker (the parent exits 1, docs/operations.md); any other error is a worker that died,
+        # replaced at once, failing again: a restart loop that never exits. A driver's message may
+        # quote connection details (G6): only kvguard's own messages are logged.
+        message = str(exc) if isinstance(exc, KvguardError) else None
+        _startup_log.error("worker cannot start", error_type=type(exc).__name__, error=message)
+        raise SystemExit(_STARTUP_FAILURE) from None
+    return create_app(services, close_on_shutdown=True)
+
+
+_STARTUP_FAILURE: Final = 3  # uvicorn.config.STARTUP_FAILURE
+_startup_log = get_logger("kvguard.api.app")
 
 
 def create_app(services: Services, *, close_on_shutdown: bool = False) -> FastAPI:

@@ -2,12 +2,16 @@
 
 Exit codes follow `kvguard.cli_output` (docs/cli.md): 0 ok, 1 the key named does not exist (or is
 already revoked), 2 usage or environment (a bad option, missing secrets, a database it cannot open).
+`kvguard serve` ends as every server does (docs/operations.md, "Exit codes of the servers"): 0 when
+stopped by a signal, 1 when it failed, 2 usage or environment.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -16,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 
-from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, reporting, safe_url
+from kvguard.cli_output import EXIT_FAILED, EXIT_USAGE, JsonOpt, emit, fail, reporting, safe_url
 from kvguard.logging import capture_stdlib_logging
 
 if TYPE_CHECKING:
@@ -98,8 +102,9 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
 
     Secrets: KVGUARD_SIGNING_KEY_FILE and KVGUARD_SALT_KEYRING_FILE (0600 files), or
     KVGUARD_MODE=dev to generate them under KVGUARD_DATA_DIR. Exit 0 when stopped (SIGTERM or
-    Ctrl-C); 1 the ledger fails its start-up check; 2 usage or environment (missing secrets, a
-    database it cannot open, an address it cannot listen on)."""
+    Ctrl-C); 1 the ledger fails its start-up check, or the server fails (a worker process cannot
+    start, which stops them all); 2 usage or environment (missing secrets, a database it cannot
+    open, an address it cannot listen on)."""
     from kvguard.api.app import create_app  # noqa: PLC0415
     from kvguard.api.services import CONFIG_ENV, Services  # noqa: PLC0415
     from kvguard.audit.witness_client import WitnessEndpoint  # noqa: PLC0415
@@ -148,42 +153,88 @@ def _valid_checkpoint_interval(seconds: float) -> bool:
 
 
 def run_uvicorn(app: Any, *, host: str, port: int, **options: Any) -> None:
-    """`uvicorn.run`, its outcomes mapped to the exit-code table (docs/cli.md).
+    """`uvicorn.run`, its ends mapped to the servers' exit codes (docs/operations.md, "Exit codes
+    of the servers"):
 
-    - Stopped by SIGTERM (systemd, Docker, Kubernetes) or Ctrl-C after a graceful shutdown: returns
-      (exit 0). uvicorn re-raises a signal it caught once it has shut down, with the handler that
-      was installed before it ran; that handler is `_stopped`, which exits 0, instead of the
-      default one, which would kill the process (status 143).
-    - Could not start (address in use, a host that does not resolve, the application's start-up
-      failed): uvicorn logs the cause and exits 3 (or 1 for a multi-worker bind); raised as exit 2,
-      an environment error."""
+    - stopped by SIGTERM (systemd, Docker, Kubernetes) or Ctrl-C after a graceful shutdown:
+      returns (exit 0). uvicorn re-raises a signal it caught once it has shut down, with the
+      handler that was installed before it ran; that handler is `_stopped`, which exits 0, instead
+      of the default one, which would kill the process (status 143);
+    - could not start: uvicorn logs the cause and exits 3. Exit 2 when the address cannot be
+      bound (in use, a host that does not resolve: checked again here, uvicorn exits 3 for any
+      start-up failure), else 1: the application failed to start;
+    - with workers, a worker that fails to start (it cannot open its database, say; also the
+      replacement of a worker that died) makes uvicorn's supervisor log an error and stop every
+      worker, and `uvicorn.run` then returns as after a signal: exit 1."""
     import uvicorn  # noqa: PLC0415
 
-    previous = _on_sigterm(_stopped)
+    supervisor = _SupervisorErrors()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    workers = int(options.get("workers") or 1)
+    previous = {sig: _on_signal(sig, _stopped) for sig in _STOP_SIGNALS}
+    if workers > 1:
+        uvicorn_log.addHandler(supervisor)
     try:
         uvicorn.run(app, host=host, port=port, **options)
     except SystemExit as exc:
         if exc.code in {0, None}:
             return
-        message = (
-            f"cannot serve on {host}:{port}: the address is in use, does not resolve or cannot be "
-            "bound, or the application failed to start (the log line above says which)"
-        )
-        raise fail(message, EXIT_USAGE) from None
+        if _cannot_bind(host, port):
+            message = (
+                f"cannot serve on {host}:{port}: the address is in use, does not resolve or "
+                "cannot be bound (the log line above says which)"
+            )
+            raise fail(message, EXIT_USAGE) from None
+        raise fail(_FAILED, EXIT_FAILED) from None
     finally:
-        _on_sigterm(previous)
+        uvicorn_log.removeHandler(supervisor)
+        for sig, handler in previous.items():
+            _on_signal(sig, handler)
+    if supervisor.errors:
+        raise fail(_FAILED, EXIT_FAILED)
+
+
+_FAILED: Final = (
+    "the server failed: the application or a worker process could not start (the log lines "
+    "above say why); exit 1 so that a supervisor restarts it"
+)
+_STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+
+
+class _SupervisorErrors(logging.Handler):
+    """Counts the errors uvicorn's worker supervisor logs in this process. It logs one when it
+    stops every worker because one failed to start, and returns as if it had been signalled."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.errors = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.errors += 1
+
+
+def _cannot_bind(host: str, port: int) -> bool:
+    """Whether `host:port` cannot be bound, as uvicorn binds it (SO_REUSEADDR)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _on_sigterm(handler: Any) -> Any:
-    """Install `handler` for SIGTERM and return the one it replaces (None off the main thread,
+def _on_signal(sig: int, handler: Any) -> Any:
+    """Install `handler` for `sig` and return the one it replaces (None off the main thread,
     where signals cannot be handled, and where nothing is installed)."""
     if handler is None or threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, handler)
+    return signal.signal(sig, handler)
 
 
 def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:

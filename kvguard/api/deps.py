@@ -175,6 +175,13 @@ class Action:
         """The `ok_event` committed with its change: log it as `done` does."""
         self.access.services.actions.log(self.access.principal, self.name, "ok")
 
+    def recorded(self) -> None:
+        """The `ok_event` was appended to the ledger itself, in the transaction of what it
+        records (`Ledger.checkpoint_recorded`): log it; an error after this is not recorded as
+        the call's outcome, and there is nothing of this call in the outbox to drain."""
+        self.committed()
+        self.delivered = self.drained = True
+
     def _record(
         self, outcome: str, target: dict[str, DetailValue], conn: sa.Connection | None = None
     ) -> None:

@@ -240,6 +240,21 @@ class Ledger:
         signed = self._sign_checkpoint()
         return self._cosign(signed) if self.witnesses else signed
 
+    def checkpoint_recorded(self, request: AuditEvent) -> str:
+        """`checkpoint()` of a checkpoint someone asked for: `request` (who asked) is appended and
+        the checkpoint signed over the tree that ends with it, in one transaction (the erasure's
+        pattern), so the signed checkpoint covers its own request (index = tree size - 1) and
+        neither is stored without the other: an append that fails refuses the checkpoint."""
+        signed: list[tuple[str, int, bytes]] = []
+
+        def sign(conn: sa.Connection, first: int) -> None:
+            signed.append(self._sign_locked(conn, first + 1))
+
+        self.store.append([prepare_entry(request)], after=sign)
+        text, size, root = signed[0]
+        self._advance_anchor(size, root)
+        return self._cosign(text) if self.witnesses else text
+
     def _cosign(self, signed: str) -> str:
         """Submit `signed` to every witness (outside any transaction: HTTP may be slow). A witness
         that is down or refuses does not fail the checkpoint; a refusal is logged as an error,
@@ -260,41 +275,46 @@ class Ledger:
 
     def _sign_checkpoint(self) -> str:
         with write_transaction(self.store.engine) as conn:
-            size = self.store.lock_head(conn)
-            root = self.store.root(size, conn)
-            trusted = self.trusted_checkpoint(conn)
-            with self._anchor_lock:
-                anchor = self._anchor
-            try:
-                if trusted is not None:
-                    self._prove_root(conn, trusted.size, trusted.root, size, root)
-                elif anchor is None:  # nothing vouched for yet: the whole root from the leaf hashes
-                    self._recompute(conn, 0, size, root)
-                if anchor is not None and anchor != (
-                    (trusted.size, trusted.root) if trusted else None
-                ):
-                    self._prove_root(conn, anchor[0], anchor[1], size, root, in_memory=True)
-            except VerificationError as exc:
-                _log.error(
-                    "ledger checkpoint refused", origin=self.origin, size=size, reason=str(exc)
-                )
-                raise
-            text = format_checkpoint(Checkpoint(self.origin, size, root))
-            signed = self.sign_note(text)
-            last = self.store.latest_checkpoint(conn)  # the chain's end, trusted or not
-            if last is None or last.size < size:  # one stored checkpoint per size: the first
-                prev = last.size if last is not None else None
-                self.store.insert_checkpoint(conn, size, root, signed, prev)
-                _log.info(
-                    "ledger checkpoint signed",
-                    origin=self.origin,
-                    size=size,
-                    key_ids=[k.key_id.hex() for k in self.signing_keys],
-                )
+            text, size, root = self._sign_locked(conn, self.store.lock_head(conn))
+        self._advance_anchor(size, root)
+        return text
+
+    def _sign_locked(self, conn: sa.Connection, size: int) -> tuple[str, int, bytes]:
+        """Prove and sign the tree of `size` inside `conn`'s transaction, whose caller holds the
+        head row lock; stores the checkpoint unless one of that size exists. Returns (signed note,
+        size, root); the in-memory anchor moves only once the caller has committed."""
+        root = self.store.root(size, conn)
+        trusted = self.trusted_checkpoint(conn)
+        with self._anchor_lock:
+            anchor = self._anchor
+        try:
+            if trusted is not None:
+                self._prove_root(conn, trusted.size, trusted.root, size, root)
+            elif anchor is None:  # nothing vouched for yet: the whole root from the leaf hashes
+                self._recompute(conn, 0, size, root)
+            if anchor is not None and anchor != ((trusted.size, trusted.root) if trusted else None):
+                self._prove_root(conn, anchor[0], anchor[1], size, root, in_memory=True)
+        except VerificationError as exc:
+            _log.error("ledger checkpoint refused", origin=self.origin, size=size, reason=str(exc))
+            raise
+        text = format_checkpoint(Checkpoint(self.origin, size, root))
+        signed = self.sign_note(text)
+        last = self.store.latest_checkpoint(conn)  # the chain's end, trusted or not
+        if last is None or last.size < size:  # one stored checkpoint per size: the first
+            prev = last.size if last is not None else None
+            self.store.insert_checkpoint(conn, size, root, signed, prev)
+            _log.info(
+                "ledger checkpoint signed",
+                origin=self.origin,
+                size=size,
+                key_ids=[k.key_id.hex() for k in self.signing_keys],
+            )
+        return signed, size, root
+
+    def _advance_anchor(self, size: int, root: bytes) -> None:
         with self._anchor_lock:
             if self._anchor is None or self._anchor[0] <= size:
                 self._anchor = (size, root)
-        return signed
 
     def trusted_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
         """The latest stored checkpoint row whose note verifies under this log's keys and names

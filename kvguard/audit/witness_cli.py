@@ -73,7 +73,8 @@ def serve_command(
 ) -> None:
     """Serve POST /add-checkpoint: cosign checkpoints that extend what this witness saw.
 
-    Exit 0 when stopped; 2 usage or environment (key, state file, listen address)."""
+    Exit 0 when stopped (SIGTERM or Ctrl-C); 1 it failed while serving; 2 usage or environment
+    (key, state file, listen address): docs/operations.md, "Exit codes of the servers"."""
     from kvguard.audit.witness import Witness, WitnessState, serve  # noqa: PLC0415
 
     try:

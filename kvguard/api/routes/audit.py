@@ -4,7 +4,7 @@ Tenant scoping comes from `Access.ledger_tags` / `Access.may_see_entry` (kvguard
 tenant_admin reads only entries carrying its tenant's scope tags and gets 404 for anything else, as
 for an entry that does not exist. Checkpoints and proofs carry no tenant data: every role reads them.
 Exports are audited (`audit.export`) before the first byte is sent; signing a checkpoint on demand
-is an admin action (`audit.checkpoint`).
+is an admin action (`audit.checkpoint`) whose entry the checkpoint itself covers.
 """
 
 from __future__ import annotations
@@ -202,12 +202,15 @@ def list_checkpoints(
 def sign_checkpoint(
     action: Annotated[Action, audited("audit.checkpoint", *ADMINS)],
 ) -> CheckpointPublic:
-    """Sign a checkpoint of the current tree now (admin). At an unchanged size the stored one
-    is returned."""
-    signed = action.access.services.ledger.checkpoint()
+    """Sign a checkpoint now (admin), over the tree that ends with this call's `admin.action`
+    entry: the request and the checkpoint are stored in one ledger transaction, so the checkpoint
+    covers who asked for it (entry index = tree size - 1), and a request that cannot be recorded
+    signs nothing (its failure goes to the outbox, as every failed call's does)."""
+    ledger = action.access.services.ledger
+    signed = ledger.checkpoint_recorded(action.ok_event())
+    action.recorded()
     size = parse_checkpoint(note.split_note(signed)[0]).size
-    action.done(None, tree_size=size)
-    with action.access.services.ledger.store.engine.connect() as conn:
+    with ledger.store.engine.connect() as conn:
         row = checkpoint_at(conn, size)
     if row is None:  # the ledger stores the first checkpoint of every size it signs
         raise NotFoundError(f"checkpoint of size {size} not found")

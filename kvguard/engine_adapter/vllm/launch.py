@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from argparse import Namespace
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVarTuple
 
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.errors import ConfigError
@@ -135,10 +138,11 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
     return args
 
 
-def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) -> None:
-    """Run the governed server until it is stopped (blocks)."""
-    import uvloop  # noqa: PLC0415
-    from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: PLC0415
+def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) -> bool:
+    """Run the governed server until it stops (blocks). True when SIGTERM or SIGINT stopped it;
+    False when it stopped on its own: vLLM's server shuts down gracefully, and returns as if
+    asked to, when its engine core dies (its watchdog), which a supervisor must see as a failure
+    (docs/operations.md, "Exit codes of the servers")."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup  # noqa: PLC0415
     from vllm.logger import configure_logging_from_args  # noqa: PLC0415
 
@@ -153,7 +157,38 @@ def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) ->
     args = vllm_args(model, vllm_argv, config)
     configure_logging_from_args(args)
     logging.getLogger("uvicorn.access").addFilter(_without_query)
-    uvloop.run(run_server(args))
+    return _run_until_stopped(args)
+
+
+def _run_until_stopped(args: Namespace) -> bool:
+    """vLLM's `run_server(args)` on uvloop; whether a stop signal ended it. vLLM takes SIGTERM and
+    SIGINT with the running loop's `add_signal_handler` once it serves (before that, SIGTERM
+    raises KeyboardInterrupt, as Ctrl-C does): the loop notes which of them arrived."""
+    import uvloop  # noqa: PLC0415
+    from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: PLC0415
+
+    received: list[int] = []
+
+    class _NotingLoop(uvloop.Loop):
+        def add_signal_handler(
+            self, sig: int, callback: Callable[[*_Ts], object], *cb_args: *_Ts
+        ) -> None:
+            def noted(*a: *_Ts) -> None:
+                received.append(sig)
+                callback(*a)
+
+            wrapped = noted if sig in _STOP_SIGNALS else callback
+            super().add_signal_handler(sig, wrapped, *cb_args)
+
+    try:
+        uvloop.run(run_server(args), loop_factory=_NotingLoop)
+    except KeyboardInterrupt:  # stopped while starting
+        return True
+    return bool(received)
+
+
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+_Ts = TypeVarTuple("_Ts")
 
 
 def _without_query(record: logging.LogRecord) -> bool:
