@@ -64,6 +64,11 @@ class EventKind(StrEnum):
     TIER_AUTH_FAILURE = "tier.auth_failure"
 
 
+# Integers a leaf may hold: at most 603 digits, within the 640 every Python reader parses (the
+# lowest `int_max_str_digits` allowed) and `kvguard.audit.bundle`'s event pattern admits.
+MAX_INT_BITS = 2000
+
+
 def _words(name: str) -> list[str]:
     return [w.lower() for w in _WORD_SPLIT.split(name) if w]
 
@@ -107,6 +112,8 @@ def _plain_value_ok(name: str, is_int: bool) -> bool:
 def _check_mapping(where: str, mapping: dict[str, DetailValue] | None) -> None:
     for name, value in (mapping or {}).items():
         kind = type(value)
+        if kind is int and value.bit_length() > MAX_INT_BITS:  # type: ignore[union-attr]
+            raise ValueError(f"{where}.{name}: an integer of over {MAX_INT_BITS} bits")
         if (kind is int or kind is bool or value is None) and _plain_value_ok(name, kind is int):
             continue
         _check_field(where, name, value)
@@ -138,6 +145,8 @@ class AuditEvent(BaseModel):
     def _block_ids(cls, ids: list[int]) -> list[int]:
         if any(i < 0 for i in ids):
             raise ValueError("block ids are non-negative")
+        if any(i.bit_length() > MAX_INT_BITS for i in ids):
+            raise ValueError(f"a block id of over {MAX_INT_BITS} bits")
         return ids
 
     @field_validator("details")

@@ -202,8 +202,8 @@ def _rows(
 ) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
     """Matching (index, leaf, event) rows; `event` is None for a foreign leaf (`bundle.leaf_event`).
 
-    An event's index columns are checked against its leaf, so a doctored column (which could hide
-    an entry from a filtered export) stops the export. A foreign leaf (a row some other writer put
+    In a filtered export an event's index columns are checked against its leaf, so a doctored
+    column (which could hide an entry from it) stops the export. A foreign leaf (a row some other writer put
     at the head) is not an event, so no filter selects it: a complete export carries it as
     `"event":null` (the tree needs every leaf), a filtered one leaves it out, with a warning."""
     e = t.entries.c
@@ -218,14 +218,15 @@ def _rows(
             if complete:
                 yield int(idx), leaf, None
             continue
-        expected = [
-            event["kind"],
-            event["scope_tag"],
-            event["request_id"],
-            ts_micros(parse_ts(event["ts"])),
-        ]
-        if columns != expected:
-            raise VerificationError(f"entry {idx}: index columns do not match the leaf")
+        if not complete:  # a complete export selects on no column: a doctored one hides nothing
+            expected = [
+                event["kind"],
+                event["scope_tag"],
+                event["request_id"],
+                ts_micros(parse_ts(event["ts"])),
+            ]
+            if columns != expected:
+                raise VerificationError(f"entry {idx}: index columns do not match the leaf")
         yield int(idx), leaf, event
 
 

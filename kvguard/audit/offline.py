@@ -359,9 +359,14 @@ def _verify_proven_lines(
                 raise VerificationError(
                     f"{_where(number, index)}: line differs from the canonical entry"
                 )
-            if foreign and bundle.leaf_event(leaf) is not None:
+            if foreign == bundle.is_event(leaf):
                 raise VerificationError(
-                    f"{_where(number, index)}: a kvguard event is carried as a foreign entry"
+                    f"{_where(number, index)}: "
+                    + (
+                        "a kvguard event is carried as a foreign entry"
+                        if foreign
+                        else "a leaf that is not a kvguard event is carried as one"
+                    )
                 )
             hashes[index] = merkle.leaf_hash(leaf)
             previous = index

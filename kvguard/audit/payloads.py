@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Final
 
-from kvguard.audit import merkle
+from kvguard.audit import bundle, merkle
 from kvguard.audit.checkpoint import Checkpoint, b64decode_strict
 from kvguard.errors import VerificationError
 
@@ -101,6 +101,8 @@ def erased_line(index: int, erased_by: int, erasure_leaf: bytes, proof: Sequence
 def erased_index(leaf: bytes) -> int | None:
     """The index a `payload.erase` leaf names, or None for any other leaf (or a leaf that is not
     JSON at all: a row written outside the append path proves nothing)."""
+    if not bundle.is_event(leaf):  # a foreign leaf (not written by kvguard) erases nothing
+        return None
     try:
         obj = json.loads(leaf)
     except (ValueError, RecursionError):
