@@ -420,7 +420,7 @@ def _embed_foreign(ledger: Ledger, out: Path, leaf: bytes, index: int) -> None:
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="known, not fixed: --full checks a line's bytes, not whether an embedded "
-                "leaf is an event (the pattern per line would cost about a third of its speed); "
+                "leaf is an event (the pattern would add 3-7 us to the 12 us it spends per line); "
                 "plain verification refuses it",
             ),
         ),
