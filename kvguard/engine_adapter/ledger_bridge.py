@@ -163,6 +163,20 @@ class PendingEvent:
             return [to_audit_event(bare)]
 
 
+class _Probe:
+    """A queue entry that becomes no ledger entry (`LedgerBridge.probe`)."""
+
+    __slots__ = ()
+    # Code that reads the queue by event kind (spies in tests/engine_adapter) finds none here.
+    kind: Final = None
+
+    def audit_events(self) -> list[AuditEvent]:
+        return []
+
+
+_PROBE: Final = _Probe()
+
+
 class LedgerBridge:
     """Filters custody events by the owner's audit level and submits them to a ledger."""
 
@@ -192,3 +206,10 @@ class LedgerBridge:
         self._ledger.submit_many(pending)
         self.submitted += entries
         return entries
+
+    def probe(self) -> None:
+        """Raise `LedgerUnavailableError` if the ledger refuses entries now; records nothing. The
+        question is put as a submission (one queue slot, drained as an empty group) because only
+        a submission gets the overflow policy's answer: asked before new work starts when nothing
+        else was submitted since the ledger last took entries (G7)."""
+        self._ledger.submit_many((_PROBE,))

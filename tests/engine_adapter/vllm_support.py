@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +185,34 @@ def step_engine(
         if each is not None:
             each()
     return done
+
+
+@contextlib.contextmanager
+def ledger_outage(g: Any, *, version: int = 99) -> Iterator[None]:
+    """A ledger outage for an in-process `GuardedLLM` on SQLite: every submission is refused
+    (`fail_closed`) until the block ends. The writer's queue shrinks to one event, its database is
+    locked from another connection and one filler event (a `policy.change` of `version`) sticks in
+    the queue; on exit the lock goes, the queue gets its capacity back and the filler is written."""
+    from kvguard.audit.events import AuditEvent, EventKind  # noqa: PLC0415
+
+    ledger = g.connector.scheduler_guard.ledger
+    writer = ledger._writer
+    ledger.flush()
+    lock = sqlite3.connect(ledger.store.engine.url.database, timeout=30, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    saved = (writer._capacity, writer._batch_size)
+    writer._capacity = writer._batch_size = 1
+    try:
+        ledger.submit(
+            AuditEvent(
+                kind=EventKind.POLICY_CHANGE,
+                ts=datetime.now(UTC),
+                details={"policy_version": version, "digest": "sha256:" + "0" * 64},
+            )
+        )
+        yield
+    finally:
+        lock.rollback()
+        lock.close()
+        writer._capacity, writer._batch_size = saved
+        ledger.flush()

@@ -32,6 +32,7 @@ from itertools import compress
 from typing import Any
 
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.writer import Overflow
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
 from kvguard.engine_adapter.records import (
@@ -165,7 +166,9 @@ class SchedulerGuard:
         # running work grew in this schedule (`reclaim_over_quota` after the step's allocations).
         self._quota_tenant: dict[str, str] = {}
         self._grown: set[str] = set()
-        self._refused_at = self._retried_at = -1  # the step of the last refusal / retry
+        self._refused_at = -1  # the step of the last refusal
+        # Whether new requests may start (`_ledger_open`), decided once a schedule (at this step)
+        self._gate_step, self._gate_open = -1, True
         # Purge-doomed requests -> their blocks whose prefix hash was dropped (`_drop_doomed_hashes`)
         self._doomed_seen: dict[str, set[int]] = {}
         self.timer = PhaseTimer()
@@ -324,12 +327,8 @@ class SchedulerGuard:
         quota of the pool. A request larger than the whole quota runs when the tenant has nothing
         else running. The first deferral of a request is a `quota.defer` ledger entry."""
         # While the ledger refuses entries (G7) nothing new starts unrecorded; running work goes on.
-        if self._unsent and request.request_id not in self._begun:
-            if self._retried_at != self._step:  # once a schedule, not once per waiting request
-                self._retried_at = self._step
-                self._forward([])
-            if self._unsent:
-                return False
+        if request.request_id not in self._begun and not self._ledger_open():
+            return False
         waiting = self._quota_wait.get(request.request_id)
         if waiting is None:
             return True
@@ -348,6 +347,34 @@ class SchedulerGuard:
         self._deferred.discard(request.request_id)
         self._granted[tenant] += needed  # until build_step records this step's allocations
         return True
+
+    def _ledger_open(self) -> bool:
+        """Whether the ledger takes entries now: asked before a request starts, once a schedule
+        (not once per waiting request). Events it refused are submitted again; with none waiting
+        it is probed. Without the probe an outage that began since the last submission went
+        unseen until this step's own events were refused in `build_step`, after vLLM had started
+        every queued request (found by a re-test: tests/engine_adapter/test_engine_races.py)."""
+        if self._gate_step == self._step:
+            return self._gate_open
+        self._gate_step = self._step
+        if self._unsent:
+            self._forward([])
+            self._gate_open = not self._unsent
+        elif self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
+            self._gate_open = True  # only `fail_closed` refuses; `block` waits for room instead
+        else:
+            try:
+                self.bridge.probe()
+            except LedgerUnavailableError:
+                if self._gate_open:
+                    _log.error("audit ledger refusing entries; new requests wait (G7)")
+                if self._refused_at != self._step:
+                    self._refused_at = self._step
+                    self.stats["ledger_refusals"] += 1
+                self._gate_open = False
+            else:
+                self._gate_open = True
+        return self._gate_open
 
     def request_finished(self, request: Any) -> None:
         """The request is done: quarantine what policy releases, keep what it retains."""
