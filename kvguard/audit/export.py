@@ -203,9 +203,9 @@ def _rows(
     """Matching (index, leaf, event) rows; `event` is None for a foreign leaf (`bundle.leaf_event`).
 
     In a filtered export an event's index columns are checked against its leaf, so a doctored
-    column (which could hide an entry from it) stops the export. A foreign leaf (a row some other writer put
-    at the head) is not an event, so no filter selects it: a complete export carries it as
-    `"event":null` (the tree needs every leaf), a filtered one leaves it out, with a warning."""
+    column (which could hide an entry from it) stops the export. A foreign leaf (a row some other
+    writer put at the head) is not an event, so no filter selects it: a complete export carries it
+    as `"event":null` (the tree needs every leaf), a filtered one leaves it out, with a warning."""
     e = t.entries.c
     stmt = select_indices(below=size, **filters).add_columns(
         e.kind, e.scope_tag, e.request_id, e.ts_us
