@@ -98,7 +98,11 @@ def serve_command(
             f"for {len(logs)} log(s): {', '.join(sorted(logs))}"
         )
 
+    # Both stop signals explicitly: a process started with SIGINT ignored (a background job of a
+    # non-interactive shell, some supervisors) gets no KeyboardInterrupt from Python and would
+    # never stop on Ctrl-C or `kill -INT` (found by the exit-code tests run that way).
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         serve(witness, host, port, on_listening=listening)
     except KeyboardInterrupt:

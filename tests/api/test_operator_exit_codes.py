@@ -212,6 +212,10 @@ def _witness(tmp_path: Path, listen: str) -> subprocess.Popen[bytes]:
     argv = [KVGUARD, "witness", "serve", "--key", str(tmp_path / "w.key"), "--log", log_option]
     argv += ["--state", str(tmp_path / "witness.db"), "--listen", listen]
     log = (tmp_path / "witness.log").open("wb")
+    # Started with SIGINT ignored, as a background job of a non-interactive shell (CI) starts it
+    # (an ignored signal stays ignored across `exec`): the server must take SIGINT itself, not
+    # rely on the disposition it inherits.
+    argv = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *argv]
     return subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)
 
 
