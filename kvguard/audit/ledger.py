@@ -168,6 +168,10 @@ class Ledger:
         commit without waiting (see `kvguard.audit.writer`)."""
         self._writer.submit(event)
 
+    def refusing(self) -> bool:
+        """Whether a submission would be refused now (`BackgroundWriter.refusing`)."""
+        return self._writer.refusing()
+
     def submit_many(self, events: Sequence[Entry]) -> None:
         """Queue several events at once, in order (one lock round trip for an engine step)."""
         self._writer.submit_many(events)

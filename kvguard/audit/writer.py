@@ -122,6 +122,14 @@ class BackgroundWriter:
             if before == 0 or (before < self._batch_size <= len(self._queue)):
                 self._cond.notify_all()
 
+    def refusing(self) -> bool:
+        """Whether `submit` would refuse one more entry now (closed, or `fail_closed` with a full
+        queue), without queueing anything: an engine asks before it starts new work (G7)."""
+        with self._cond:
+            if self._closed:
+                return True
+            return self._overflow is Overflow.FAIL_CLOSED and len(self._queue) >= self._capacity
+
     @property
     def pending(self) -> int:
         with self._cond:

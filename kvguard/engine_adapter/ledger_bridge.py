@@ -28,7 +28,7 @@ from typing import Final, Protocol
 from kvguard.audit.events import MAX_BLOCK_IDS, AuditEvent
 from kvguard.audit.writer import Entry
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
-from kvguard.errors import AuditError
+from kvguard.errors import AuditError, LedgerUnavailableError
 from kvguard.logging import get_logger
 from kvguard.policy import AuditLevel
 
@@ -63,6 +63,8 @@ AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
 
 class Submitter(Protocol):
     def submit_many(self, events: Sequence[Entry]) -> None: ...
+
+    def refusing(self) -> bool: ...
 
 
 _LEDGER_RID: Final = re.compile(r"[\x21-\x7e]{1,128}")  # what an entry's request_id may hold
@@ -163,20 +165,6 @@ class PendingEvent:
             return [to_audit_event(bare)]
 
 
-class _Probe:
-    """A queue entry that becomes no ledger entry (`LedgerBridge.probe`)."""
-
-    __slots__ = ()
-    # Code that reads the queue by event kind (spies in tests/engine_adapter) finds none here.
-    kind: Final = None
-
-    def audit_events(self) -> list[AuditEvent]:
-        return []
-
-
-_PROBE: Final = _Probe()
-
-
 class LedgerBridge:
     """Filters custody events by the owner's audit level and submits them to a ledger."""
 
@@ -208,8 +196,7 @@ class LedgerBridge:
         return entries
 
     def probe(self) -> None:
-        """Raise `LedgerUnavailableError` if the ledger refuses entries now; records nothing. The
-        question is put as a submission (one queue slot, drained as an empty group) because only
-        a submission gets the overflow policy's answer: asked before new work starts when nothing
-        else was submitted since the ledger last took entries (G7)."""
-        self._ledger.submit_many((_PROBE,))
+        """Raise `LedgerUnavailableError` if the ledger would refuse an entry now; records and
+        queues nothing (asked before new work starts, G7)."""
+        if self._ledger.refusing():
+            raise LedgerUnavailableError("the audit ledger refuses entries now")

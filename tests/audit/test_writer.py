@@ -77,13 +77,16 @@ def test_G7_fail_closed_raises_when_the_queue_is_full() -> None:
         sink, capacity=10, batch_size=5, interval=0.01, overflow=Overflow.FAIL_CLOSED
     )
     for i in range(10):
+        assert not writer.refusing()  # room left: the question queues nothing
         writer.submit(make_event(i))
+    assert writer.refusing() and writer.pending == 10
     with pytest.raises(LedgerUnavailableError, match="refusing work"):
         writer.submit(make_event(10))
     sink.open.set()
     writer.flush(timeout=10)
-    assert len(sink.committed) == 10
+    assert len(sink.committed) == 10 and not writer.refusing()
     writer.close()
+    assert writer.refusing()  # closed
 
 
 def test_block_policy_waits_for_room_instead_of_dropping() -> None:

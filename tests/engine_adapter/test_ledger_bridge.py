@@ -37,6 +37,9 @@ class Recorder:
     def submit_many(self, events) -> None:
         self.events.extend(expand(events))
 
+    def refusing(self) -> bool:
+        return False
+
 
 def test_audit_level_filters_per_owner() -> None:
     ledger = Recorder()

@@ -148,6 +148,9 @@ class FakeLedger:
     def submit_many(self, events: Any) -> None:
         self.entries.extend(expand(events))  # built here, as the ledger's writer thread would
 
+    def refusing(self) -> bool:
+        return False
+
     def flush(self, timeout: float | None = None) -> None:
         pass
 
