@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +81,10 @@ def open_ledger(key: SigningKey) -> Iterator[Callable[..., Ledger]]:
     yield factory
     for ledger in opened:
         ledger.close()
+
+
+def unpack_stream(stream: Any, into: Path) -> Path:
+    """Unpack a `BundleStream` (a tar, maybe gzip) under `into`; returns its bundle directory."""
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r:*") as tar:
+        tar.extractall(into, filter="data")
+    return Path(into) / stream.name

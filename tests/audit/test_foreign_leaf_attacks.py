@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
-import tarfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -59,7 +57,7 @@ from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 
-from .conftest import ORIGIN, T0, make_event
+from .conftest import ORIGIN, T0, make_event, unpack_stream
 
 Opener = Callable[..., Ledger]
 
@@ -117,12 +115,6 @@ def _log_with(ledger: Ledger, leaf: bytes, **columns: Any) -> int:
     _insert(ledger, leaf, **columns)
     ledger.append_many([make_event(i) for i in range(7, 10)])
     return 6
-
-
-def _unpack(stream: BundleStream, into: Path) -> Path:
-    with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r:*") as tar:
-        tar.extractall(into, filter="data")
-    return into / stream.name
 
 
 def _verify(path: Path, key: SigningKey, *, full: bool = False) -> Any:
@@ -189,7 +181,7 @@ def test_huge_integer_streamed_complete_export_verifies(
 ) -> None:
     ledger = open_ledger(sqlite_url)
     _log_with(ledger, _HUGE)
-    unpacked = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
+    unpacked = unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
     full = _verify(unpacked, key, full=True)  # passes today: no JSON parsing in --full
     plain = _verify(unpacked, key)  # fails today
     assert plain.foreign == full.foreign
@@ -287,7 +279,7 @@ def test_doctored_columns_do_not_stop_complete_export(
     leaf = prepare_entry(make_event(6)).leaf  # block.release of st-tenant0 ...
     _log_with(ledger, leaf, kind="block.alloc", scope_tag=None, request_id=None, ts_us=0)
     # the streamed complete export does not look at the columns: it goes on
-    _verify(_unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar"), key, full=True)
+    _verify(unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar"), key, full=True)
     ledger.export(tmp_path / "b")  # raises today
     _verify(tmp_path / "b", key, full=True)
 
@@ -308,7 +300,7 @@ def test_escaped_scope_tag_does_not_stop_tenant_stream(
     _escaped_tag_log(ledger)
     summary = ledger.export(tmp_path / "b", scope_tag="st-tenant0", renderings=False)
     assert summary.entries == 3  # 0, 3, 9: the foreign row is left out by both exporters
-    unpacked = _unpack(
+    unpacked = unpack_stream(
         BundleStream(ledger, ExportQuery(scope_tags=["st-tenant0"])), tmp_path / "t"
     )  # raises today
     assert (unpacked / bundle.ENTRIES).read_bytes() == (
@@ -354,7 +346,7 @@ def test_odd_events_agree_everywhere(
         assert (report.entries, report.foreign, report.payloads) == (10, (), 0)
     line = json.loads((tmp_path / "b" / bundle.ENTRIES).read_bytes().splitlines()[6])
     assert line["event"] == bundle.leaf_event(leaf)
-    unpacked = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
+    unpacked = unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
     assert _verify(unpacked, key).foreign == ()
     ledger.export(tmp_path / "plain", renderings=False)
     assert (unpacked / bundle.ENTRIES).read_bytes() == (
@@ -375,7 +367,7 @@ def test_odd_foreign_leaves_agree_everywhere(
     for full in (False, True):
         report = _verify(tmp_path / "b", key, full=full)
         assert (report.entries, report.foreign) == (10, (6,))
-    unpacked = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
+    unpacked = unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
     assert _verify(unpacked, key, full=True).foreign == (6,)
     assert _listing_status(ledger) == 200
 
@@ -531,7 +523,9 @@ def test_foreign_leaf_with_proofs_payloads_and_consistency(
         assert report.tlog_proofs == len(lines)
         assert report.payloads + report.erased_payloads == 6
     stream = BundleStream(ledger, ExportQuery())
-    unpacked = _unpack(stream, tmp_path / "tar")  # sizing and writing passes agree, or it raises
+    unpacked = unpack_stream(
+        stream, tmp_path / "tar"
+    )  # sizing and writing passes agree, or it raises
     assert _verify(unpacked, key, full=True).foreign == (3,)
     plain = tmp_path / "plain"
     ledger.export(plain, renderings=False)
@@ -553,7 +547,7 @@ def test_filtered_exports_leave_out_a_foreign_row_whose_columns_match(
         indices = [json.loads(x)["index"] for x in (out / bundle.ENTRIES).read_bytes().split()]
         assert 6 not in indices and indices
         assert _verify(out, key).foreign == ()
-        unpacked = _unpack(BundleStream(ledger, query), tmp_path / f"t-{name}")
+        unpacked = unpack_stream(BundleStream(ledger, query), tmp_path / f"t-{name}")
         assert (unpacked / bundle.ENTRIES).read_bytes() == (out / bundle.ENTRIES).read_bytes()
 
 

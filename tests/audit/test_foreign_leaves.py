@@ -14,9 +14,7 @@ warning. An exporter cannot hide an event that way: a line carrying a real event
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import tarfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -40,7 +38,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 from tests.dbs import migrate_and_grant, pg_roles
 
-from .conftest import ORIGIN, T0, make_event
+from .conftest import ORIGIN, T0, make_event, unpack_stream
 
 Opener = Callable[..., Ledger]
 
@@ -83,12 +81,6 @@ def _foreign_log(ledger: Ledger, leaf: bytes) -> int:
     return 6
 
 
-def _unpack(stream: BundleStream, into: Path) -> Path:
-    with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r:*") as tar:
-        tar.extractall(into, filter="data")
-    return into / stream.name
-
-
 def test_every_foreign_kind_is_recognised_and_every_event_is_not() -> None:
     for name, leaf in FOREIGN.items():
         assert bundle.leaf_event(leaf) is None, name
@@ -123,7 +115,7 @@ def test_complete_export_carries_a_foreign_leaf_and_verifies(
     # the streamed export is byte for byte the directory export without renderings, and verifies
     reference = tmp_path / "plain"
     ledger.export(reference, renderings=False)
-    unpacked = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
+    unpacked = unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
     assert (unpacked / bundle.ENTRIES).read_bytes() == (reference / bundle.ENTRIES).read_bytes()
     report = verify_bundle(unpacked, [key.verifier_key()], origin=ORIGIN, full=True)
     assert report.foreign == (index,)
@@ -143,7 +135,9 @@ def test_filtered_exports_and_listings_leave_a_foreign_leaf_out(
     assert report.foreign == ()
     got = [json.loads(x)["index"] for x in (tmp_path / "b" / bundle.ENTRIES).read_text().split()]
     assert got == allocs
-    unpacked = _unpack(BundleStream(ledger, ExportQuery(kinds=["block.alloc"])), tmp_path / "t")
+    unpacked = unpack_stream(
+        BundleStream(ledger, ExportQuery(kinds=["block.alloc"])), tmp_path / "t"
+    )
     assert (unpacked / bundle.ENTRIES).read_bytes() == (
         tmp_path / "b" / bundle.ENTRIES
     ).read_bytes()
@@ -228,9 +222,9 @@ def test_postgres_app_role_foreign_leaf_does_not_stop_exports(
             ledger.export(tmp_path / "b")
             report = verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
             assert report.foreign == (6,)
-            unpacked = _unpack(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
+            unpacked = unpack_stream(BundleStream(ledger, ExportQuery()), tmp_path / "tar")
             verify_bundle(unpacked, [key.verifier_key()], origin=ORIGIN, full=True)
-            tenant = _unpack(
+            tenant = unpack_stream(
                 BundleStream(ledger, ExportQuery(scope_tags=["st-tenant0"])), tmp_path / "t"
             )
             assert verify_bundle(tenant, [key.verifier_key()], origin=ORIGIN).foreign == ()

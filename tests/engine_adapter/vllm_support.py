@@ -216,3 +216,17 @@ def ledger_outage(g: Any, *, version: int = 99) -> Iterator[None]:
         lock.close()
         writer._capacity, writer._batch_size = saved
         ledger.flush()
+
+
+def zeroized_block_ids(ledger: Any) -> list[int]:
+    """Every block id named by a `block.zeroize` entry of `ledger`, sorted, once per entry."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    with ledger.store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "select b.block_id from ledger_entry_blocks b join ledger_entries e "
+                "on e.idx = b.idx where e.kind = 'block.zeroize'"
+            )
+        ).all()
+    return sorted(r[0] for r in rows)
