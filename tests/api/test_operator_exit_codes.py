@@ -94,6 +94,17 @@ def _listens(port: int) -> Callable[[], bool]:
     return ready
 
 
+@contextmanager
+def _reaped(proc: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
+    """The server process, killed on the way out if a check failed before it exited."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _exit_code(proc: subprocess.Popen[Any], timeout: float = 60) -> int:
     try:
         return proc.wait(timeout=timeout)
@@ -139,7 +150,7 @@ def test_serve_with_workers_exits_1_when_a_worker_cannot_open_its_database(tmp_p
     down; now 1."""
     port = _free_port()
     proc = _start_serve(tmp_path, port, "--workers", "2")
-    try:
+    with _reaped(proc):
         _wait_until(_answers(f"http://127.0.0.1:{port}/healthz"), proc, timeout=60)
         workers = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
         assert len(workers) == 2, [_cmdline(p) for p in _children(proc.pid)]
@@ -148,10 +159,6 @@ def test_serve_with_workers_exits_1_when_a_worker_cannot_open_its_database(tmp_p
         db.mkdir()  # what a replacement opens now is no database
         os.kill(workers[0], signal.SIGKILL)
         code = _exit_code(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert code == 1, (code, _log(tmp_path))
     assert "the server failed" in _log(tmp_path)
 
@@ -164,14 +171,10 @@ def test_serve_stopped_by_a_signal_exits_0(
 ) -> None:
     port = _free_port()
     proc = _start_serve(tmp_path, port, "--workers", str(workers))
-    try:
+    with _reaped(proc):
         _wait_until(_answers(f"http://127.0.0.1:{port}/healthz"), proc, timeout=60)
         proc.send_signal(stop)
         code = _exit_code(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert code == 0, (code, _log(tmp_path))
 
 
@@ -223,14 +226,10 @@ def _witness(tmp_path: Path, listen: str) -> subprocess.Popen[bytes]:
 def test_witness_serve_stopped_by_a_signal_exits_0(tmp_path: Path, stop: signal.Signals) -> None:
     port = _free_port()
     proc = _witness(tmp_path, f"127.0.0.1:{port}")
-    try:
+    with _reaped(proc):
         _wait_until(_listens(port), proc, timeout=30)
         proc.send_signal(stop)
         code = _exit_code(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert code == 0, (code, _log(tmp_path, "witness.log"))
 
 
@@ -277,17 +276,13 @@ def test_engine_serve_exits_1_when_its_engine_core_dies(tmp_path: Path) -> None:
         tmp_path, "--port", str(port), "--max-model-len", "512",
         "--kv-cache-memory-bytes", str(8 << 20),
     )  # fmt: skip
-    try:
+    with _reaped(proc):
         _wait_until(_answers(f"http://127.0.0.1:{port}/health"), proc, timeout=300)
         cores = [p for p in _children(proc.pid) if "EngineCor" in _comm(p)]
         assert cores, [(_comm(p), _cmdline(p)) for p in _children(proc.pid)]
         for core in cores:
             os.kill(core, signal.SIGKILL)
         code = _exit_code(proc, timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert code == 1, (code, _log(tmp_path, "engine.log"))
 
 
