@@ -139,7 +139,7 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         )
         return
     run_uvicorn(
-        create_app(services, close_on_shutdown=True),
+        create_app(services, close_on_shutdown=True, freeze_heap=True),
         host=host,
         port=port,
         **uvicorn_options(trusted_proxy or []),
