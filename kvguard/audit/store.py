@@ -70,6 +70,7 @@ class CheckpointRow(NamedTuple):
 
 
 AfterAppend = Callable[[sa.Connection, int], None]
+Collect = Callable[[sa.Connection], Sequence[PreparedEntry]]
 
 
 class LedgerStore:
@@ -268,18 +269,31 @@ class LedgerStore:
     def append(self, prepared: Sequence[PreparedEntry], after: AfterAppend | None = None) -> int:
         """Append `prepared` entries durably; return the index of the first. `after(conn, first)`
         runs inside the same transaction (used to make erasures atomic with their record)."""
+        return self.append_collected(lambda _conn: prepared, after)[0]
+
+    def append_collected(
+        self, collect: Collect, after: AfterAppend | None = None
+    ) -> tuple[int, int]:
+        """`append` of the entries `collect(conn)` reads inside the transaction, once the head lock
+        is held: no other append, in this process or another, runs until this one commits, so what
+        it reads cannot be appended meanwhile (the outbox drains read their pending rows so).
+        Returns the index of the first entry and how many; none appends nothing."""
         with self._lock:
             with write_transaction(self.engine) as conn:
                 first = self.lock_head(conn)
-                if self._frontier.size == first:
-                    frontier = self._frontier.copy()
-                else:  # another process appended since our last append
-                    frontier = self._load_frontier(conn, first)
-                self._insert(conn, first, prepared, frontier)  # the entry triggers move the head
+                prepared = collect(conn)
+                frontier = None
+                if prepared:
+                    if self._frontier.size == first:
+                        frontier = self._frontier.copy()
+                    else:  # another process appended since our last append
+                        frontier = self._load_frontier(conn, first)
+                    self._insert(conn, first, prepared, frontier)  # its triggers move the head
                 if after is not None:
                     after(conn, first)
-            self._frontier = frontier  # only once the transaction has committed
-        return first
+            if frontier is not None:
+                self._frontier = frontier  # only once the transaction has committed
+        return first, len(prepared)
 
     def _insert(
         self,

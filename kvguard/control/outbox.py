@@ -3,10 +3,10 @@
 An admin write (a tenant, a policy version, a purge job, a key) and its ledger events commit in one
 database transaction: the events go into `control_outbox`, not straight into the ledger, because the
 ledger appends under its own head lock in its own transaction. `drain` then moves pending rows into
-the ledger: it appends them and stamps each row with its ledger index in the ledger's transaction,
-with `UPDATE ... WHERE ledger_index IS NULL`. A row another drainer stamped first makes that update
-miss, and the whole append rolls back and is retried, so every row lands in the ledger exactly once
-whatever crashes or races between commit and drain. A crash after the state commit leaves its events
+the ledger: holding the ledger's head lock, it reads the pending rows, appends them and stamps each
+with its ledger index, in the ledger's transaction. Drainers (threads or server processes) take
+turns on that lock, each reading what the one before left pending, so every row lands in the ledger
+exactly once whatever crashes or races between commit and drain. A crash after the state commit leaves its events
 pending; the next drain (the API drains after every write, at start-up and every few seconds) appends
 them.
 
@@ -29,13 +29,13 @@ import sqlalchemy as sa
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
 from kvguard.audit.leaf import prepare_entry
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.store import PreparedEntry
 from kvguard.control.db import ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import OutboxRow
-from kvguard.errors import ConfigError
+from kvguard.errors import AuditError, ConfigError
 from kvguard.logging import get_logger
 
 _BATCH: Final = 500
-_RETRIES: Final = 5
 _log = get_logger("control.outbox")
 T = TypeVar("T")
 
@@ -101,10 +101,6 @@ def event_json(event: AuditEvent) -> str:
     return event.model_dump_json()
 
 
-class _RacedError(Exception):
-    """Another drainer delivered one of our rows first: roll back and read again."""
-
-
 class Outbox:
     def __init__(self, engine: sa.Engine) -> None:
         self._engine = engine
@@ -149,41 +145,54 @@ class Outbox:
                 return total
 
     def _drain_batch(self, ledger: Ledger) -> int:
-        for _attempt in range(_RETRIES):
-            # Autocommit: one round trip, not BEGIN, SELECT and the pool's ROLLBACK (the drain's
-            # wall time is what every write's answer waits for, docs/benchmarks.md).
-            with read_connection(self._engine) as conn:
-                rows = conn.execute(
-                    sa.select(OutboxRow.id, OutboxRow.event)
-                    .where(OutboxRow.ledger_index.is_(None))
-                    .order_by(OutboxRow.id)
-                    .limit(_BATCH)
-                ).all()
-            if not rows:
+        """Up to `_BATCH` pending rows into the ledger. They are read once the ledger's head lock is
+        held (`append_collected`): a drainer in another process waits for this one to commit and
+        then reads what is still pending, instead of reading the same rows, appending them in vain
+        and retrying (the stamps then missed, the append rolled back; under load two server
+        processes raced every few drains, and one that raced five times in a row answered its
+        writers before their rows were in the ledger)."""
+        # Autocommit: one round trip, and no head lock taken while nothing is pending.
+        with read_connection(self._engine) as conn:
+            if conn.execute(self._pending_first).first() is None:
                 return 0
-            prepared = [prepare_entry(AuditEvent.model_validate_json(r.event)) for r in rows]
-            ids = [int(r.id) for r in rows]
+        ids: list[int] = []
 
-            def stamp(conn: sa.Connection, first: int, ids: list[int] = ids) -> None:
-                # One statement for the batch (a round trip per row before, each under the
-                # ledger's head lock): a row another drainer stamped first is not matched, so
-                # fewer rows than ids means a race.
-                index = {outbox_id: first + n for n, outbox_id in enumerate(ids)}
-                done = conn.execute(
-                    sa.update(OutboxRow)
-                    .where(OutboxRow.id.in_(ids), OutboxRow.ledger_index.is_(None))
-                    .values(ledger_index=sa.case(index, value=OutboxRow.id))
-                ).rowcount
-                if done != len(ids):
-                    raise _RacedError
+        def collect(conn: sa.Connection) -> list[PreparedEntry]:
+            rows = conn.execute(
+                sa.select(OutboxRow.id, OutboxRow.event)
+                .where(OutboxRow.ledger_index.is_(None))
+                .order_by(OutboxRow.id)
+                .limit(_BATCH)
+            ).all()
+            ids[:] = [int(r.id) for r in rows]
+            return [prepare_entry(AuditEvent.model_validate_json(r.event)) for r in rows]
 
-            try:
-                ledger.store.append(prepared, after=stamp)
-            except _RacedError:
-                continue
-            return len(rows)
-        _log.warning("outbox drain kept racing another drainer; the rest is left to it")
-        return 0
+        def stamp(conn: sa.Connection, first: int) -> None:
+            # One statement for the batch. Under the head lock nothing else stamps these rows;
+            # fewer matched than read would be a writer that bypasses the lock: refuse to commit.
+            if not ids:
+                return
+            index = {outbox_id: first + n for n, outbox_id in enumerate(ids)}
+            done = conn.execute(
+                sa.update(OutboxRow)
+                .where(OutboxRow.id.in_(ids), OutboxRow.ledger_index.is_(None))
+                .values(ledger_index=sa.case(index, value=OutboxRow.id))
+            ).rowcount
+            if done != len(ids):
+                raise AuditError(
+                    f"{len(ids) - done} of {len(ids)} outbox rows were delivered by a writer that "
+                    "does not hold the ledger's head lock; nothing appended"
+                )
+
+        _first, appended = ledger.store.append_collected(collect, after=stamp)
+        return appended
+
+    _pending_first = (
+        sa.select(OutboxRow.id)
+        .where(OutboxRow.ledger_index.is_(None))
+        .order_by(OutboxRow.id)
+        .limit(1)
+    )
 
 
 class Deliverer:

@@ -323,16 +323,12 @@ def test_a_ledger_outage_after_commit_delays_the_entries_but_never_loses_them(
 ) -> None:
     env = make_env()
     services = env.services
-    real_append = services.ledger.store.append
-
-    def down(*_a: Any, **_k: Any) -> int:
-        raise LedgerUnavailableError("ledger down")
-
-    monkeypatch.setattr(services.ledger.store, "append", down)
+    real_append = services.ledger.store.append_collected  # every append goes through it
+    monkeypatch.setattr(services.ledger.store, "append_collected", _ledger_down)
     r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "initech"})
     assert r.status_code == 201  # the tenant and its entry committed together
     assert services.outbox.pending() == 1
-    monkeypatch.setattr(services.ledger.store, "append", real_append)
+    monkeypatch.setattr(services.ledger.store, "append_collected", real_append)
     assert services.deliver()
     assert services.outbox.pending() == 0
     created = [
@@ -393,18 +389,20 @@ def test_no_certificate_until_the_request_entry_is_in_the_ledger(
     services = env.services
     engine = SimEngine(services, "engine-one")
     engine.cache(scope("acme"), [0, 1])
-    real_append = services.ledger.store.append
-    monkeypatch.setattr(services.ledger.store, "append", _ledger_down)
+    real_append = services.ledger.store.append_collected  # every append goes through it
+    monkeypatch.setattr(services.ledger.store, "append_collected", _ledger_down)
     r = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
     assert r.status_code == 202, r.text
     job_id = r.json()["job_id"]
-    monkeypatch.setattr(services.ledger.store, "append", _append_except_outbox(real_append))
+    monkeypatch.setattr(
+        services.ledger.store, "append_collected", _append_except_outbox(real_append)
+    )
     engine.run_commands()
     engine.zeroize()
     job = env.call("admin", "GET", f"/v1/purges/{job_id}").json()
     assert job["status"] == "running" and job["blocks_cleared"] == 2
     assert env.call("admin", "GET", f"/v1/purges/{job_id}/certificate").status_code == 409
-    monkeypatch.setattr(services.ledger.store, "append", real_append)
+    monkeypatch.setattr(services.ledger.store, "append_collected", real_append)
     assert services.deliver()
     job = env.call("admin", "GET", f"/v1/purges/{job_id}").json()
     assert job["status"] == "done"
@@ -413,19 +411,19 @@ def test_no_certificate_until_the_request_entry_is_in_the_ledger(
     assert "request" in [e["role"] for e in cert.json()["evidence"]["entries"]]
 
 
-def _ledger_down(*_a: Any, **_k: Any) -> int:
+def _ledger_down(*_a: Any, **_k: Any) -> tuple[int, int]:
     raise LedgerUnavailableError("ledger down")
 
 
-def _append_except_outbox(real: Callable[..., int]) -> Callable[..., int]:
+def _append_except_outbox(real: Callable[..., tuple[int, int]]) -> Callable[..., tuple[int, int]]:
     """The engine's entries go through; the API's outbox drain (the `after` hook) still fails."""
 
-    def append(prepared: Any, after: Any = None) -> int:
+    def append_collected(collect: Any, after: Any = None) -> tuple[int, int]:
         if after is not None:
             raise LedgerUnavailableError("ledger down for the API")
-        return real(prepared, after)
+        return real(collect, after)
 
-    return append
+    return append_collected
 
 
 def test_a_write_transaction_never_takes_a_second_connection(
