@@ -354,7 +354,10 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         text = ", ".join(f"{n} {v:.2f}" for n, v in cpu.items() if v >= 0.01)
         print(f"CPU s per thread per batch, {m} (medians): {text}")
         gcs = runs[m][-1]["gc"]
-        text = ", ".join(f"{g}: {int(n)} x {t * 1e3:.1f} ms" for g, (n, t) in sorted(gcs.items()))
+        text = ", ".join(
+            f"{g}: {int(n)} collections, {t * 1e3:.1f} ms in all"
+            for g, (n, t) in sorted(gcs.items())
+        )
         print(f"cyclic GC, last {m} batch: {text or 'none'}")
     c = [x["commits"] for x in runs["governed"]]
     print(
