@@ -1,10 +1,10 @@
-"""Outbox drains in several server processes take turns on the ledger's head lock (`Outbox.drain`
-reads the pending rows only once it holds the lock), so a drain that returns has delivered every row
-committed before it started, whatever the other processes' drains do at the same time. Before, the
-drainers read the same rows outside the lock and raced: the loser's append rolled back and was
-retried, and one that lost five times in a row returned with its writers' rows still pending, so
-the admin API answered writes whose ledger entries did not exist yet (a load re-test saw the
-warning 6-14 times per 40 s run with two server processes)."""
+"""Outbox drains in several server processes take turns on the ledger's head lock: a drain reads
+and prepares the pending rows, then appends, under the lock, only those no other drainer has
+delivered meanwhile (`Outbox.drain`). So a drain that returns has delivered every row committed
+before it started, and nothing is appended in vain. Before, the drainers raced: the loser's append
+rolled back and was redone, and one that lost five times in a row returned with its writers' rows
+still pending, so the admin API answered writes whose ledger entries did not exist yet (a load
+re-test saw the warning 6-14 times per 40 s run with two server processes)."""
 
 from __future__ import annotations
 
