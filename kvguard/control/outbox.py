@@ -7,9 +7,8 @@ the ledger: it reads and prepares the pending rows, then, holding the ledger's h
 those still pending and stamps each with its ledger index, in the ledger's transaction. Drainers
 (threads or server processes) take turns on that lock and each leaves out what the one before
 delivered, so every row lands in the ledger exactly once whatever crashes or races between commit
-and drain. A crash after the state commit leaves its events
-pending; the next drain (the API drains after every write, at start-up and every few seconds) appends
-them.
+and drain. A crash after the state commit leaves its events pending; the next drain (the API drains
+after every write, at start-up and every few seconds) appends them.
 
 The outbox keeps delivered rows (id -> ledger index) as the record of what was delivered; its rows
 hold what the ledger entries hold (tenant ids only in the erasable payloads).
