@@ -32,7 +32,7 @@ from kvguard.audit.ledger import Ledger
 from kvguard.audit.store import PreparedEntry
 from kvguard.control.db import ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import OutboxRow
-from kvguard.errors import AuditError, ConfigError
+from kvguard.errors import AuditError, ConfigError, LedgerUnavailableError
 from kvguard.logging import get_logger
 
 _BATCH: Final = 500
@@ -273,7 +273,11 @@ class Deliverer:
                 self._drain()
                 ok = True
             except Exception as exc:  # the ledger is down: rows stay pending, the next pass retries
-                _log.warning("ledger delivery deferred", error_type=type(exc).__name__)
+                if isinstance(exc, AuditError) and not isinstance(exc, LedgerUnavailableError):
+                    # Not an outage: the ledger refused (kvguard's own message names no secret).
+                    _log.error("ledger delivery refused", error=str(exc))
+                else:
+                    _log.warning("ledger delivery deferred", error_type=type(exc).__name__)
                 ok = False
             with self._cond:
                 self._done = max(self._done, target)

@@ -21,7 +21,7 @@ from kvguard.audit.ledger import Ledger
 from kvguard.control.commands import CommandQueue
 from kvguard.control.db import write_transaction
 from kvguard.control.outbox import Outbox
-from kvguard.errors import ConfigError, LedgerUnavailableError, PolicyVersionConflictError
+from kvguard.errors import AuditError, ConfigError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy import PolicySet, load_policy_file
 from kvguard.policy.store import PolicyChange, PolicyStore
@@ -76,7 +76,7 @@ def seed_from_file(store: PolicyStore, ledger: Ledger, policy_file: Path | None)
         return latest.change.version if latest is not None else None
     try:
         outbox.drain(ledger)
-    except (ConfigError, LedgerUnavailableError, SQLAlchemyError) as exc:
+    except (ConfigError, AuditError, SQLAlchemyError) as exc:
         # Committed in the outbox: the admin API's drain (or the next engine start) delivers it.
         _log.warning("seeded version's ledger entry left in the outbox", error=type(exc).__name__)
     _log.info("policy store seeded from the policy file", version=version)

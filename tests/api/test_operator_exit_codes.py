@@ -330,11 +330,11 @@ def test_checkpoint_is_refused_when_its_request_cannot_be_recorded(
     ledger = env.services.ledger
     before = ledger.size
 
-    def refuse(*_args: Any, **_kwargs: Any) -> int:
+    def refuse(*_args: Any, **_kwargs: Any) -> tuple[int, int]:
         raise sa.exc.OperationalError("INSERT", {}, Exception("the ledger is unavailable"))
 
     with monkeypatch.context() as patch:
-        patch.setattr(ledger.store, "append", refuse)
+        patch.setattr(ledger.store, "append_collected", refuse)  # every append goes through it
         r = env.call("admin", "POST", "/v1/audit/checkpoints")
     assert r.status_code == 503, r.text
     assert env.call("auditor", "GET", "/v1/audit/checkpoints/latest").status_code == 404

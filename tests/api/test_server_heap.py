@@ -31,15 +31,17 @@ def unfrozen() -> Iterator[None]:
     gc.unfreeze()
 
 
-def frozen_while_served(app: FastAPI) -> tuple[int, int]:
-    """Objects frozen before the app starts and while it is serving; closes its services."""
+def frozen_while_served(app: FastAPI, *, closes_services: bool = True) -> tuple[int, int]:
+    """Objects frozen before the app starts and while it is serving. A served app closes its
+    services at shutdown; `closes_services` False: this closes them."""
     try:
         before = gc.get_freeze_count()
         with TestClient(app) as client:
             assert client.get("/healthz").status_code == 200
             during = gc.get_freeze_count()
     finally:
-        app.state.services.close()
+        if not closes_services:
+            app.state.services.close()
     return before, during
 
 
@@ -67,7 +69,8 @@ def test_each_worker_of_kvguard_serve_workers_freezes_its_heap(
 
     monkeypatch.setenv("KVGUARD_MODE", "dev")
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
-    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setenv(CONFIG_ENV, "")  # so that teardown removes what the command sets
+    monkeypatch.delenv(CONFIG_ENV)
     targets: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **_kwargs: targets.append(app))
     db = f"sqlite:///{tmp_path / 'k.db'}"
@@ -81,5 +84,6 @@ def test_each_worker_of_kvguard_serve_workers_freezes_its_heap(
 
 def test_apps_for_tests_and_embedding_leave_the_collector_alone(tmp_path: Path) -> None:
     config, _key = make_config(tmp_path, f"sqlite:///{tmp_path / 'k.db'}")
-    before, during = frozen_while_served(create_app(Services.open(config)))
+    app = create_app(Services.open(config))
+    before, during = frozen_while_served(app, closes_services=False)
     assert before == during == 0

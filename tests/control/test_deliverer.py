@@ -9,7 +9,10 @@ import asyncio
 import threading
 import time
 
+import structlog
+
 from kvguard.control.outbox import Deliverer
+from kvguard.errors import AuditError, LedgerUnavailableError
 
 
 def test_awaited_writers_are_served_by_a_drain_that_started_after_them() -> None:
@@ -64,6 +67,27 @@ def test_a_failed_drain_answers_false_to_awaiters() -> None:
     failing = Deliverer(lambda: 1 / 0, interval_s=None)
     assert asyncio.run(failing.deliver_async()) is False  # reported, not raised
     failing.close()
+
+
+def test_a_ledger_refusal_is_logged_as_an_error_with_its_reason_an_outage_as_a_warning() -> None:
+    def refused() -> None:
+        raise AuditError(
+            "2 of 5 outbox rows were delivered by a writer that does not hold the lock"
+        )
+
+    def outage() -> None:
+        raise LedgerUnavailableError("ledger down")
+
+    with structlog.testing.capture_logs() as logs:
+        for drain in (refused, outage):
+            deliverer = Deliverer(drain, interval_s=None)
+            assert deliverer.deliver() is False
+            deliverer.close()
+    (error,) = [e for e in logs if e["log_level"] == "error"]
+    assert error["event"] == "ledger delivery refused" and "2 of 5 outbox rows" in error["error"]
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"] == "ledger delivery deferred"
+    assert warning["error_type"] == "LedgerUnavailableError"
 
 
 def test_a_stopped_deliverer_answers_false_at_once() -> None:

@@ -91,6 +91,7 @@ def test_a_drain_delivers_every_row_committed_before_it_whatever_other_processes
             t.start()
         for t in threads:
             t.join(300)
+        assert not any(t.is_alive() for t in threads)
         assert not failures, failures
         assert undelivered == []
         with procs[0].engine.connect() as conn:
@@ -106,12 +107,23 @@ def test_a_drain_delivers_every_row_committed_before_it_whatever_other_processes
         assert ledger.verify().size == total
 
 
-def test_a_drain_with_nothing_pending_takes_no_lock_and_appends_nothing(db_url: str) -> None:
+def test_a_drain_with_nothing_pending_takes_no_lock_and_appends_nothing(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = SigningKey.generate(ORIGIN)
     with processes(db_url, key, 1) as (p,):
         with write_transaction(p.engine) as conn:
             p.outbox.add(conn, [operator_event("test.write")])
         assert p.outbox.drain(p.ledger) == 1
+        locks: list[int] = []
+        lock_head = LedgerStore.lock_head
+
+        def counted(self: LedgerStore, conn: sa.Connection) -> int:
+            locks.append(1)
+            return lock_head(self, conn)
+
+        monkeypatch.setattr(LedgerStore, "lock_head", counted)
         assert p.outbox.drain(p.ledger) == 0
+        assert locks == []
         assert p.ledger.size == 1
         assert p.outbox.pending() == 0
