@@ -470,7 +470,8 @@ def test_serve_with_workers_hands_each_worker_the_checked_settings(
 
     monkeypatch.setenv("KVGUARD_MODE", "dev")
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
-    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setenv(CONFIG_ENV, "")  # so that teardown removes what the command sets
+    monkeypatch.delenv(CONFIG_ENV)
     runs: list[tuple[Any, dict[str, Any]]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append((app, kwargs)))
     db = f"sqlite:///{tmp_path / 'k.db'}"
