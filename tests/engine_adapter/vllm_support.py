@@ -120,6 +120,23 @@ def start_commands_child(directory: Path, spec: dict[str, Any]) -> subprocess.Po
     )
 
 
+def child_facts(module: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+    """Run `python -m module *args` with an in-process engine (a child process: vLLM's global
+    state stays out of the test process) and read the JSON facts it wrote to its last argument."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    facts: dict[str, Any] = json.loads(Path(args[-1]).read_text())
+    return facts
+
+
 def child_ready(spec: dict[str, Any]) -> dict[str, Any] | None:
     """What a commands child wrote to its ready file (its engine id), or None until it has."""
     path = Path(spec["ready_file"])
