@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -118,24 +118,34 @@ class CanonicalParts:
         """`policy_set.canonical_json()`, from the cached JSON of its parts."""
         if set(type(policy_set).model_fields) != _FIELDS or not _plain_scalars(policy_set):
             return policy_set.canonical_json()
-        # Keys in sorted order at every level, as `json.dumps(sort_keys=True)` writes them.
+        return (
+            self.head(policy_set)
+            + ",".join(self.items(policy_set.tenants))
+            + "}"
+            + self.tail(policy_set)
+        )
+
+    def head(self, policy_set: PolicySet) -> str:
+        """The canonical JSON up to the first tenant's item (keys in sorted order at every level,
+        as `json.dumps(sort_keys=True)` writes them)."""
         return (
             '{"default":'
             + self.fragment(policy_set.default)
             + ',"epoch":'
             + _json(policy_set.epoch)
-            + ',"share_groups":'
-            + self._mapping(policy_set.share_groups)
-            + ',"tenants":'
-            + self._mapping(policy_set.tenants)
-            + ',"version":'
-            + _json(policy_set.version)
-            + "}"
+            + ',"share_groups":{'
+            + ",".join(self.items(policy_set.share_groups))
+            + '},"tenants":{'
         )
 
-    def _mapping(self, parts: dict[str, TenantPolicy] | dict[str, ShareGroup]) -> str:
-        items = sorted(parts.items())
-        return "{" + ",".join(_json(key) + ":" + self.fragment(part) for key, part in items) + "}"
+    @staticmethod
+    def tail(policy_set: PolicySet) -> str:
+        """The canonical JSON after the tenants map."""
+        return ',"version":' + _json(policy_set.version) + "}"
+
+    def items(self, parts: dict[str, TenantPolicy] | dict[str, ShareGroup]) -> list[str]:
+        """Each `"key":{...}` item of a map of parts, in sorted key order."""
+        return [_json(key) + ":" + self.fragment(part) for key, part in sorted(parts.items())]
 
 
 def _plain_scalars(policy_set: PolicySet) -> bool:
@@ -151,3 +161,156 @@ def _plain_scalars(policy_set: PolicySet) -> bool:
             type(k) is str and type(v) is ShareGroup for k, v in policy_set.share_groups.items()
         )
     )
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix (slice comparisons, so C speed on long texts)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # invariant: a[:lo] == b[:lo]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """The length of the longest common suffix, at most `limit`."""
+    lo, hi = 0, limit
+    while lo < hi:  # invariant: the last lo characters are equal
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid : len(a) - lo] == b[len(b) - mid : len(b) - lo]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def reread(document: str, base: PolicySet, parts: CanonicalParts) -> PolicySet | None:
+    """`document` (a stored version's text) as a reader parses it, read as an edit of `base`, a set
+    this process parsed or validated: only the tenant entries in the span where the two texts
+    differ are parsed; every other part is `base`'s own object. None when that is not possible (the
+    texts differ outside the tenants, or anything fails to parse or validate): the caller then
+    parses the whole document.
+
+    Why. A policy version written by another API process must be read before this process can edit
+    it, and parsing a whole 64-tenant document costs about a millisecond, most of a write's CPU
+    (docs/benchmarks.md); consecutive versions differ in one tenant's entry.
+
+    Why it is the same set. The changed entries are parsed from their own text with the loader's
+    strict JSON rules and validated as a whole parse validates them, the set is assembled from
+    those and `base`'s parts and validated at the set level (`checked_edit`'s two steps), and
+    then its canonical JSON, assembled from its parts, must be `document` itself, character for
+    character: a reader parses exactly that text, the parse of every part is determined by its
+    text, and the set level by the parts and the scalars."""
+    if set(type(base).model_fields) != _FIELDS or not _plain_scalars(base):
+        return None
+    layout = _tenant_items(base, parts)
+    if document == layout.document:
+        return base
+    span = _changed_items(layout, document)
+    if span is None:
+        return None  # a change outside the tenants (the default, the groups, the epoch)
+    lo, hi, replaced = span
+    segment = document[lo : len(document) - (len(layout.document) - hi)]
+    try:
+        result = _with_entries(base, replaced, "{" + segment + "}", parts)
+    except (ValidationError, ValueError, TypeError, RecursionError):
+        return None
+    return result if parts.document(result) == document else None
+
+
+class _Layout(NamedTuple):
+    """A set's canonical JSON, where its tenants map's items start (just after its `{`) and end
+    (its `}`), and each `"key":{...}` item's span."""
+
+    document: str
+    open_at: int
+    close_at: int
+    items: list[tuple[str, int, int]]
+
+
+def _changed_items(layout: _Layout, document: str) -> tuple[int, int, set[str]] | None:
+    """The span of `layout.document` made of whole tenant items that covers every character where
+    `document` differs from it, and those items' keys; None if a difference lies outside the
+    tenants map. `document` is `layout.document` with that span replaced."""
+    base = layout.document
+    first = _common_prefix(base, document)
+    tail = _common_suffix(base, document, min(len(base), len(document)) - first)
+    changed_end = len(base) - tail  # base[first:changed_end] differs from document's
+    if first < layout.open_at or changed_end > layout.close_at:
+        return None
+    items = layout.items
+    if not items:
+        return layout.open_at, layout.close_at, set()
+    # From the last item starting at or before the change to the first ending at or after it
+    # (every separator in between is inside that span).
+    i0 = max((i for i, (_, start, _) in enumerate(items) if start <= first), default=0)
+    i1 = next((i for i, (_, _, end) in enumerate(items) if end >= changed_end), len(items) - 1)
+    i1 = max(i0, i1)
+    return items[i0][1], items[i1][2], {key for key, _, _ in items[i0 : i1 + 1]}
+
+
+def _with_entries(
+    base: PolicySet, replaced: set[str], text: str, parts: CanonicalParts
+) -> PolicySet:
+    """`base` with the entries named `replaced` replaced by those in `text` (a JSON object of
+    tenant entries), parsed as the loader parses them; ValueError on a key given twice."""
+    data = json.loads(
+        text,
+        object_pairs_hook=_no_duplicate_keys,
+        parse_constant=_refuse_constant,
+        parse_int=_digits,
+    )
+    kept = {key: part for key, part in base.tenants.items() if key not in replaced}
+    if kept.keys() & data.keys():
+        raise ValueError("duplicate key")
+    fresh = {key: _entry(key, value, base, parts) for key, value in data.items()}
+    scalars = json.loads(
+        _json({"version": base.version, "epoch": base.epoch}), parse_constant=_refuse_constant
+    )
+    return PolicySet.model_validate(
+        {
+            **scalars,
+            "default": base.default,
+            "tenants": dict(sorted({**kept, **fresh}.items())),
+            "share_groups": base.share_groups,
+        }
+    )
+
+
+def _entry(key: str, value: Any, base: PolicySet, parts: CanonicalParts) -> TenantPolicy:
+    """A tenant's entry as parsed from its text: the base's own object if its text is the same."""
+    old = base.tenants.get(key)
+    if old is not None and parts.fragment(old) == _json(value):
+        return old
+    return TenantPolicy.model_validate(value)
+
+
+def _tenant_items(base: PolicySet, parts: CanonicalParts) -> _Layout:
+    """`base`'s canonical JSON as `CanonicalParts.document` assembles it, and where its tenants
+    are in it."""
+    head = parts.head(base)
+    texts = parts.items(base.tenants)
+    items: list[tuple[str, int, int]] = []
+    at = len(head)
+    for key, text in zip(sorted(base.tenants), texts, strict=True):
+        items.append((key, at, at + len(text)))
+        at += len(text) + 1  # the comma
+    body = ",".join(texts)
+    document = head + body + "}" + parts.tail(base)
+    return _Layout(document, len(head), len(head) + len(body), items)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError("duplicate key")  # as the loader refuses it
+        out[key] = value
+    return out
+
+
+def _digits(text: str) -> int:
+    return int(text)  # past Python's conversion limit: ValueError, as the loader refuses it

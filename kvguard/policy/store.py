@@ -39,7 +39,7 @@ from kvguard.control.schema import (
 )
 from kvguard.errors import PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
-from kvguard.policy.edits import CanonicalParts, checked_edit
+from kvguard.policy.edits import CanonicalParts, checked_edit, reread
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import PolicySet
 
@@ -367,8 +367,24 @@ class PolicyStore:
         with self._subscribers_lock:
             policy = self._documents.get(row.digest)
         if policy is None:
-            policy = parse_policy(row.document, f"policy store version {row.version}", fmt="json")
+            policy = self._parse(row.document, int(row.version))
         return PolicyVersion(change=_to_change(row), policy=policy)
+
+    def _parse(self, document: str, version: int) -> PolicySet:
+        """A stored version's document as a reader parses it: read as an edit of the version
+        nearest to it that this process holds (`kvguard.policy.edits.reread`: only the tenant
+        entries that differ are parsed, and the result is checked to be that very text), else
+        parsed whole. Versions written by another API process are read this way before they are
+        edited, and consecutive versions differ in one tenant's entry."""
+        with self._subscribers_lock:
+            nearest = min(
+                self._parsed.values(), key=lambda v: abs(v.change.version - version), default=None
+            )
+        if nearest is not None:
+            policy = reread(document, nearest.policy, self._parts)
+            if policy is not None:
+                return policy
+        return parse_policy(document, f"policy store version {version}", fmt="json")
 
     def _remember(self, version: PolicyVersion) -> None:
         with self._subscribers_lock:
