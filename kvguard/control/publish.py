@@ -92,7 +92,7 @@ CONTENDED_S: Final = 5.0  # after a failed compare-and-set, bases are read first
 _log = get_logger("control.publish")
 
 
-TenantLimitsLookup = Callable[[str, int, int], PolicyVersion | None]  # tenant, after, upto
+TenantLimitsLookup = Callable[[str, int, int], TenantPolicy | None]  # tenant, after, upto
 
 
 class TenantLimits:
@@ -109,12 +109,13 @@ class TenantLimits:
         lookup: TenantLimitsLookup,
         after: int,
         upto: int,
-        known: dict[str, PolicyVersion | None] | None = None,
+        known: dict[str, TenantPolicy | None] | None = None,
     ) -> None:
         self._lookup, self._after, self._upto = lookup, after, upto
-        self._known: dict[str, PolicyVersion | None] = dict(known or {})
+        self._known: dict[str, TenantPolicy | None] = dict(known or {})
 
-    def get(self, tenant_id: str) -> PolicyVersion | None:
+    def get(self, tenant_id: str) -> TenantPolicy | None:
+        """`tenant_id`'s entry in the latest admin version that set its limits alone, if any."""
         if tenant_id not in self._known:  # one writer thread per process uses a base at a time
             found = (
                 self._lookup(tenant_id, self._after, self._upto)
@@ -124,9 +125,9 @@ class TenantLimits:
             self._known[tenant_id] = found
         return self._known[tenant_id]
 
-    def with_tenant(self, tenant_id: str, version: PolicyVersion) -> TenantLimits:
+    def with_tenant(self, tenant_id: str, limit: TenantPolicy) -> TenantLimits:
         return TenantLimits(
-            self._lookup, self._after, self._upto, {**self._known, tenant_id: version}
+            self._lookup, self._after, self._upto, {**self._known, tenant_id: limit}
         )
 
 
@@ -146,8 +147,10 @@ class PolicyBase:
 
     def limit_for(self, tenant_id: str) -> TenantPolicy:
         """What a tenant_admin of `tenant_id` may tighten but never loosen, as of this base."""
-        version = self.tenant_limits.get(tenant_id) or self.limits
-        return (version.policy if version else PolicySet()).policy_for(tenant_id)
+        own = self.tenant_limits.get(tenant_id)
+        if own is not None:
+            return own
+        return (self.limits.policy if self.limits else PolicySet()).policy_for(tenant_id)
 
 
 PolicyEdit = Callable[[PolicyBase], PolicySet]
@@ -281,10 +284,10 @@ class PolicyPublisher:
         after = limits.change.version if limits else 0
         return PolicyBase(current, limits, TenantLimits(self._tenant_limits, after, upto))
 
-    def _tenant_limits(self, tenant_id: str, after: int, upto: int) -> PolicyVersion | None:
+    def _tenant_limits(self, tenant_id: str, after: int, upto: int) -> TenantPolicy | None:
         # A read of its own: the versions up to `upto` are committed and never change, and a
         # write over a base that has moved since fails its compare-and-set and starts again.
-        return self._store.tenant_limits(tenant_id, after, upto)
+        return self._store.tenant_limit(tenant_id, after, upto)
 
     def _drafts(self, writes: Sequence[PolicyWrite], base: PolicyBase) -> _Batch:
         outcomes: list[PolicyOutcome] = []
@@ -302,7 +305,8 @@ class PolicyPublisher:
                 done = current.change.version
                 base = PolicyBase(current, current, TenantLimits(self._tenant_limits, done, done))
             elif draft.limits_of != NO_LIMITS:  # an admin's edit of one tenant
-                tenants = base.tenant_limits.with_tenant(draft.limits_of, current)
+                limit = current.policy.policy_for(draft.limits_of)
+                tenants = base.tenant_limits.with_tenant(draft.limits_of, limit)
                 base = PolicyBase(current, base.limits, tenants)
             else:  # a tenant_admin's: the limits stay
                 base = PolicyBase(current, base.limits, base.tenant_limits)
@@ -327,7 +331,9 @@ class PolicyPublisher:
 
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
         for draft in batch.drafts:
-            self._store.remember_committed(draft.change)
+            version = self._store.remember_committed(draft.change)
+            if version is not None and draft.limits_of not in (ALL_TENANTS, NO_LIMITS):
+                self._store.remember_limit(draft.limits_of, version)
             _log.info("policy.stored", version=draft.change.version, digest=draft.change.digest)
         last = batch.last
         with self._lock:

@@ -41,10 +41,11 @@ from kvguard.errors import PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy.edits import CanonicalParts, checked_edit, reread
 from kvguard.policy.loading import parse_policy
-from kvguard.policy.models import PolicySet
+from kvguard.policy.models import PolicySet, TenantPolicy
 
 Clock = Callable[[], float]
 _PARSED_MAX = 64
+_LIMITS_MAX = 4096  # tenants' limit entries kept (references to parts of parsed versions)
 
 _log = get_logger("policy.store")
 
@@ -89,6 +90,9 @@ class PolicyStore:
         # it is first read (its row is still read and checked against its digest then).
         self._documents: dict[str, PolicySet] = {}
         self._parts = CanonicalParts()  # the canonical JSON of parsed parts, for edits of them
+        # Each tenant's entry in the admin versions that set its limits alone, by (tenant id,
+        # version, digest): what a tenant_admin's write is checked against (`tenant_limit`).
+        self._limits: dict[tuple[str, int, str], TenantPolicy] = {}
 
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
@@ -238,7 +242,7 @@ class PolicyStore:
     ) -> tuple[PolicyVersion | None, PolicyVersion | None]:
         """The latest version and the latest that set every tenant's limits (what a tenant_admin
         may tighten but never loosen; None: the built-in defaults), both as of one statement, so
-        the limits are those of the latest version; `tenant_limits` reads the later ones that set
+        the limits are those of the latest version; `tenant_limit` reads the later ones that set
         one tenant's."""
         t = PolicyVersionRow
         latest = sa.select(sa.func.max(t.version)).scalar_subquery()
@@ -251,6 +255,7 @@ class PolicyStore:
                     t.reason,
                     t.digest,
                     t.created_at,
+                    t.limits_of,
                     (t.version == by_admin).label("by_admin"),
                 )
                 .where(t.version.in_([latest, by_admin]))
@@ -259,6 +264,8 @@ class PolicyStore:
             versions = [self._cached(c, row) for row in rows]
         if not versions:
             return None, None
+        if rows[0].limits_of not in (None, ALL_TENANTS, NO_LIMITS):  # an admin's edit of one tenant
+            self.remember_limit(rows[0].limits_of, versions[0])
         limits = next((v for v, row in zip(versions, rows, strict=True) if row.by_admin), None)
         return versions[0], limits
 
@@ -302,11 +309,13 @@ class PolicyStore:
                 self._remember_document(change.digest, policy)
         return PolicyVersion(change=change, policy=policy)
 
-    def tenant_limits(
+    def tenant_limit(
         self, tenant_id: str, after: int, upto: int, conn: sa.Connection | None = None
-    ) -> PolicyVersion | None:
-        """The latest version in (`after`, `upto`] by which an admin set `tenant_id`'s limits
-        alone (an edit of its entry, a disable); None if there is none. One index lookup."""
+    ) -> TenantPolicy | None:
+        """`tenant_id`'s entry in the latest version in (`after`, `upto`] by which an admin set
+        `tenant_id`'s limits alone (an edit of its entry, a disable); None if there is none. One
+        index lookup; the entry is kept per version (`remember_limit`), so a version is read only
+        the first time."""
         t = PolicyVersionRow
         with self._reading(conn) as c:
             row = c.execute(
@@ -315,7 +324,26 @@ class PolicyStore:
                 .order_by(t.version.desc())
                 .limit(1)
             ).first()
-            return None if row is None else self._cached(c, row)
+            if row is None:
+                return None
+            with self._subscribers_lock:
+                known = self._limits.get((tenant_id, int(row.version), row.digest))
+            if known is not None:
+                return known
+            version = self._cached(c, row)
+        return self.remember_limit(tenant_id, version)
+
+    def remember_limit(self, tenant_id: str, version: PolicyVersion) -> TenantPolicy:
+        """Keep `version`'s entry for `tenant_id`, an admin's version that set that tenant's
+        limits (`tenant_limit`), and return it. Versions never change: keyed by number and
+        digest, an entry is never stale."""
+        limit = version.policy.policy_for(tenant_id)
+        key = (tenant_id, version.change.version, version.change.digest)
+        with self._subscribers_lock:
+            if len(self._limits) >= _LIMITS_MAX:
+                self._limits.pop(next(iter(self._limits)), None)
+            self._limits[key] = limit
+        return limit
 
     def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version, or None when nothing has been stored yet (one query of its

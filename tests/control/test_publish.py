@@ -16,7 +16,7 @@ from kvguard.control.commands import CommandQueue, PolicyCommand, PurgeKind, Pur
 from kvguard.control.db import open_engine
 from kvguard.control.outbox import Outbox
 from kvguard.control.policy_seed import policy_change_event
-from kvguard.control.publish import PolicyBase, PolicyPublisher, submit_purge
+from kvguard.control.publish import PolicyBase, PolicyPublisher, PolicyWrite, submit_purge
 from kvguard.control.schema import EngineCommand, OutboxRow
 from kvguard.errors import PermissionDeniedError, PolicyVersionConflictError
 from kvguard.policy import PolicySet, TenantPolicy
@@ -181,6 +181,83 @@ def test_the_limits_are_those_of_the_version_edited(db_url: str) -> None:
         record, author="key:t", reason="r", author_role="tenant_admin", events=_events
     )
     assert seen == [(2, 1), (3, 1)]
+
+
+def test_a_tenants_limits_are_those_its_latest_admin_write_set_whichever_process_wrote_it(
+    db_url: str,
+) -> None:
+    """A tenant_admin's write is checked against the entry of the latest admin version that set
+    its tenant's limits, whichever process wrote that version, each time a newer one exists (the
+    limits are kept per version, never per tenant alone)."""
+    one, two = _publisher(db_url), _publisher(db_url)
+    seen: list[int] = []  # the limit each edit saw (an edit over a stale base is redone)
+    checked: list[tuple[str, int]] = []  # the limit the stored version was checked against
+
+    def admin_sets(tenant: str, ttl: int) -> PolicyWrite:
+        return PolicyWrite(_set_ttl(tenant, ttl), "key:a", "r", "admin", _events, limits_of=tenant)
+
+    def tenant_admin(base: PolicyBase) -> PolicySet:
+        seen.append(base.limit_for("acme").retention.ttl_s)
+        return _set_ttl("acme", 20)(base)
+
+    def publish(publisher: PolicyPublisher, write: PolicyWrite | None = None) -> None:
+        write = write or PolicyWrite(tenant_admin, "key:t", "r", "tenant_admin", _events)
+        outcome = publisher.publish_group([write])[0]
+        assert not isinstance(outcome, Exception), outcome
+        if write.author_role == "tenant_admin":
+            checked.append(("one" if publisher is one else "two", seen[-1]))
+
+    publish(one, admin_sets("acme", 100))
+    publish(two)
+    publish(one)
+    publish(one, admin_sets("acme", 60))
+    publish(two)
+    publish(two, admin_sets("beta", 10))  # another tenant's limits leave acme's alone
+    publish(one)
+    publish(two, admin_sets("acme", 30))
+    publish(two)
+    publish(one)
+    publish(one)
+    assert checked == [
+        ("two", 100),
+        ("one", 100),
+        ("two", 60),
+        ("one", 60),
+        ("two", 30),
+        ("one", 30),
+        ("one", 30),
+    ]
+
+
+def test_a_process_checks_against_limits_it_wrote_without_reading_them_back(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publisher = _publisher(db_url)
+    write = PolicyWrite(_set_ttl("acme", 100), "key:a", "r", "admin", _events, limits_of="acme")
+    assert not isinstance(publisher.publish_group([write])[0], Exception)
+    others = [  # more versions than the store keeps parsed: the limits' version is long gone
+        PolicyWrite(_set_ttl(f"t{n}", 50), "key:o", "r", "tenant_admin", _events) for n in range(80)
+    ]
+    assert not any(isinstance(o, Exception) for o in publisher.publish_group(others))
+    reads: list[int] = []
+    real = PolicyStore._to_version
+
+    def counting(self: PolicyStore, row: object) -> object:
+        reads.append(row.version)  # type: ignore[attr-defined]
+        return real(self, row)
+
+    monkeypatch.setattr(PolicyStore, "_to_version", counting)
+    publisher.forget()  # the base is read again, as after another process's write
+    limits: list[int] = []
+
+    def tenant_admin(base: PolicyBase) -> PolicySet:
+        limits.append(base.limit_for("acme").retention.ttl_s)
+        return _set_ttl("acme", 20)(base)
+
+    mine = PolicyWrite(tenant_admin, "key:t", "r", "tenant_admin", _events)
+    assert not isinstance(publisher.publish_group([mine])[0], Exception)
+    assert limits == [100]
+    assert reads == []  # neither the base nor the limits' version was read back
 
 
 def test_a_purge_commits_with_its_events_naming_the_job(db_url: str) -> None:
