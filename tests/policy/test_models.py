@@ -187,3 +187,30 @@ def test_docs_describe_every_field() -> None:
     for enum in (Classification, Reuse, ZeroizeOn, Verify, AuditLevel, LedgerUnavailable):
         for member in enum:
             assert f"`{member.value}`" in docs, f"{enum.__name__}.{member.value} undocumented"
+
+
+def test_an_entry_passes_its_rules_once_and_a_bad_one_never(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pydantic runs a TenantPolicy's rules again whenever the object goes into a set being
+    validated; an object that passed them is not checked again, one that failed always is."""
+    import kvguard.policy.models as models  # noqa: PLC0415
+
+    checked: list[object] = []
+    real = models.tenant_problems
+
+    def counting(policy: TenantPolicy) -> list[tuple[str, str]]:
+        checked.append(policy)
+        return real(policy)
+
+    monkeypatch.setattr(models, "tenant_problems", counting)
+    entry = TenantPolicy(retention={"ttl_s": 60, "idle_s": 30})
+    assert checked == [entry]
+    for _ in range(3):
+        PolicySet.model_validate({"tenants": {"a": entry, "b": entry}})
+    assert [c for c in checked if c is entry] == [entry]
+    bad = TenantPolicy.model_construct(classification=Classification.RESTRICTED, reuse=Reuse.TENANT)
+    for _ in range(2):
+        with pytest.raises(ValidationError, match="restricted"):
+            PolicySet.model_validate({"tenants": {"a": bad}})
+    assert [c for c in checked if c is bad] == [bad, bad]
