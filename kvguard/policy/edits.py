@@ -207,8 +207,8 @@ def reread(document: str, base: PolicySet, parts: CanonicalParts) -> PolicySet |
     if set(type(base).model_fields) != _FIELDS or not _plain_scalars(base):
         return None
     layout = _tenant_items(base, parts)
-    if document == layout.document:
-        return base
+    if document == layout.document and _sorted(base):
+        return base  # else (a base parsed from a text in another order): whole, or rebuilt below
     span = _changed_items(layout, document)
     if span is None:
         return None  # a change outside the tenants (the default, the groups, the epoch)
@@ -275,9 +275,16 @@ def _with_entries(
             **scalars,
             "default": base.default,
             "tenants": dict(sorted({**kept, **fresh}.items())),
-            "share_groups": base.share_groups,
+            "share_groups": dict(sorted(base.share_groups.items())),
         }
     )
+
+
+def _sorted(policy_set: PolicySet) -> bool:
+    """Whether the set's maps are in key order, as a reader's parse of canonical JSON has them."""
+    return list(policy_set.tenants) == sorted(policy_set.tenants) and list(
+        policy_set.share_groups
+    ) == sorted(policy_set.share_groups)
 
 
 def _entry(key: str, value: Any, base: PolicySet, parts: CanonicalParts) -> TenantPolicy:

@@ -126,17 +126,36 @@ class TenantPolicy(_Frozen):
         # entry of every edited or re-read set: 64 calls per write with 64 tenants). The rules
         # read only this frozen object's fields, so an object that passed them passes again:
         # each is checked once, remembered by identity (and held, so its id is not reused).
+        # Only an object that cannot change is remembered: one built with `model_construct` may
+        # hold a list where a tuple belongs, or a part of another type.
         if _checked.get(id(self)) is self:
             return self
         raise_problems(tenant_problems(self))
-        if len(_checked) >= _CHECKED_MAX:
-            _checked.clear()
-        _checked[id(self)] = self
+        if _immutable(self):
+            if len(_checked) >= _CHECKED_MAX:
+                _checked.clear()
+            _checked[id(self)] = self
         return self
 
 
 _CHECKED_MAX: Final = 4096
 _checked: dict[int, TenantPolicy] = {}  # id -> a TenantPolicy that passed `tenant_problems`
+
+
+def _immutable(policy: TenantPolicy) -> bool:
+    """Whether every field `tenant_problems` reads is of its declared, frozen type (what
+    validation builds; `model_construct` takes anything)."""
+    return (
+        type(policy) is TenantPolicy
+        and type(policy.groups) is tuple
+        and all(type(g) is str for g in policy.groups)
+        and type(policy.retention) is Retention
+        and type(policy.quota) is Quota
+        and type(policy.zeroize) is Zeroize
+        and type(policy.offload) is Offload
+        and type(policy.classification) is Classification
+        and type(policy.reuse) is Reuse
+    )
 
 
 class PrefixRef(_Frozen):

@@ -214,3 +214,15 @@ def test_an_entry_passes_its_rules_once_and_a_bad_one_never(
         with pytest.raises(ValidationError, match="restricted"):
             PolicySet.model_validate({"tenants": {"a": bad}})
     assert [c for c in checked if c is bad] == [bad, bad]
+
+
+def test_an_entry_that_can_change_is_checked_every_time() -> None:
+    """`model_construct` takes a list where the model holds a tuple: such an object is not
+    remembered as checked, so emptying its list later is caught."""
+    groups = ["g"]
+    entry = TenantPolicy.model_construct(reuse=Reuse.GROUP, groups=groups)
+    policies = policy_set()
+    PolicySet.model_validate({**dict(policies), "tenants": {"a": entry}})
+    groups.clear()
+    with pytest.raises(ValidationError, match="needs at least one share-group membership"):
+        PolicySet.model_validate({**dict(policies), "tenants": {"a": entry}})

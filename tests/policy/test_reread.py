@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from kvguard.policy import PolicySet, PolicyStore, TenantPolicy
 from kvguard.policy.edits import CanonicalParts, reread
 from kvguard.policy.loading import parse_policy
 from kvguard.policy.models import Retention
+from kvguard.policy.store import PolicyChange, PolicyVersion
+from tests.dbs import fresh_pg_database
 from tests.policy.conftest import policy_set
 from tests.policy.test_decisions_properties import policy_sets, tenant_policies
 from tests.policy.test_edits import _count_parses
@@ -45,7 +48,9 @@ def _oracle(text: str, base: PolicySet, parts: CanonicalParts) -> PolicySet | No
         return None
     if result is not None:
         assert result == full
-        assert list(result.tenants) == list(full.tenants)
+        assert list(result.tenants) == list(full.tenants)  # the reader's order of both maps
+        assert list(result.share_groups) == list(full.share_groups)
+        assert result.model_dump_json() == full.model_dump_json()
     return result
 
 
@@ -160,6 +165,26 @@ def test_a_random_change_of_the_text_is_reread_right_or_not_at_all(data: st.Data
     _oracle(text, BASE, CanonicalParts())
 
 
+def _out_of_order(policy: PolicySet) -> str:
+    """`policy`'s canonical text with both maps in reverse key order: what an old or hand-made row
+    can hold (a reader parses it to the same set, its maps in that order)."""
+    data = json.loads(policy.canonical_json())
+    data["tenants"] = dict(reversed(data["tenants"].items()))
+    data["share_groups"] = dict(reversed(data["share_groups"].items()))
+    return json.dumps(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(policy_sets(), EDITS)
+def test_a_base_parsed_from_a_text_in_another_order_gives_the_readers_order(
+    generated: PolicySet, edits: list[tuple[str, dict[str, Any] | None]]
+) -> None:
+    base = _parse(_out_of_order(generated))
+    data = json.loads(generated.canonical_json())
+    for text in (generated.canonical_json(), _document(_apply(data, edits))):
+        _oracle(text, base, CanonicalParts())  # checks both maps' order, not only equality
+
+
 def test_an_unchanged_text_is_the_base_itself() -> None:
     assert reread(BASE_TEXT, BASE, CanonicalParts()) is BASE
 
@@ -172,13 +197,20 @@ def test_a_base_with_unknown_fields_is_not_used() -> None:
 # --- through the store: another process's versions ------------------------------------------
 
 
-@pytest.fixture
-def stores(tmp_path: Path) -> Iterator[tuple[PolicyStore, PolicyStore]]:
-    url = f"sqlite:///{tmp_path / 'policy.db'}"
-    writer, reader = PolicyStore.open(url), PolicyStore.open(url)
-    yield writer, reader
-    writer.engine.dispose()
-    reader.engine.dispose()
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def stores(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[PolicyStore, PolicyStore]]:
+    with ExitStack() as stack:
+        url = (
+            f"sqlite:///{tmp_path / 'policy.db'}"
+            if request.param == "sqlite"
+            else stack.enter_context(fresh_pg_database("kvg_reread"))
+        )
+        writer, reader = PolicyStore.open(url), PolicyStore.open(url)
+        yield writer, reader
+        writer.engine.dispose()
+        reader.engine.dispose()
 
 
 def _set_entry(tenant: str, entry: TenantPolicy | None) -> Any:
@@ -228,3 +260,21 @@ def test_a_version_that_differs_outside_the_tenants_is_parsed_whole(
     assert current is not None and current.change.version == change
     assert current.policy.epoch == 1
     assert parses == [f"policy store version {change}"]
+
+
+def test_a_tenants_limits_are_kept_per_version_and_digest(
+    stores: tuple[PolicyStore, PolicyStore],
+) -> None:
+    """A version number can be taken by a write that rolls back and then by another with other
+    content: the limits kept for the first are never those of the second."""
+    writer, _ = stores
+    gone = PolicyVersion(
+        change=PolicyChange(version=1, author="a", reason="r", digest="sha256:" + "0" * 64, at=0.0),
+        policy=policy_set({"acme": {"retention": {"ttl_s": 9000, "idle_s": 600}}}),
+    )
+    writer.remember_limit("acme", gone)  # as if version 1 had been this, then rolled back
+    tight = policy_set({"acme": {"retention": {"ttl_s": 100, "idle_s": 60}}})
+    writer.put(tight, author="admin", reason="r", limits_of="acme")
+    limit = writer.tenant_limit("acme", 0, 1)
+    assert limit is not None and limit.retention.ttl_s == 100
+    assert writer.tenant_limit("beta", 0, 1) is None  # another tenant's limits are not acme's
