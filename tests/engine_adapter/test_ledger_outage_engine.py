@@ -21,6 +21,7 @@ from tests.engine_adapter.vllm_support import (
     add_request,
     greedy,
     ledger_outage,
+    step_engine,
     token_prompt,
     zeroized_block_ids,
 )
@@ -112,4 +113,71 @@ def test_blocks_freed_during_the_outage_get_their_zeroize_evidence_once_the_ledg
         )
     finally:
         del custody.zeroized
+        _cleanup(guarded)
+
+
+def _abort(g, rid: str) -> None:
+    g.llm.llm_engine.abort_request([rid])
+
+
+def test_fail_closed_tenant_is_refused_at_once_when_the_outage_began_while_idle(guarded) -> None:
+    """Observed: with the engine idle when the ledger started refusing (no event of its own refused
+    yet), a `fail_closed` tenant's request was admitted and then waited in vLLM's queue for the
+    whole outage (`generate` hung), although docs/vllm.md promises `AdmissionError` at once.
+    Expected: refused at admission, reason `ledger_unavailable`."""
+    from kvguard.errors import AdmissionError  # noqa: PLC0415
+
+    sched = guarded.connector.scheduler_guard
+    try:
+        guarded.settle()
+        assert not sched.ledger_refusing  # idle, nothing waiting
+        with ledger_outage(guarded):
+            try:
+                rid = add_request(guarded, "outage-idle-fc", token_prompt(4, 40), greedy(3))
+            except AdmissionError as exc:
+                assert "ledger_unavailable" in str(exc)
+            else:
+                _abort(guarded, rid)
+                pytest.fail("a fail_closed tenant was admitted while the ledger refused entries")
+    finally:
+        _cleanup(guarded)
+
+
+def test_block_tenant_waits_out_the_outage_and_is_served_and_recorded_after(guarded) -> None:
+    """`on_ledger_unavailable: block`: admitted during an outage, its request does not start while
+    the ledger refuses entries (G7), and runs to completion with its entries once the ledger is
+    back; a `fail_closed` tenant asking at the same time is refused."""
+    from kvguard.errors import AdmissionError  # noqa: PLC0415
+    from kvguard.policy import PolicySet  # noqa: PLC0415
+
+    sched = guarded.connector.scheduler_guard
+    old, version = sched.policies, sched.policy_version
+    data = old.model_dump(mode="json")
+    data["tenants"]["outage-blk"] = {"on_ledger_unavailable": "block"}
+    sched.use_policy(PolicySet.model_validate(data), version)
+    rid = None
+    try:
+        guarded.settle()
+        with ledger_outage(guarded):
+            with pytest.raises(AdmissionError, match="ledger_unavailable"):
+                add_request(guarded, "outage-fc-now", token_prompt(5, 40), greedy(3))
+            rid = add_request(guarded, "outage-blk", token_prompt(6, 40), greedy(4))
+            scheduler = guarded._engine_core().scheduler
+            (inner,) = [r for r in scheduler.requests if r.startswith(rid + "-")]
+            computed = []
+            for _ in range(5):
+                guarded.llm.llm_engine.step()
+                computed.append(int(scheduler.requests[inner].num_computed_tokens))
+            assert computed == [0] * 5  # still in vLLM's queue: nothing ran unrecorded
+        done = step_engine(guarded)
+        assert rid in done and len(done[rid].outputs[0].token_ids) == 4
+        guarded.settle()
+        sched.ledger.flush()
+        page = sched.ledger.query(kinds=["block.alloc"], request_id=inner, limit=10)
+        assert page.records, "the request ran but its allocation was never recorded"
+        rid = None
+    finally:
+        if rid is not None:
+            _abort(guarded, rid)
+        sched.use_policy(old, version)
         _cleanup(guarded)

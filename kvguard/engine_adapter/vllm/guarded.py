@@ -174,7 +174,7 @@ class GuardedLLM:
         # `fail_closed` refuses here; `block` lets the request wait in the engine's queue
         # (`SchedulerGuard.may_schedule`) until the ledger takes entries again.
         guard = self.connector.scheduler_guard if self.connector is not None else None
-        refusing = guard is not None and guard.ledger_refusing
+        refusing = guard is not None and guard.refuses_new_work()
         decision = admit(self.policies, scope, NO_USAGE, ledger_available=not refusing)
         if decision.verdict is Verdict.DEFER:
             decision = admit(self.policies, scope, NO_USAGE)

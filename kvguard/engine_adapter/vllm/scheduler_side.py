@@ -752,6 +752,23 @@ class SchedulerGuard:
         """True while custody events wait because the ledger refused them (G7: no new work)."""
         return bool(self._unsent)
 
+    def refuses_new_work(self) -> bool:
+        """Whether a request admitted now would wait for the ledger (G7): events it refused still
+        wait, or, under `fail_closed`, it would refuse an entry now (asked without queueing
+        anything, as `may_schedule` asks before a request starts). An in-process engine's
+        admission asks this, so a `fail_closed` tenant is refused at once also when the outage
+        began while the engine was idle and none of its own events was refused yet (its request
+        was admitted and then waited in vLLM's queue for the whole outage)."""
+        if self._unsent:
+            return True
+        if self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
+            return False
+        try:
+            self.bridge.probe()
+        except LedgerUnavailableError:
+            return True
+        return False
+
     def report_now(self) -> bool:
         """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
         return self.reporter.heartbeat(self._clock(), self._c.summary(), self._counters())
