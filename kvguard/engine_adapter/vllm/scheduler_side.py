@@ -360,21 +360,27 @@ class SchedulerGuard:
         if self._unsent:
             self._forward([])
             self._gate_open = not self._unsent
-        elif self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
-            self._gate_open = True  # only `fail_closed` refuses; `block` waits for room instead
+        elif self._probe_refuses():
+            if self._gate_open:
+                _log.error("audit ledger refusing entries; new requests wait (G7)")
+            if self._refused_at != self._step:
+                self._refused_at = self._step
+                self.stats["ledger_refusals"] += 1
+            self._gate_open = False
         else:
-            try:
-                self.bridge.probe()
-            except LedgerUnavailableError:
-                if self._gate_open:
-                    _log.error("audit ledger refusing entries; new requests wait (G7)")
-                if self._refused_at != self._step:
-                    self._refused_at = self._step
-                    self.stats["ledger_refusals"] += 1
-                self._gate_open = False
-            else:
-                self._gate_open = True
+            self._gate_open = True
         return self._gate_open
+
+    def _probe_refuses(self) -> bool:
+        """Whether the ledger would refuse an entry now (asked without queueing anything). Only
+        `fail_closed` refuses; under `block` a submission waits for room instead."""
+        if self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
+            return False
+        try:
+            self.bridge.probe()
+        except LedgerUnavailableError:
+            return True
+        return False
 
     def request_finished(self, request: Any) -> None:
         """The request is done: quarantine what policy releases, keep what it retains."""
@@ -759,15 +765,7 @@ class SchedulerGuard:
         admission asks this, so a `fail_closed` tenant is refused at once also when the outage
         began while the engine was idle and none of its own events was refused yet (its request
         was admitted and then waited in vLLM's queue for the whole outage)."""
-        if self._unsent:
-            return True
-        if self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
-            return False
-        try:
-            self.bridge.probe()
-        except LedgerUnavailableError:
-            return True
-        return False
+        return bool(self._unsent) or self._probe_refuses()
 
     def report_now(self) -> bool:
         """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
