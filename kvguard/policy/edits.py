@@ -36,6 +36,7 @@ from typing import Any, Final, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from kvguard.policy.loading import load_json
 from kvguard.policy.models import PolicySet, ShareGroup, TenantPolicy
 
 _FIELDS: Final = frozenset({"version", "epoch", "default", "tenants", "share_groups"})
@@ -257,12 +258,7 @@ def _with_entries(
 ) -> PolicySet:
     """`base` with the entries named `replaced` replaced by those in `text` (a JSON object of
     tenant entries), parsed as the loader parses them; ValueError on a key given twice."""
-    data = json.loads(
-        text,
-        object_pairs_hook=_no_duplicate_keys,
-        parse_constant=_refuse_constant,
-        parse_int=_digits,
-    )
+    data = load_json(text)
     kept = {key: part for key, part in base.tenants.items() if key not in replaced}
     if kept.keys() & data.keys():
         raise ValueError("duplicate key")
@@ -308,16 +304,3 @@ def _tenant_items(base: PolicySet, parts: CanonicalParts) -> _Layout:
     body = ",".join(texts)
     document = head + body + "}" + parts.tail(base)
     return _Layout(document, len(head), len(head) + len(body), items)
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError("duplicate key")  # as the loader refuses it
-        out[key] = value
-    return out
-
-
-def _digits(text: str) -> int:
-    return int(text)  # past Python's conversion limit: ValueError, as the loader refuses it

@@ -132,6 +132,16 @@ def _load_json(text: str) -> Any:
         raise _DocumentError(f"line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
+def load_json(text: str) -> Any:
+    """`text` as JSON under the loader's strict rules (duplicate keys, NaN / Infinity and integers
+    past Python's conversion limit refused): ValueError naming the problem (for readers of parts
+    of a stored document, `kvguard.policy.edits.reread`)."""
+    try:
+        return _load_json(text)
+    except _DocumentError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def parse_policy(text: str, source: str = "<string>", *, fmt: Format | None = None) -> PolicySet:
     """Parse and validate a policy document. `fmt` defaults to JSON for `*.json`, YAML otherwise.
 
