@@ -288,16 +288,16 @@ def levels_inclusion_proof(levels: Sequence[Sequence[bytes]], index: int) -> lis
     return proof
 
 
-_LEVEL_SHIFT = 48  # 2**48 leaves per level is far beyond any ledger
+LEVEL_SHIFT = 48  # 2**48 leaves per level is far beyond any ledger
 
 
 def stored_hash_key(level: int, index: int) -> int:
     """One integer key per complete subtree: `level << 48 | index` (level 0 keys are leaf indices)."""
-    return (level << _LEVEL_SHIFT) | index
+    return (level << LEVEL_SHIFT) | index
 
 
 def split_stored_hash_key(key: int) -> Subtree:
-    return Subtree(key >> _LEVEL_SHIFT, key & ((1 << _LEVEL_SHIFT) - 1))
+    return Subtree(key >> LEVEL_SHIFT, key & ((1 << LEVEL_SHIFT) - 1))
 
 
 class Frontier:
@@ -332,7 +332,7 @@ class Frontier:
             levels.pop()
             level, index = level + 1, index >> 1
             h = hashlib.sha256(_NODE_PREFIX + hashes.pop() + h).digest()
-            done.append(((level << _LEVEL_SHIFT) | index, h))
+            done.append(((level << LEVEL_SHIFT) | index, h))
         levels.append(level)
         hashes.append(h)
         self.size += 1

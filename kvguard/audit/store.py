@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import sqlalchemy as sa
 
@@ -32,6 +32,20 @@ _CHECKPOINT_PAGE = 16  # checkpoint rows read at a time when looking for the lat
 # Appends of up to this many entries go as pipelined INSERTs on PostgreSQL, larger ones by COPY
 # (several times faster in bulk, docs/benchmarks.md "Audit ledger"; `_insert_pipelined`).
 _PG_PIPELINED_MAX_ENTRIES = 64
+# The frontier of the locked head's size when it is not the size this process knows (another process
+# appended): the complete subtrees of its binary expansion, level k at position (size >> k) - 1, largest
+# first (`merkle.range_subtrees(0, size)`; keys as `merkle.stored_hash_key`). Sent in the lock's
+# pipeline, after the lock; a missing hash reads NULL and the append rebuilds it (`_load_frontier`).
+# (48: `merkle.LEVEL_SHIFT`, tested.)
+_PG_FRONTIER_SQL = (
+    "SELECT g.k, CASE WHEN g.k = 0 "
+    "THEN (SELECT e.leaf_hash FROM ledger_entries e WHERE e.idx = h.size - 1) "
+    "ELSE (SELECT x.hash FROM ledger_hashes x "
+    "WHERE x.id = (g.k::bigint << 48) | ((h.size >> g.k) - 1)) END "
+    "FROM ledger_head h CROSS JOIN generate_series(0, 47) AS g(k) "
+    "WHERE h.id = 1 AND h.size <> %s AND ((h.size >> g.k) & 1) = 1 ORDER BY g.k DESC"
+)
+_PG_LOCK_SQL = "SELECT size FROM ledger_head WHERE id = 1 FOR UPDATE"
 _SQLITE_MAX_PARAMS = 999  # SQLITE_MAX_VARIABLE_NUMBER before SQLite 3.32 (32,766 since)
 # Links that SQLite's triggers do not check (several per entry; migration 0004): a row planted ahead
 # of the head is ignored rather than colliding with the append.
@@ -71,6 +85,43 @@ class CheckpointRow(NamedTuple):
 
 AfterAppend = Callable[[sa.Connection, int], None]
 Collect = Callable[[sa.Connection], Sequence[PreparedEntry]]
+Rows = Sequence[tuple[object, ...]]
+
+
+class Claim(Protocol):
+    """What an append reads and marks in its own transaction (`append_collected`), given also as
+    PostgreSQL driver SQL (`%s` parameters) so that the append sends it with its lock and with its
+    inserts: two round trips under the head lock instead of six or seven. Each round trip needs
+    the appending thread back on the GIL and a core while every other drainer waits for the lock
+    (docs/benchmarks.md, "Outbox drains in two round trips"). `collect` and `after` are the same
+    work through SQLAlchemy, for SQLite."""
+
+    def collect(self, conn: sa.Connection) -> Sequence[PreparedEntry]:
+        """`Collect`: the entries to append, read in the append's transaction."""
+        ...
+
+    def after(self, conn: sa.Connection, first: int) -> None:
+        """`AfterAppend`: marks what was appended, in the same transaction (raises to refuse)."""
+        ...
+
+    def select(self) -> tuple[str, Sequence[object]]:
+        """The query `collect` runs, sent right after the head lock (a fresh READ COMMITTED
+        snapshot: it sees every commit made before the lock was granted)."""
+        ...
+
+    def take(self, rows: Rows) -> Sequence[PreparedEntry]:
+        """The entries to append, from the query's rows."""
+        ...
+
+    def mark(self, first: int) -> tuple[str, Sequence[object]]:
+        """The statement `after` runs, sent after the inserts and before COMMIT in one pipeline:
+        where `after` would raise, it must fail in the database with a division by zero, so that
+        the pipeline aborts and the COMMIT never runs."""
+        ...
+
+    def refused(self) -> Exception:
+        """What to raise when `mark` failed so (nothing was appended)."""
+        ...
 
 
 class LedgerStore:
@@ -272,12 +323,18 @@ class LedgerStore:
         return self.append_collected(lambda _conn: prepared, after)[0]
 
     def append_collected(
-        self, collect: Collect, after: AfterAppend | None = None
+        self, collect: Collect | Claim, after: AfterAppend | None = None
     ) -> tuple[int, int]:
         """`append` of the entries `collect(conn)` reads inside the transaction, once the head lock
         is held: no other append, in this process or another, runs until this one commits, so what
         it reads cannot be appended meanwhile (the outbox drains read their pending rows so).
+        A `Claim` (its own `after`) is sent in two round trips on PostgreSQL (`_append_claimed`).
         Returns the index of the first entry and how many; none appends nothing."""
+        if not callable(collect):  # a Claim
+            claim = collect
+            if self.engine.dialect.name == "postgresql":
+                return self._append_claimed(claim)
+            collect, after = claim.collect, claim.after
         with self._lock:
             with write_transaction(self.engine) as conn:
                 first = self.lock_head(conn)
@@ -295,6 +352,65 @@ class LedgerStore:
                 self._frontier = frontier  # only once the transaction has committed
         return first, len(prepared)
 
+    def _append_claimed(self, claim: Claim) -> tuple[int, int]:
+        """PostgreSQL: the append protocol in two pipelines. The first sends BEGIN, the head lock,
+        the frontier of the locked size (rows only when another process appended since this one's
+        last append) and the claim's query; each statement after the lock reads a snapshot taken
+        once the lock was granted. The second sends the inserts, the claim's mark and COMMIT: a mark
+        that fails aborts the pipeline, so the COMMIT never runs and the transaction rolls back."""
+        import psycopg  # noqa: PLC0415 (only with PostgreSQL, an optional extra)
+
+        with self._lock:
+            with write_transaction(self.engine) as conn:
+                raw = conn.connection.driver_connection
+                assert raw is not None
+                known = self._frontier.size
+                query, params = claim.select()
+                with raw.cursor() as head, raw.cursor() as edge, raw.cursor() as found:
+                    with raw.pipeline():
+                        head.execute(_PG_LOCK_SQL)  # psycopg sends BEGIN before it
+                        edge.execute(_PG_FRONTIER_SQL, (known,))
+                        found.execute(query, params)
+                    # The pipeline has ended: every result is in.
+                    first = _head_size(_only(head.fetchall()))
+                    prepared = claim.take(found.fetchall())
+                    edge_rows = edge.fetchall()
+                if not prepared:
+                    return first, 0  # nothing to mark either: the transaction commits empty
+                if first == known:
+                    frontier = self._frontier.copy()
+                else:
+                    frontier = self._frontier_of(first, edge_rows) or self._load_frontier(
+                        conn, first
+                    )
+                tables = _insert_params(first, prepared, frontier)
+                piped = len(prepared) <= _PG_PIPELINED_MAX_ENTRIES
+                if not piped:
+                    for table, rows in tables:
+                        _insert_flat(conn, table, rows)
+                mark, mark_params = claim.mark(first)
+                try:
+                    with raw.pipeline(), raw.cursor() as cursor:
+                        if piped:
+                            _execute_inserts(cursor, tables)
+                        cursor.execute(mark, mark_params)
+                        cursor.execute("COMMIT")
+                except psycopg.errors.DivisionByZero:
+                    raise claim.refused() from None
+            self._frontier = frontier  # committed
+        return first, len(prepared)
+
+    @staticmethod
+    def _frontier_of(size: int, rows: Rows) -> merkle.Frontier | None:
+        """The frontier of `size` from `_PG_FRONTIER_SQL`'s rows; None if a hash is missing."""
+        nodes = []
+        for level, value in rows:
+            if value is None:
+                return None
+            k = int(level)  # type: ignore[call-overload]
+            nodes.append((merkle.Subtree(k, (size >> k) - 1), blob(value, f"stored hash {k}")))
+        return merkle.Frontier(size, nodes)
+
     def _insert(
         self,
         conn: sa.Connection,
@@ -302,31 +418,7 @@ class LedgerStore:
         prepared: Sequence[PreparedEntry],
         frontier: merkle.Frontier,
     ) -> None:
-        """Insert the rows of `prepared` as flat parameter lists (one list per table, no per-row
-        tuples: `_insert_flat` cuts them into multi-row statements)."""
-        entry_params: list[object] = []
-        block_params: list[object] = []
-        command_params: list[object] = []
-        payload_params: list[object] = []
-        hash_params: list[object] = []
-        add_entry, add_blocks, add_node = entry_params.extend, block_params.extend, frontier.append
-        for i, p in enumerate(prepared, start=first):
-            add_entry((i, p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us))
-            for b in dict.fromkeys(p.block_ids):
-                add_blocks((b, i))
-            for c in p.command_ids:  # empty for all but purge and purge-request entries
-                command_params.extend((c, i))
-            if p.payload is not None:
-                payload_params.extend((i, p.payload[0], p.payload[1]))
-            for key, h in add_node(p.leaf_hash):  # level 0 is the entry row's leaf_hash
-                hash_params.extend((key, h))
-        tables = (
-            (t.entries, entry_params),
-            (t.entry_blocks, block_params),
-            (t.entry_commands, command_params),
-            (t.payloads, payload_params),
-            (t.hashes, hash_params),
-        )
+        tables = _insert_params(first, prepared, frontier)
         if conn.dialect.name == "postgresql" and len(prepared) <= _PG_PIPELINED_MAX_ENTRIES:
             _insert_pipelined(conn, tables)
             return
@@ -340,6 +432,45 @@ class LedgerStore:
         conn.execute(
             sa.insert(t.checkpoints).values(size=size, root=root, note=note, prev_size=prev_size)
         )
+
+
+def _only(rows: Rows) -> int | None:
+    """The single value of a one-row, one-column result (None: no row)."""
+    if not rows:
+        return None
+    (value,) = rows[0]
+    return None if value is None else int(value)  # type: ignore[call-overload]
+
+
+def _insert_params(
+    first: int, prepared: Sequence[PreparedEntry], frontier: merkle.Frontier
+) -> tuple[tuple[sa.Table, list[object]], ...]:
+    """The rows of `prepared` at `first` as flat parameter lists, one per table in insert order
+    (no per-row tuples: `_insert_flat` cuts them into multi-row statements); `frontier` takes
+    the new leaves."""
+    entry_params: list[object] = []
+    block_params: list[object] = []
+    command_params: list[object] = []
+    payload_params: list[object] = []
+    hash_params: list[object] = []
+    add_entry, add_blocks, add_node = entry_params.extend, block_params.extend, frontier.append
+    for i, p in enumerate(prepared, start=first):
+        add_entry((i, p.leaf, p.leaf_hash, p.kind, p.scope_tag, p.request_id, p.ts_us))
+        for b in dict.fromkeys(p.block_ids):
+            add_blocks((b, i))
+        for c in p.command_ids:  # empty for all but purge and purge-request entries
+            command_params.extend((c, i))
+        if p.payload is not None:
+            payload_params.extend((i, p.payload[0], p.payload[1]))
+        for key, h in add_node(p.leaf_hash):  # level 0 is the entry row's leaf_hash
+            hash_params.extend((key, h))
+    return (
+        (t.entries, entry_params),
+        (t.entry_blocks, block_params),
+        (t.entry_commands, command_params),
+        (t.payloads, payload_params),
+        (t.hashes, hash_params),
+    )
 
 
 def _insert_flat(conn: sa.Connection, table: sa.Table, params: list[object]) -> None:
@@ -385,14 +516,17 @@ def _insert_pipelined(conn: sa.Connection, tables: Sequence[tuple[sa.Table, list
     raw = conn.connection.driver_connection
     assert raw is not None
     with raw.pipeline(), raw.cursor() as cursor:
-        for table, params in tables:
-            if params:
-                width = len(table.columns)
-                names = ", ".join(c.name for c in table.columns)
-                sql = _values_sql(
-                    "INSERT", table.name, names, width, len(params) // width, mark="%s"
-                )
-                cursor.execute(sql, params)
+        _execute_inserts(cursor, tables)
+
+
+def _execute_inserts(cursor: Any, tables: Sequence[tuple[sa.Table, list[object]]]) -> None:
+    """One multi-row `INSERT` per table that has rows, on a PostgreSQL cursor (in a pipeline)."""
+    for table, params in tables:
+        if params:
+            width = len(table.columns)
+            names = ", ".join(c.name for c in table.columns)
+            sql = _values_sql("INSERT", table.name, names, width, len(params) // width, mark="%s")
+            cursor.execute(sql, params)
 
 
 @lru_cache(maxsize=256)

@@ -165,36 +165,74 @@ class Outbox:
         if not rows:
             return 0, False
         prepared = {int(r.id): prepare_entry(AuditEvent.model_validate_json(r.event)) for r in rows}
-        ids: list[int] = []
-
-        def collect(conn: sa.Connection) -> list[PreparedEntry]:
-            still = conn.execute(
-                sa.select(OutboxRow.id)
-                .where(OutboxRow.id.in_(list(prepared)), OutboxRow.ledger_index.is_(None))
-                .order_by(OutboxRow.id)
-            ).scalars()
-            ids[:] = [int(outbox_id) for outbox_id in still]
-            return [prepared[outbox_id] for outbox_id in ids]
-
-        def stamp(conn: sa.Connection, first: int) -> None:
-            # One statement for the batch. Under the head lock nothing else stamps these rows;
-            # fewer matched than found pending would be a writer that bypasses the lock.
-            if not ids:
-                return
-            index = {outbox_id: first + n for n, outbox_id in enumerate(ids)}
-            done = conn.execute(
-                sa.update(OutboxRow)
-                .where(OutboxRow.id.in_(ids), OutboxRow.ledger_index.is_(None))
-                .values(ledger_index=sa.case(index, value=OutboxRow.id))
-            ).rowcount
-            if done != len(ids):
-                raise AuditError(
-                    f"{len(ids) - done} of {len(ids)} outbox rows were delivered by a writer that "
-                    "does not hold the ledger's head lock; nothing appended"
-                )
-
-        _first, appended = ledger.store.append_collected(collect, after=stamp)
+        _first, appended = ledger.store.append_collected(_PendingClaim(prepared))
         return appended, len(rows) == _BATCH
+
+
+class _PendingClaim:
+    """The rows of one drain batch still pending once the ledger's head lock is held, and their
+    stamps (`LedgerStore.append_collected`'s `Claim`: SQLAlchemy for SQLite, driver SQL that
+    PostgreSQL gets in the append's two round trips). Under the head lock nothing else stamps
+    these rows; fewer stamped than found pending would be a writer that bypasses the lock, and
+    then nothing is appended."""
+
+    def __init__(self, prepared: dict[int, PreparedEntry]) -> None:
+        self._prepared = prepared
+        self._ids: list[int] = []  # the ids still pending, in id order: the entries' order
+
+    # SQLite (and any engine without pipelines): SQLAlchemy statements.
+
+    def collect(self, conn: sa.Connection) -> list[PreparedEntry]:
+        still = conn.execute(
+            sa.select(OutboxRow.id)
+            .where(OutboxRow.id.in_(list(self._prepared)), OutboxRow.ledger_index.is_(None))
+            .order_by(OutboxRow.id)
+        ).scalars()
+        return self.take([(outbox_id,) for outbox_id in still])
+
+    def after(self, conn: sa.Connection, first: int) -> None:
+        if not self._ids:
+            return
+        index = {outbox_id: first + n for n, outbox_id in enumerate(self._ids)}
+        done = conn.execute(
+            sa.update(OutboxRow)
+            .where(OutboxRow.id.in_(self._ids), OutboxRow.ledger_index.is_(None))
+            .values(ledger_index=sa.case(index, value=OutboxRow.id))
+        ).rowcount
+        if done != len(self._ids):
+            raise AuditError(
+                f"{len(self._ids) - done} of {len(self._ids)} outbox rows were delivered by a "
+                "writer that does not hold the ledger's head lock; nothing appended"
+            )
+
+    # PostgreSQL: the same as driver SQL, sent with the lock and with the inserts.
+
+    def select(self) -> tuple[str, list[object]]:
+        return (
+            "SELECT id FROM control_outbox WHERE id = ANY(%s) AND ledger_index IS NULL ORDER BY id",
+            [list(self._prepared)],
+        )
+
+    def take(self, rows: Sequence[tuple[object, ...]]) -> list[PreparedEntry]:
+        self._ids = [int(row[0]) for row in rows]  # type: ignore[call-overload]
+        return [self._prepared[outbox_id] for outbox_id in self._ids]
+
+    def mark(self, first: int) -> tuple[str, list[object]]:
+        # Stamped in id order from `first`; the division fails (aborting the COMMIT sent after
+        # it) unless every row found pending was stamped here.
+        return (
+            "WITH s AS (UPDATE control_outbox o SET ledger_index = v.first + u.n - 1 "
+            "FROM unnest(%s::bigint[]) WITH ORDINALITY AS u(id, n), (SELECT %s::bigint) AS v(first) "
+            "WHERE o.id = u.id AND o.ledger_index IS NULL RETURNING 1) "
+            "SELECT 1 / (CASE WHEN count(*) = %s THEN 1 ELSE 0 END) FROM s",
+            [self._ids, first, len(self._ids)],
+        )
+
+    def refused(self) -> AuditError:
+        return AuditError(
+            f"some of {len(self._ids)} outbox rows were delivered by a writer that does not hold "
+            "the ledger's head lock; nothing appended"
+        )
 
 
 class Deliverer:
