@@ -9,7 +9,8 @@ Two streaming passes over the file, no JSON parsing (standard library only, like
 2. `check_lines`: line `i` must equal, byte for byte, the one canonical line for index `i`, the leaf
    sitting at its `event` position (length from pass 1) and the audit path read off the rebuilt tree,
    and the leaves must be the ones pass 1 hashed (a digest per block of lines, `_check_part`), so a
-   file changed between the passes fails.
+   file changed between the passes fails. A leaf a line carries as an event must be one
+   (`bundle.first_non_event`, a pattern match per block of lines), as the plain verifier requires.
 
 Why this checks every inclusion proof without hashing any of them: the proof in line `i` is compared
 with PATH(i) read off the levels of the RFC 6962 tree of all the leaves (`merkle.levels_inclusion_
@@ -276,10 +277,12 @@ def _check_part(
             join((_EVENT, leaf, _PROOF, proof, _INDEX % i, b2a(leaf, newline=False), _END))
             for i, leaf, proof in zip(count(index), leaves, proofs)
         ]
-        if any(map(_is_foreign, lines)):
+        foreign = any(map(_is_foreign, lines))
+        if foreign:
             _foreign_lines(lines, leaves, expected, proofs, lengths[index:stop], index, part.first)
         if lines != expected:
             _raise_first(lines, expected, index - part.first)
+        _check_events(lines, leaves, index - part.first, foreign=foreign)
         if sha256(join(leaves)).digest() != blocks[block][1]:
             raise _PartError(index - part.first, "the file changed while verifying")
         index = stop
@@ -330,6 +333,23 @@ def _foreign_lines(  # noqa: PLR0917 (private: pass 2's own state, in its order)
         )
         if bundle.leaf_event(leaf) is not None:
             raise _PartError(index + j - first, "a kvguard event is carried as a foreign entry")
+
+
+def _check_events(lines: list[bytes], leaves: list[bytes], offset: int, *, foreign: bool) -> None:
+    """Every leaf a line carries as an event must be one (`bundle.is_event`): an exporter holding
+    the signing key could otherwise embed a foreign leaf as an event (invalid JSON, or keys that
+    shadow the line's own) in a file whose bytes and proofs are otherwise canonical."""
+    if not foreign:
+        bad = bundle.first_non_event(leaves)
+        if bad is None:
+            return
+        raise _PartError(offset + bad, "a leaf that is not a kvguard event is carried as one")
+    carried = [j for j, line in enumerate(lines) if not _is_foreign(line)]
+    bad = bundle.first_non_event([leaves[j] for j in carried])
+    if bad is not None:
+        raise _PartError(
+            offset + carried[bad], "a leaf that is not a kvguard event is carried as one"
+        )
 
 
 def _raise_first(lines: list[bytes], expected: list[bytes], offset: int) -> None:

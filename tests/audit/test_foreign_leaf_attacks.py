@@ -22,7 +22,7 @@ code of 6cf8fa2:
   good, while the directory export included the entry;
 - a well-formed event whose index columns disagree: stopped every complete directory export;
 - a dishonest exporter embedding a foreign JSON leaf as an event: accepted, the warning gone (plain
-  verification now refuses; `--full` still accepts: known, xfail, see the test);
+  verification now refuses; `--full` refuses since the sixteenth session);
 - a key-injecting leaf embedded as an event: plain and `--full` verification disagreed;
 - a foreign leaf standing as the `payload.erase` proof of a payload deleted from its table.
 
@@ -403,22 +403,7 @@ def _embed_foreign(ledger: Ledger, out: Path, leaf: bytes, index: int) -> None:
     _resign(ledger, out)
 
 
-@pytest.mark.parametrize(
-    "full",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known, not fixed: --full checks a line's bytes, not whether an embedded "
-                "leaf is an event (the pattern would add 3-7 us to the 12 us it spends per line); "
-                "plain verification refuses it",
-            ),
-        ),
-    ],
-    ids=["plain", "full"],
-)
+@pytest.mark.parametrize("full", [False, True], ids=["plain", "full"])
 def test_exporter_cannot_pass_a_foreign_leaf_off_as_an_event(
     open_ledger: Opener, sqlite_url: str, key: SigningKey, tmp_path: Path, full: bool
 ) -> None:

@@ -141,8 +141,10 @@ def test_a_leaf_swapped_between_the_passes_is_caught(
     lines = entries.read_bytes().splitlines(keepends=True)
     obj = json.loads(lines[17])
     leaf = base64.b64decode(obj["leaf"])
-    forged = leaf.replace(b'"v":1', b'"v":2')
-    assert forged != leaf and len(forged) == len(leaf)
+    # another event, one microsecond apart (a leaf that is not an event fails sooner)
+    digit = b"1" if leaf[-10:-9] != b"1" else b"2"
+    forged = leaf[:-10] + digit + leaf[-9:]
+    assert forged != leaf and len(forged) == len(leaf) and bundle.is_event(forged)
     lines[17] = bundle.entry_line(17, forged, obj["inclusion_proof"]).encode()
     entries.write_bytes(b"".join(lines))
     with pytest.raises(VerificationError, match="changed while verifying"):
