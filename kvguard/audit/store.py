@@ -362,43 +362,61 @@ class LedgerStore:
 
         with self._lock:
             with write_transaction(self.engine) as conn:
-                raw = conn.connection.driver_connection
-                assert raw is not None
-                known = self._frontier.size
-                query, params = claim.select()
-                with raw.cursor() as head, raw.cursor() as edge, raw.cursor() as found:
-                    with raw.pipeline():
-                        head.execute(_PG_LOCK_SQL)  # psycopg sends BEGIN before it
-                        edge.execute(_PG_FRONTIER_SQL, (known,))
-                        found.execute(query, params)
-                    # The pipeline has ended: every result is in.
-                    first = _head_size(_only(head.fetchall()))
-                    prepared = claim.take(found.fetchall())
-                    edge_rows = edge.fetchall()
-                if not prepared:
-                    return first, 0  # nothing to mark either: the transaction commits empty
-                if first == known:
-                    frontier = self._frontier.copy()
-                else:
-                    frontier = self._frontier_of(first, edge_rows) or self._load_frontier(
-                        conn, first
-                    )
-                tables = _insert_params(first, prepared, frontier)
-                piped = len(prepared) <= _PG_PIPELINED_MAX_ENTRIES
-                if not piped:
-                    for table, rows in tables:
-                        _insert_flat(conn, table, rows)
-                mark, mark_params = claim.mark(first)
                 try:
-                    with raw.pipeline(), raw.cursor() as cursor:
-                        if piped:
-                            _execute_inserts(cursor, tables)
-                        cursor.execute(mark, mark_params)
-                        cursor.execute("COMMIT")
+                    first, prepared, frontier = self._claim_pipelines(conn, claim)
                 except psycopg.errors.DivisionByZero:
                     raise claim.refused() from None
-            self._frontier = frontier  # committed
+                except psycopg.Error as exc:
+                    # As SQLAlchemy would raise it (a lock timeout is an OperationalError: the
+                    # callers defer delivery and the API answers 503), parameters hidden.
+                    raise sa.exc.DBAPIError.instance(
+                        "ledger append (pipelined)",
+                        None,
+                        exc,
+                        psycopg.Error,
+                        hide_parameters=True,
+                        dialect=self.engine.dialect,
+                    ) from exc
+            if frontier is not None:
+                self._frontier = frontier  # committed
         return first, len(prepared)
+
+    def _claim_pipelines(
+        self, conn: sa.Connection, claim: Claim
+    ) -> tuple[int, Sequence[PreparedEntry], merkle.Frontier | None]:
+        """`_append_claimed`'s two round trips on `conn`'s driver connection; returns the first
+        index, the entries and the new frontier (None: nothing appended, nothing to mark)."""
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        known = self._frontier.size
+        query, params = claim.select()
+        with raw.cursor() as head, raw.cursor() as edge, raw.cursor() as found:
+            with raw.pipeline():
+                head.execute(_PG_LOCK_SQL)  # psycopg sends BEGIN before it
+                edge.execute(_PG_FRONTIER_SQL, (known,))
+                found.execute(query, params)
+            # The pipeline has ended: every result is in.
+            first = _head_size(_only(head.fetchall()))
+            prepared = claim.take(found.fetchall())
+            edge_rows = edge.fetchall()
+        if not prepared:
+            return first, prepared, None  # the transaction commits empty
+        if first == known:
+            frontier = self._frontier.copy()
+        else:
+            frontier = self._frontier_of(first, edge_rows) or self._load_frontier(conn, first)
+        tables = _insert_params(first, prepared, frontier)
+        piped = len(prepared) <= _PG_PIPELINED_MAX_ENTRIES
+        if not piped:
+            for table, rows in tables:
+                _insert_flat(conn, table, rows)
+        mark, mark_params = claim.mark(first)
+        with raw.pipeline(), raw.cursor() as cursor:
+            if piped:
+                _execute_inserts(cursor, tables)
+            cursor.execute(mark, mark_params)
+            cursor.execute("COMMIT")
+        return first, prepared, frontier
 
     @staticmethod
     def _frontier_of(size: int, rows: Rows) -> merkle.Frontier | None:
