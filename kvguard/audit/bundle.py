@@ -123,16 +123,18 @@ def first_non_event(leaves: Sequence[bytes]) -> int | None:
     """The position of the first leaf that is not an event (`is_event`), None if every one is.
 
     For the offline `--full` check, which reads every leaf: one match of `_EVENT_RUN` over the
-    leaves joined by newlines, UTF-8 decoded at once and each distinct date checked once, about a
-    third of the per-leaf cost of `is_event` (measured). Anything the run does not settle (a leaf
-    that is not an event, an exponent of 308 or more) is decided by `is_event`, leaf by leaf."""
+    leaves joined by newlines, UTF-8 decoded at once and each distinct date checked once (for the
+    engine's entries 1.8 us per leaf against 3.0 for `is_event`, measured on a slow VM; an
+    independent review measured 15% less on its leaves, and more than `is_event` for leaves of
+    hundreds of float details). Anything the run does not settle (a leaf that is not an event, an
+    exponent of 308 or more) is decided by `is_event`, leaf by leaf."""
     if not leaves:
         return None
     block = b"\n".join(leaves) + b"\n"
     if (
         block.count(b"\n") == len(leaves)
         and _EVENT_RUN.fullmatch(block) is not None
-        and b"e+" not in block
+        and (b"e+" not in block or _BIG_EXPONENT.search(block) is None)
     ):
         try:
             block.decode("utf-8")

@@ -58,6 +58,7 @@ _VALID = {
     "midnight": _leaf(ts=b"2026-01-01T00:00:00.000000"),
     "year 9999": _leaf(ts=b"9999-12-31T23:59:59.999999"),
     "large finite exponent": _leaf(details=b'{"x":1.7e+307}'),
+    "finite exponent of 308": _leaf(details=b'{"x":1.7e+308}'),
     **{f"odd {k}": v[0] for k, v in _ODD.items()},
 }
 
