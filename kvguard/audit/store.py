@@ -8,6 +8,9 @@ Append protocol (ARCHITECTURE.md, "Gapless indices"), in one transaction:
    only at `idx = head.size` and moves the head with it, so nothing else can move it);
 4. commit (durably: see `kvguard.audit.db`).
 The frontier is swapped in only after the commit, so a failed transaction leaves nothing behind.
+On PostgreSQL an append of a `Claim` (the outbox drain) sends steps 1-2 with its own read, and step
+3 with its own mark and the commit, as two pipelines: two round trips under the lock
+(`_append_claimed`).
 """
 
 from __future__ import annotations
