@@ -132,6 +132,29 @@ def test_a_drain_with_nothing_pending_takes_no_lock_and_appends_nothing(
         assert p.outbox.pending() == 0
 
 
+@contextmanager
+def stamped_without_the_lock(
+    monkeypatch: pytest.MonkeyPatch, p: Process, row_id: int, index: int
+) -> Iterator[None]:
+    """PostgreSQL: while inside, a writer that bypasses the ledger's head lock stamps outbox row
+    `row_id` with `index` (committed) between a drain's first round trip and its inserts."""
+    take = outbox._PendingClaim.take
+
+    def bypassing(self: Any, rows: Any) -> Any:
+        with p.engine.connect() as other:
+            other.exec_driver_sql(
+                f"UPDATE control_outbox SET ledger_index = {index} WHERE id = {row_id}"
+            )
+            other.commit()
+        return take(self, rows)
+
+    monkeypatch.setattr(outbox._PendingClaim, "take", bypassing)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(outbox._PendingClaim, "take", take)
+
+
 def _queue(p: Process, n: int, what: str = "test.write") -> list[int]:
     with write_transaction(p.engine) as conn:
         return p.outbox.add(conn, [operator_event(what, i=i) for i in range(n)])
@@ -154,19 +177,15 @@ def test_rows_stamped_by_a_writer_without_the_head_lock_refuse_the_whole_append(
         assert p.outbox.drain(p.ledger) == 3
         ids = _queue(p, 4)
         sneaked = ids[1]
-        stamp = f"UPDATE control_outbox SET ledger_index = 999 WHERE id = {sneaked}"
         if p.engine.dialect.name == "postgresql":
-            take = outbox._PendingClaim.take  # between the lock's round trip and the inserts'
-
-            def bypassing(self: Any, rows: Any) -> Any:
-                with p.engine.connect() as other:
-                    other.exec_driver_sql(stamp)
-                    other.commit()
-                return take(self, rows)
-
-            monkeypatch.setattr(outbox._PendingClaim, "take", bypassing)
+            with (
+                stamped_without_the_lock(monkeypatch, p, sneaked, 999),
+                pytest.raises(AuditError, match="does not hold the ledger's head lock"),
+            ):
+                p.outbox.drain(p.ledger)
         else:  # one writer at a time on SQLite: the bypassing write runs inside the transaction
             collect = outbox._PendingClaim.collect
+            stamp = f"UPDATE control_outbox SET ledger_index = 999 WHERE id = {sneaked}"
 
             def bypassing_sqlite(self: Any, conn: sa.Connection) -> Any:
                 found = collect(self, conn)
@@ -174,9 +193,9 @@ def test_rows_stamped_by_a_writer_without_the_head_lock_refuse_the_whole_append(
                 return found
 
             monkeypatch.setattr(outbox._PendingClaim, "collect", bypassing_sqlite)
-        with pytest.raises(AuditError, match="does not hold the ledger's head lock"):
-            p.outbox.drain(p.ledger)
-        monkeypatch.undo()
+            with pytest.raises(AuditError, match="does not hold the ledger's head lock"):
+                p.outbox.drain(p.ledger)
+            monkeypatch.undo()
         assert p.ledger.size == 3  # nothing appended, the head did not move
         stamped = _indices(p)
         # The drain's own stamps rolled back; on PostgreSQL the bypassing write had committed.

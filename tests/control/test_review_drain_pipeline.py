@@ -33,7 +33,7 @@ from kvguard.control.schema import OutboxRow
 from kvguard.errors import AuditError
 from tests.dbs import fresh_pg_database, migrate_and_grant, pg_roles
 
-from .test_outbox_drains import ORIGIN, Process, _queue, processes
+from .test_outbox_drains import ORIGIN, Process, _queue, processes, stamped_without_the_lock
 
 pytestmark = pytest.mark.postgres
 
@@ -312,20 +312,8 @@ def test_refused_marks_and_lock_timeouts_leave_the_pool_usable(
         for round_ in range(3):
             # a refused mark
             ids = _queue(p, 2)
-            take = outbox._PendingClaim.take
-
-            def bypassing(self: Any, rows: Any, sneaked: int = ids[0], take: Any = take) -> Any:
-                with p.engine.connect() as other:
-                    other.exec_driver_sql(
-                        f"UPDATE control_outbox SET ledger_index = -1 WHERE id = {sneaked}"
-                    )
-                    other.commit()
-                return take(self, rows)
-
-            monkeypatch.setattr(outbox._PendingClaim, "take", bypassing)
-            with pytest.raises(AuditError):
+            with stamped_without_the_lock(monkeypatch, p, ids[0], -1), pytest.raises(AuditError):
                 p.outbox.drain(p.ledger)
-            monkeypatch.undo()
             assert all(s == ("IDLE", "OFF") for s in _state(p.ledger.store.engine))
             # a lock timeout on the head, in the first pipeline
             with p.ledger.store.engine.connect() as holder:
@@ -404,20 +392,8 @@ def test_app_role_runs_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
                 _queue(p, n)
                 p.outbox.drain(p.ledger)
             ids = _queue(p, 2)
-            take = outbox._PendingClaim.take
-
-            def bypassing(self: Any, rows: Any) -> Any:
-                with p.engine.connect() as other:
-                    other.exec_driver_sql(
-                        f"UPDATE control_outbox SET ledger_index = 99999 WHERE id = {ids[0]}"
-                    )
-                    other.commit()
-                return take(self, rows)
-
-            monkeypatch.setattr(outbox._PendingClaim, "take", bypassing)
-            with pytest.raises(AuditError):
+            with stamped_without_the_lock(monkeypatch, p, ids[0], 99999), pytest.raises(AuditError):
                 p.outbox.drain(p.ledger)
-            monkeypatch.undo()
             assert p.outbox.drain(p.ledger) == 1
             assert p.ledger.verify().size == 2 * (1 + 2 + 70 + 3 + 600 + 1) + 1
             _frontier_ok(p)
