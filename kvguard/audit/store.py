@@ -344,10 +344,7 @@ class LedgerStore:
                 prepared = collect(conn)
                 frontier = None
                 if prepared:
-                    if self._frontier.size == first:
-                        frontier = self._frontier.copy()
-                    else:  # another process appended since our last append
-                        frontier = self._load_frontier(conn, first)
+                    frontier = self._frontier_at(conn, first)
                     self._insert(conn, first, prepared, frontier)  # its triggers move the head
                 if after is not None:
                     after(conn, first)
@@ -404,10 +401,7 @@ class LedgerStore:
             edge_rows = edge.fetchall()
         if not prepared:
             return first, prepared, None  # the transaction commits empty
-        if first == known:
-            frontier = self._frontier.copy()
-        else:
-            frontier = self._frontier_of(first, edge_rows) or self._load_frontier(conn, first)
+        frontier = self._frontier_at(conn, first, edge_rows)
         tables = _insert_params(first, prepared, frontier)
         piped = len(prepared) <= _PG_PIPELINED_MAX_ENTRIES
         if not piped:
@@ -421,15 +415,22 @@ class LedgerStore:
             cursor.execute("COMMIT")
         return first, prepared, frontier
 
-    @staticmethod
-    def _frontier_of(size: int, rows: Rows) -> merkle.Frontier | None:
-        """The frontier of `size` from `_PG_FRONTIER_SQL`'s rows; None if a hash is missing."""
+    def _frontier_at(
+        self, conn: sa.Connection, size: int, stored: Rows | None = None
+    ) -> merkle.Frontier:
+        """A copy of the frontier of `size`: this process's own when it made the last append,
+        else the `stored` rows of `_PG_FRONTIER_SQL` if none is missing, else read (and any
+        missing hash rebuilt) by `_load_frontier`."""
+        if self._frontier.size == size:
+            return self._frontier.copy()
         nodes = []
-        for level, value in rows:
+        for level, value in stored or ():
             if value is None:
-                return None
+                return self._load_frontier(conn, size)
             k = int(level)  # type: ignore[call-overload]
             nodes.append((merkle.Subtree(k, (size >> k) - 1), blob(value, f"stored hash {k}")))
+        if stored is None:  # another process appended since our last append
+            return self._load_frontier(conn, size)
         return merkle.Frontier(size, nodes)
 
     def _insert(
