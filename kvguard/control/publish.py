@@ -330,6 +330,11 @@ class PolicyPublisher:
         return _Draft(change, document, write.author_role, limits_of, list(write.events(change)))
 
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
+        if batch.drafts:
+            self._store.committed_limits(
+                batch.drafts[0].change.version - 1,
+                [(d.change.version, d.limits_of, d.change.digest) for d in batch.drafts],
+            )
         for draft in batch.drafts:
             version = self._store.remember_committed(draft.change)
             if version is not None and draft.limits_of not in (ALL_TENANTS, NO_LIMITS):
@@ -345,6 +350,7 @@ class PolicyPublisher:
         """Read the base from the database at the next write (tests; a restore)."""
         with self._lock:
             self._base = None
+        self._store.forget_limits()
 
     def _pg_write(self, base: int, drafts: Sequence[_Draft]) -> bool:
         """PostgreSQL: the versions of `drafts` (`base + 1` onwards), each with its command and

@@ -15,12 +15,13 @@ control migrations, `kvguard.control.db`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -72,6 +73,47 @@ class PolicyVersion:
 Subscriber = Callable[[PolicyChange], None]
 
 
+@dataclass(slots=True)
+class _LimitIndex:
+    """Which admin versions set one tenant's limits alone, as far as this process knows: for the
+    versions in (`floor`, `upto`], each tenant's latest such version (number, digest); a tenant
+    absent has none there. Filled from the base reads (`PolicyStore.latest_and_limits`) and this
+    process's own commits, so that a tenant_admin's write finds its limits without a query
+    (`PolicyStore.tenant_limit`). Empty (`upto` < 0) until the first base read."""
+
+    floor: int = 0
+    upto: int = -1
+    latest: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    def find(self, tenant_id: str, after: int, upto: int) -> tuple[bool, tuple[int, str] | None]:
+        """Whether the index knows `tenant_id`'s latest admin version in (`after`, `upto`], and
+        that version (None: there is none)."""
+        if self.upto < 0 or after < self.floor or upto > self.upto:
+            return False, None
+        entry = self.latest.get(tenant_id)
+        if entry is None:
+            return True, None
+        if entry[0] > upto:  # a later one is known, not the latest up to `upto`
+            return False, None
+        return True, (entry if entry[0] > after else None)
+
+    def add(self, start: int, end: int, entries: Iterable[tuple[str, int, str]]) -> None:
+        """Learn the versions in (`start`, `end`]: `entries` holds each tenant's latest admin
+        version among them (tenant, number, digest), and no other tenant has one there."""
+        if end < start:  # the store holds fewer versions than this process knew (a restore)
+            self.floor, self.upto, self.latest = end, end, {}
+            return
+        if self.upto < 0 or start > self.upto or len(self.latest) >= _LIMITS_MAX:
+            self.floor, self.upto, self.latest = start, end, {}  # not contiguous: start again
+        elif end < self.floor:
+            return
+        for tenant_id, version, digest in entries:
+            held = self.latest.get(tenant_id)
+            if held is None or held[0] < version:
+                self.latest[tenant_id] = (version, digest)
+        self.upto = max(self.upto, end)
+
+
 class PolicyStore:
     """Versioned policy documents in tables prefixed `policy_` (own MetaData)."""
 
@@ -93,6 +135,7 @@ class PolicyStore:
         # Each tenant's entry in the admin versions that set its limits alone, by (tenant id,
         # version, digest): what a tenant_admin's write is checked against (`tenant_limit`).
         self._limits: dict[tuple[str, int, str], TenantPolicy] = {}
+        self._limit_index = _LimitIndex()  # which versions those are, per tenant
 
     @classmethod
     def open(cls, url: str, *, clock: Clock = time.time, **engine_kwargs: Any) -> PolicyStore:
@@ -242,28 +285,23 @@ class PolicyStore:
     ) -> tuple[PolicyVersion | None, PolicyVersion | None]:
         """The latest version and the latest that set every tenant's limits (what a tenant_admin
         may tighten but never loosen; None: the built-in defaults), both as of one statement, so
-        the limits are those of the latest version; `tenant_limit` reads the later ones that set
-        one tenant's."""
-        t = PolicyVersionRow
-        latest = sa.select(sa.func.max(t.version)).scalar_subquery()
-        by_admin = _all_tenants_limits()
+        the limits are those of the latest version. The same statement lists, for the versions
+        this process has not seen since that limits version, each tenant's latest admin version
+        that set its limits alone (metadata only), so that `tenant_limit` needs no query of its
+        own for them."""
+        with self._subscribers_lock:
+            known = max(self._limit_index.upto, 0)
+        query = _latest_and_limits_query()
         with self._reading(conn) as c:
-            rows = c.execute(
-                sa.select(
-                    t.version,
-                    t.author,
-                    t.reason,
-                    t.digest,
-                    t.created_at,
-                    t.limits_of,
-                    (t.version == by_admin).label("by_admin"),
-                )
-                .where(t.version.in_([latest, by_admin]))
-                .order_by(t.version.desc())
-            ).all()
+            found = c.execute(query, {"known": known}).all()
+            rows = sorted((r for r in found if not r.gap), key=lambda r: -int(r.version))
             versions = [self._cached(c, row) for row in rows]
         if not versions:
             return None, None
+        admin = next((int(r.version) for r in rows if r.by_admin), 0)
+        gap = [(r.limits_of, int(r.version), r.digest) for r in found if r.gap]
+        with self._subscribers_lock:
+            self._limit_index.add(max(known, admin), int(rows[0].version), gap)
         if rows[0].limits_of not in (None, ALL_TENANTS, NO_LIMITS):  # an admin's edit of one tenant
             self.remember_limit(rows[0].limits_of, versions[0])
         limits = next((v for v, row in zip(versions, rows, strict=True) if row.by_admin), None)
@@ -313,11 +351,23 @@ class PolicyStore:
         self, tenant_id: str, after: int, upto: int, conn: sa.Connection | None = None
     ) -> TenantPolicy | None:
         """`tenant_id`'s entry in the latest version in (`after`, `upto`] by which an admin set
-        `tenant_id`'s limits alone (an edit of its entry, a disable); None if there is none. One
-        index lookup; the entry is kept per version (`remember_limit`), so a version is read only
-        the first time."""
+        `tenant_id`'s limits alone (an edit of its entry, a disable); None if there is none.
+        Without a query when the base reads and this process's commits have covered that range
+        (`_LimitIndex`), else one index lookup; the entry is kept per version
+        (`remember_limit`), so a version is read only the first time."""
+        with self._subscribers_lock:
+            indexed, entry = self._limit_index.find(tenant_id, after, upto)
+            known = self._limits.get((tenant_id, *entry)) if entry is not None else None
+        if indexed and entry is None:
+            return None
+        if known is not None:
+            return known
         t = PolicyVersionRow
         with self._reading(conn) as c:
+            if entry is not None:
+                version = self._version(c, *entry)
+                if version.change.digest == entry[1]:
+                    return self.remember_limit(tenant_id, version)
             row = c.execute(
                 sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
                 .where(t.limits_of == tenant_id, t.version > after, t.version <= upto)
@@ -332,6 +382,24 @@ class PolicyStore:
                 return known
             version = self._cached(c, row)
         return self.remember_limit(tenant_id, version)
+
+    def committed_limits(self, base: int, versions: Iterable[tuple[int, str, str]]) -> None:
+        """This process has just committed `versions` (number, `limits_of`, digest), the ones
+        right after `base`: what `tenant_limit` finds without a query (added to what it knew if
+        that reached `base`, else in its place)."""
+        stored = list(versions)
+        entries = [
+            (limits_of, version, digest)
+            for version, limits_of, digest in stored
+            if limits_of not in (ALL_TENANTS, NO_LIMITS)
+        ]
+        with self._subscribers_lock:
+            self._limit_index.add(base, base + len(stored), entries)
+
+    def forget_limits(self) -> None:
+        """Find which versions set a tenant's limits in the database again (a restore; tests)."""
+        with self._subscribers_lock:
+            self._limit_index = _LimitIndex()
 
     def remember_limit(self, tenant_id: str, version: PolicyVersion) -> TenantPolicy:
         """Keep `version`'s entry for `tenant_id`, an admin's version that set that tenant's
@@ -534,3 +602,42 @@ def _all_tenants_limits() -> Any:
     )
     both = sa.union_all(marked, legacy).subquery()
     return sa.select(sa.func.max(both.c.v)).scalar_subquery()
+
+
+@functools.cache
+def _latest_and_limits_query() -> sa.CompoundSelect[Any]:
+    """`PolicyStore.latest_and_limits`'s statement, built once (building it costs more than
+    running it): the latest version and the latest that set every tenant's limits (`gap` false),
+    then each tenant's latest admin version that set its limits alone among the versions after
+    both `known` and that limits version (`gap` true)."""
+    t = PolicyVersionRow
+    latest = sa.select(sa.func.max(t.version)).scalar_subquery()
+    by_admin = _all_tenants_limits()
+    known = sa.bindparam("known", type_=sa.BigInteger)
+    admin_version = sa.func.coalesce(by_admin, 0)
+    start = sa.case((admin_version > known, admin_version), else_=known)
+    newest = (
+        sa.select(t.limits_of, sa.func.max(t.version).label("version"))
+        .where(
+            t.version > start,
+            t.version <= latest,
+            t.limits_of.is_not(None),
+            t.limits_of.not_in([ALL_TENANTS, NO_LIMITS]),
+        )
+        .group_by(t.limits_of)
+        .subquery()
+    )
+    v = PolicyVersionRow.__table__.alias("v")
+    columns = ("version", "author", "reason", "digest", "created_at", "limits_of")
+    return sa.union_all(
+        sa.select(
+            *(getattr(t, name) for name in columns),
+            (t.version == by_admin).label("by_admin"),
+            sa.literal(False).label("gap"),
+        ).where(t.version.in_([latest, by_admin])),
+        sa.select(
+            *(v.c[name] for name in columns),
+            sa.literal(False).label("by_admin"),
+            sa.literal(True).label("gap"),
+        ).join_from(v, newest, v.c.version == newest.c.version),
+    )

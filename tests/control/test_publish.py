@@ -5,6 +5,8 @@ process's version; purges with their events."""
 from __future__ import annotations
 
 import json
+import random
+import re
 import threading
 from datetime import UTC, datetime
 
@@ -17,7 +19,7 @@ from kvguard.control.db import open_engine
 from kvguard.control.outbox import Outbox
 from kvguard.control.policy_seed import policy_change_event
 from kvguard.control.publish import PolicyBase, PolicyPublisher, PolicyWrite, submit_purge
-from kvguard.control.schema import EngineCommand, OutboxRow
+from kvguard.control.schema import EngineCommand, OutboxRow, PolicyVersionRow
 from kvguard.errors import PermissionDeniedError, PolicyVersionConflictError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyChange, PolicyStore
@@ -287,3 +289,105 @@ def test_a_purge_commits_with_its_events_naming_the_job(db_url: str) -> None:
     assert [e["details"]["job_id"] for e in stored] == [first, second]
     assert commands == [("purge", "acme"), ("purge", "s1")]
     assert [c.id for c in queue.pending_after(0)] == [first, second]
+
+
+def _reference_limit(url: str, tenant: str, after: int, upto: int) -> int | None:
+    """The TTL of `tenant`'s entry in its latest admin version in (`after`, `upto`], read from the
+    rows themselves by a store of its own (None: there is none)."""
+    engine = open_engine(url)
+    try:
+        with engine.connect() as conn:
+            version = conn.execute(
+                sa.select(sa.func.max(PolicyVersionRow.version)).where(
+                    PolicyVersionRow.limits_of == tenant,
+                    PolicyVersionRow.version > after,
+                    PolicyVersionRow.version <= upto,
+                )
+            ).scalar()
+        if version is None:
+            return None
+        return PolicyStore(engine).get(version).policy.policy_for(tenant).retention.ttl_s
+    finally:
+        engine.dispose()
+
+
+def test_tenant_limits_found_without_a_query_are_those_the_rows_give(db_url: str) -> None:
+    """Two processes write admin edits of one tenant, admin edits of all, and tenant_admin
+    tightenings in a random order; each store's answer for every tenant and range (stale ones
+    included) is what the rows give, whether it came from what the process learnt from its base
+    reads and commits or from a query."""
+    rng = random.Random(7)
+    one, two = _publisher(db_url), _publisher(db_url)
+    tenants = ["acme", "beta", "gamma"]
+    for step in range(60):
+        publisher = rng.choice([one, two])
+        kind = rng.random()
+        tenant = rng.choice(tenants)
+        if kind < 0.35:
+            write = PolicyWrite(
+                _set_ttl(tenant, rng.randint(30, 900)),
+                "key:a",
+                "r",
+                "admin",
+                _events,
+                limits_of=tenant,
+            )
+        elif kind < 0.45:
+            write = PolicyWrite(
+                _set_ttl(tenant, rng.randint(30, 900)), "key:a", "r", "admin", _events
+            )
+        else:
+            write = PolicyWrite(_set_ttl(tenant, 20), "key:t", "r", "tenant_admin", _events)
+        assert not isinstance(publisher.publish_group([write])[0], Exception)
+        if step % 6:
+            continue
+        latest = step + 1
+        for store in (one._store, two._store):
+            for name in tenants:
+                for after, upto in [(0, latest), (latest // 2, latest), (0, latest // 2)]:
+                    found = store.tenant_limit(name, after, upto)
+                    expected = _reference_limit(db_url, name, after, upto)
+                    assert (found.retention.ttl_s if found else None) == expected, (
+                        name,
+                        after,
+                        upto,
+                    )
+
+
+def test_a_contended_tenant_admin_write_reads_no_limits_of_its_own(db_url: str) -> None:
+    """When the other process moved the head, the base read already names the admin versions
+    that set one tenant's limits: a tenant_admin's write sends no query for its tenant's limits
+    (the code before sent one per tenant_admin write after every fresh base read)."""
+    one, two = _publisher(db_url), _publisher(db_url)
+    for tenant in ("acme", "beta"):
+        write = PolicyWrite(_set_ttl(tenant, 300), "key:a", "r", "admin", _events, limits_of=tenant)
+        assert not isinstance(two.publish_group([write])[0], Exception)
+    statements: list[str] = []
+
+    def record(*args: object) -> None:
+        statements.append(str(args[2]))
+
+    engine = one._store.engine
+    sa.event.listen(engine, "before_cursor_execute", record)
+    limits: list[int] = []
+
+    def tenant_admin(tenant: str):  # type: ignore[no-untyped-def]
+        def edit(base: PolicyBase) -> PolicySet:
+            limits.append(base.limit_for(tenant).retention.ttl_s)
+            return _set_ttl(tenant, 20)(base)
+
+        return edit
+
+    for n in range(6):
+        tenant = ("acme", "beta")[n % 2]
+        write = PolicyWrite(tenant_admin(tenant), "key:t", "r", "tenant_admin", _events)
+        assert not isinstance(one.publish_group([write])[0], Exception)
+        other = PolicyWrite(
+            _set_ttl("gamma", 100 + n), "key:a", "r", "admin", _events, limits_of="gamma"
+        )
+        assert not isinstance(two.publish_group([other])[0], Exception)
+    sa.event.remove(engine, "before_cursor_execute", record)
+    assert limits and set(limits) == {300}  # an edit over a stale base is redone
+    # `tenant_limit`'s query: the latest version whose `limits_of` is the tenant, `LIMIT 1`
+    per_tenant = [s for s in statements if "limits_of =" in s and re.search(r"\bLIMIT\b", s)]
+    assert per_tenant == []
