@@ -17,8 +17,10 @@ Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
 
 1. The base: the latest version and the latest one that set every tenant's limits (what a
    tenant_admin may only tighten), as this process last wrote them, else read in one query; an
-   admin's later versions that set one tenant's limits (`TenantLimits`) are read per tenant when a
-   tenant_admin's write needs them.
+   admin's later versions that set one tenant's limits (`TenantLimits`) are looked up per tenant
+   when a tenant_admin's write needs them: the same query lists which versions those are
+   (`PolicyStore.latest_and_limits`), so the lookup reads nothing unless the version itself is
+   not parsed in this process yet.
 2. `edit(base)` gives the new policy set (the caller's checks, against the base, raise here);
    it is validated and its events are built for version `base + 1`.
 3. PostgreSQL: one statement steps `policy_head` from `base` to `base + 1` only if it still is at
