@@ -263,7 +263,13 @@ class PolicyPublisher:
                 )
                 base = self._base_for(None, fresh=fresh)
                 batch = self._drafts(writes, base)
-                if not batch.drafts or self._pg_write(base.version, batch.drafts):
+                if not batch.drafts:
+                    if fresh:  # every write refused against the latest version
+                        return self._committed(batch)
+                    # Refused against this process's last write, which another process may have
+                    # followed (no compare-and-set confirms that base): ask the latest.
+                    continue
+                if self._pg_write(base.version, batch.drafts):
                     return self._committed(batch)
                 _log.debug("policy head moved; editing the new version", attempt=attempt)
                 with self._lock:
@@ -334,8 +340,7 @@ class PolicyPublisher:
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
         if batch.drafts:
             self._store.committed_limits(
-                batch.drafts[0].change.version - 1,
-                [(d.change.version, d.limits_of, d.change.digest) for d in batch.drafts],
+                batch.drafts[0].change.version - 1, [(d.change, d.limits_of) for d in batch.drafts]
             )
         for draft in batch.drafts:
             version = self._store.remember_committed(draft.change)

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +47,7 @@ from kvguard.policy.models import PolicySet, TenantPolicy
 Clock = Callable[[], float]
 _PARSED_MAX = 64
 _LIMITS_MAX = 4096  # tenants' limit entries kept (references to parts of parsed versions)
+_LATEST, _GAP, _ANCHOR = 0, 1, 2  # the parts of `_latest_and_limits_query`'s rows
 
 _log = get_logger("policy.store")
 
@@ -71,6 +72,7 @@ class PolicyVersion:
 
 
 Subscriber = Callable[[PolicyChange], None]
+Anchor = tuple[str, float]  # a version's digest and time: which row a number stood for
 
 
 @dataclass(slots=True)
@@ -79,11 +81,14 @@ class _LimitIndex:
     versions in (`floor`, `upto`], each tenant's latest such version (number, digest); a tenant
     absent has none there. Filled from the base reads (`PolicyStore.latest_and_limits`) and this
     process's own commits, so that a tenant_admin's write finds its limits without a query
-    (`PolicyStore.tenant_limit`). Empty (`upto` < 0) until the first base read."""
+    (`PolicyStore.tenant_limit`). Empty (`upto` < 0) until the first base read. `anchor` is the
+    digest and time of version `upto` as learnt: a base read finds it changed when the database
+    was restored to an earlier state and written again since, and then starts again."""
 
     floor: int = 0
     upto: int = -1
     latest: dict[str, tuple[int, str]] = field(default_factory=dict)
+    anchor: Anchor | None = None
 
     def find(self, tenant_id: str, after: int, upto: int) -> tuple[bool, tuple[int, str] | None]:
         """Whether the index knows `tenant_id`'s latest admin version in (`after`, `upto`], and
@@ -97,11 +102,14 @@ class _LimitIndex:
             return False, None
         return True, (entry if entry[0] > after else None)
 
-    def add(self, start: int, end: int, entries: Iterable[tuple[str, int, str]]) -> None:
+    def add(
+        self, start: int, end: int, entries: Iterable[tuple[str, int, str]], anchor: Anchor
+    ) -> None:
         """Learn the versions in (`start`, `end`]: `entries` holds each tenant's latest admin
-        version among them (tenant, number, digest), and no other tenant has one there."""
+        version among them (tenant, number, digest), and no other tenant has one there;
+        `anchor` is version `end`'s digest and time."""
         if end < start:  # the store holds fewer versions than this process knew (a restore)
-            self.floor, self.upto, self.latest = end, end, {}
+            self.floor, self.upto, self.latest, self.anchor = end, end, {}, anchor
             return
         if self.upto < 0 or start > self.upto or len(self.latest) >= _LIMITS_MAX:
             self.floor, self.upto, self.latest = start, end, {}  # not contiguous: start again
@@ -111,7 +119,8 @@ class _LimitIndex:
             held = self.latest.get(tenant_id)
             if held is None or held[0] < version:
                 self.latest[tenant_id] = (version, digest)
-        self.upto = max(self.upto, end)
+        if end >= self.upto:
+            self.upto, self.anchor = end, anchor
 
 
 class PolicyStore:
@@ -290,18 +299,26 @@ class PolicyStore:
         that set its limits alone (metadata only), so that `tenant_limit` needs no query of its
         own for them."""
         with self._subscribers_lock:
-            known = max(self._limit_index.upto, 0)
+            index = self._limit_index
+            known, anchor = max(index.upto, 0), index.anchor
         query = _latest_and_limits_query()
         with self._reading(conn) as c:
             found = c.execute(query, {"known": known}).all()
-            rows = sorted((r for r in found if not r.gap), key=lambda r: -int(r.version))
+            rows = sorted((r for r in found if r.part == _LATEST), key=lambda r: -int(r.version))
             versions = [self._cached(c, row) for row in rows]
         if not versions:
             return None, None
         admin = next((int(r.version) for r in rows if r.by_admin), 0)
-        gap = [(r.limits_of, int(r.version), r.digest) for r in found if r.gap]
+        gap = [(r.limits_of, int(r.version), r.digest) for r in found if r.part == _GAP]
+        stood = next(((r.digest, r.created_at) for r in found if r.part == _ANCHOR), None)
         with self._subscribers_lock:
-            self._limit_index.add(max(known, admin), int(rows[0].version), gap)
+            if known and stood != anchor:  # version `known` is not the row this process learnt
+                self._limit_index = _LimitIndex()
+                known = 0
+            latest = rows[0]
+            self._limit_index.add(
+                max(known, admin), int(latest.version), gap, (latest.digest, latest.created_at)
+            )
         if rows[0].limits_of not in (None, ALL_TENANTS, NO_LIMITS):  # an admin's edit of one tenant
             self.remember_limit(rows[0].limits_of, versions[0])
         limits = next((v for v, row in zip(versions, rows, strict=True) if row.by_admin), None)
@@ -383,18 +400,20 @@ class PolicyStore:
             version = self._cached(c, row)
         return self.remember_limit(tenant_id, version)
 
-    def committed_limits(self, base: int, versions: Iterable[tuple[int, str, str]]) -> None:
-        """This process has just committed `versions` (number, `limits_of`, digest), the ones
-        right after `base`: what `tenant_limit` finds without a query (added to what it knew if
-        that reached `base`, else in its place)."""
-        stored = list(versions)
+    def committed_limits(self, base: int, versions: Sequence[tuple[PolicyChange, str]]) -> None:
+        """This process has just committed `versions` (each change with its `limits_of`), the
+        ones right after `base`: what `tenant_limit` finds without a query (added to what it knew
+        if that reached `base`, else in its place)."""
+        if not versions:
+            return
         entries = [
-            (limits_of, version, digest)
-            for version, limits_of, digest in stored
+            (limits_of, change.version, change.digest)
+            for change, limits_of in versions
             if limits_of not in (ALL_TENANTS, NO_LIMITS)
         ]
+        last = versions[-1][0]
         with self._subscribers_lock:
-            self._limit_index.add(base, base + len(stored), entries)
+            self._limit_index.add(base, base + len(versions), entries, (last.digest, last.at))
 
     def forget_limits(self) -> None:
         """Find which versions set a tenant's limits in the database again (a restore; tests)."""
@@ -607,9 +626,10 @@ def _all_tenants_limits() -> Any:
 @functools.cache
 def _latest_and_limits_query() -> sa.CompoundSelect[Any]:
     """`PolicyStore.latest_and_limits`'s statement, built once (building it costs more than
-    running it): the latest version and the latest that set every tenant's limits (`gap` false),
-    then each tenant's latest admin version that set its limits alone among the versions after
-    both `known` and that limits version (`gap` true)."""
+    running it), its rows told apart by `part`: the latest version and the latest that set every
+    tenant's limits (`_LATEST`); each tenant's latest admin version that set its limits alone
+    among the versions after both `known` and that limits version (`_GAP`); version `known`
+    itself (`_ANCHOR`), to tell whether it is still the row this process learnt."""
     t = PolicyVersionRow
     latest = sa.select(sa.func.max(t.version)).scalar_subquery()
     by_admin = _all_tenants_limits()
@@ -633,11 +653,16 @@ def _latest_and_limits_query() -> sa.CompoundSelect[Any]:
         sa.select(
             *(getattr(t, name) for name in columns),
             (t.version == by_admin).label("by_admin"),
-            sa.literal(False).label("gap"),
+            sa.literal(_LATEST).label("part"),
         ).where(t.version.in_([latest, by_admin])),
         sa.select(
             *(v.c[name] for name in columns),
             sa.literal(False).label("by_admin"),
-            sa.literal(True).label("gap"),
+            sa.literal(_GAP).label("part"),
         ).join_from(v, newest, v.c.version == newest.c.version),
+        sa.select(
+            *(getattr(t, name) for name in columns),
+            sa.literal(False).label("by_admin"),
+            sa.literal(_ANCHOR).label("part"),
+        ).where(t.version == known),
     )

@@ -277,21 +277,23 @@ def test_the_limit_index_answers_only_for_ranges_it_covers() -> None:
     a store holding fewer versions than it knew empties it."""
     index = _LimitIndex()
     assert index.find("acme", 0, 5) == (False, None)  # nothing learnt yet
-    index.add(2, 10, [("acme", 5, "d5"), ("beta", 9, "d9")])
+    index.add(2, 10, [("acme", 5, "d5"), ("beta", 9, "d9")], ("d10", 0.0))
     assert index.find("acme", 2, 10) == (True, (5, "d5"))
     assert index.find("acme", 5, 10) == (True, None)  # acme's is not after 5
     assert index.find("gamma", 2, 10) == (True, None)
     assert index.find("acme", 1, 10) == (False, None)  # before what it learnt
     assert index.find("acme", 2, 11) == (False, None)  # after it
     assert index.find("beta", 2, 8) == (False, None)  # a later one is known, not the one up to 8
-    index.add(4, 8, [("acme", 4, "d4")])  # a read that started before the last one was learnt
+    index.add(
+        4, 8, [("acme", 4, "d4")], ("d8", 0.0)
+    )  # a read that started before the last one was learnt
     assert index.find("acme", 2, 10) == (True, (5, "d5"))
-    index.add(10, 12, [("acme", 12, "d12")])
-    assert (index.floor, index.upto) == (2, 12)
+    index.add(10, 12, [("acme", 12, "d12")], ("d12", 0.0))
+    assert (index.floor, index.upto, index.anchor) == (2, 12, ("d12", 0.0))
     assert index.find("acme", 2, 12) == (True, (12, "d12"))
-    index.add(20, 21, [])  # versions 13-20 unknown: start again from 20
+    index.add(20, 21, [], ("d21", 0.0))  # versions 13-20 unknown: start again from 20
     assert (index.floor, index.upto, index.latest) == (20, 21, {})
     assert index.find("acme", 2, 21) == (False, None)
-    index.add(21, 7, [])  # the store now ends at 7
+    index.add(21, 7, [], ("d7", 0.0))  # the store now ends at 7
     assert index.find("acme", 7, 7) == (True, None)
     assert index.find("acme", 6, 7) == (False, None)
