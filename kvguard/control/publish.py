@@ -34,7 +34,10 @@ Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
 
    The version a write stores is therefore always an edit of the version it replaces, and a
    tenant_admin's entry is checked against the limits as of that version: the same guarantees as
-   editing under the head's row lock, with the lock held for microseconds.
+   editing under the head's row lock, with the lock held for microseconds. A refusal needs the
+   same care, since no compare-and-set confirms the base it was made against: a group whose
+   every write was refused over this process's own last version is drafted again over the
+   latest one, so that a limit another process has since raised does not refuse it.
 4. SQLite: the same rows, as separate statements in one `BEGIN IMMEDIATE` transaction (its
    database lock serialises writers anyway, and there are no network round trips to save).
 
