@@ -107,6 +107,20 @@ class SkippedCommand:
 Command = PurgeCommand | PolicyCommand
 
 
+# The acknowledgements of a page of jobs, built once (statement building costs about as much as
+# running it on the API's read path).
+_ACKS_FOR = (
+    sa.select(
+        EngineCommandAck.command_id,
+        EngineCommandAck.engine_id,
+        EngineCommandAck.done_at,
+        EngineCommandAck.result,
+    )
+    .where(EngineCommandAck.command_id.in_(sa.bindparam("ids", expanding=True)))
+    .order_by(EngineCommandAck.command_id, EngineCommandAck.engine_id)
+)
+
+
 class CommandQueue:
     """Submit commands (admin API, CLI) and read them in commit order (engines)."""
 
@@ -237,16 +251,11 @@ class CommandQueue:
 
     def acks_for(self, command_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
         """The acknowledgements of several commands in one query."""
-        t = EngineCommandAck
         out: dict[int, list[dict[str, Any]]] = {}
         if not command_ids:
             return out
         with read_connection(self._engine) as conn:
-            rows = conn.execute(
-                sa.select(t.command_id, t.engine_id, t.done_at, t.result)
-                .where(t.command_id.in_(list(command_ids)))
-                .order_by(t.command_id, t.engine_id)
-            ).all()
+            rows = conn.execute(_ACKS_FOR, {"ids": list(command_ids)}).all()
         for r in rows:
             out.setdefault(int(r.command_id), []).append(
                 {"engine_id": r.engine_id, "done_at": r.done_at, **json.loads(r.result)}

@@ -93,6 +93,9 @@ _STAT_FIELDS = (
 )
 
 
+_ALL_ENGINES = sa.select(*EngineRow.__table__.c).order_by(EngineRow.started_at, EngineRow.engine_id)
+
+
 class EngineRegistry:
     """Engine rows, per-tenant cache statistics and the scope-tag index (see the module docstring)."""
 
@@ -192,11 +195,7 @@ class EngineRegistry:
     def engines(self) -> list[EngineInfo]:
         """Every engine ever registered, oldest first."""
         with read_connection(self._engine) as conn:
-            rows = conn.execute(
-                sa.select(*EngineRow.__table__.c).order_by(
-                    EngineRow.started_at, EngineRow.engine_id
-                )
-            ).all()
+            rows = conn.execute(_ALL_ENGINES).all()
         return [_engine_info(r) for r in rows]
 
     def live_engines(self, now: float, max_age_s: float) -> list[EngineInfo]:

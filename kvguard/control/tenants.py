@@ -56,6 +56,9 @@ def check_tenant_id(tenant_id: str) -> str:
     return tenant_id
 
 
+_ONE_TENANT = sa.select(TenantRow).where(TenantRow.tenant_id == sa.bindparam("tenant_id"))
+
+
 class TenantRegistry:
     """Create, read and disable tenants (table `tenants`)."""
 
@@ -106,7 +109,7 @@ class TenantRegistry:
         if conn is None:
             with read_connection(self._engine) as own:
                 return self.get(tenant_id, conn=own)
-        row = conn.execute(sa.select(TenantRow).where(TenantRow.tenant_id == tenant_id)).first()
+        row = conn.execute(_ONE_TENANT, {"tenant_id": tenant_id}).first()
         if row is None:
             raise NotFoundError("tenant not found")  # never the id sent back
         return _tenant(row)

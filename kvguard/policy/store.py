@@ -48,6 +48,22 @@ Clock = Callable[[], float]
 _PARSED_MAX = 64
 _LIMITS_MAX = 4096  # tenants' limit entries kept (references to parts of parsed versions)
 _LATEST, _GAP, _ANCHOR = 0, 1, 2  # the parts of `_latest_and_limits_query`'s rows
+# Statements run on every read of the current policy, built once (building one costs about as
+# much as running it).
+_LATEST_CHANGE = (
+    sa.select(
+        PolicyVersionRow.version,
+        PolicyVersionRow.author,
+        PolicyVersionRow.reason,
+        PolicyVersionRow.digest,
+        PolicyVersionRow.created_at,
+    )
+    .order_by(PolicyVersionRow.version.desc())
+    .limit(1)
+)
+_VERSION_ROW = sa.select(*PolicyVersionRow.__table__.c).where(
+    PolicyVersionRow.version == sa.bindparam("version")
+)
 
 _log = get_logger("policy.store")
 
@@ -435,13 +451,8 @@ class PolicyStore:
     def current(self, conn: sa.Connection | None = None) -> PolicyVersion | None:
         """The latest version, or None when nothing has been stored yet (one query of its
         metadata once this process has read the version)."""
-        t = PolicyVersionRow
         with self._reading(conn) as c:
-            latest = c.execute(
-                sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
-                .order_by(t.version.desc())
-                .limit(1)
-            ).first()
+            latest = c.execute(_LATEST_CHANGE).first()
             if latest is None:
                 return None
             cached = self._parsed.get(int(latest.version))
@@ -465,9 +476,7 @@ class PolicyStore:
         cached = self._parsed.get(version)
         if cached is not None and cached.change.digest == digest:
             return cached
-        row = conn.execute(
-            sa.select(*PolicyVersionRow.__table__.c).where(PolicyVersionRow.version == version)
-        ).first()
+        row = conn.execute(_VERSION_ROW, {"version": version}).first()
         if row is None:
             raise PolicyStoreError(f"policy version {version} does not exist")
         parsed = self._to_version(row)
