@@ -19,6 +19,7 @@ Never holds salts, secrets, token ids, prompt text or block ids.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
@@ -94,6 +95,19 @@ _STAT_FIELDS = (
 
 
 _ALL_ENGINES = sa.select(*EngineRow.__table__.c).order_by(EngineRow.started_at, EngineRow.engine_id)
+
+
+@functools.cache
+def _stats_query(*, tenant: bool, engines: bool) -> Any:
+    """`EngineRegistry.tenant_stats`'s statement, built once per shape: bind parameters
+    `tenant_id` and `engine_ids` (a list)."""
+    t = EngineTenantStatsRow
+    query = sa.select(*t.__table__.c).order_by(t.tenant_id, t.engine_id)
+    if tenant:
+        query = query.where(t.tenant_id == sa.bindparam("tenant_id"))
+    if engines:
+        query = query.where(t.engine_id.in_(sa.bindparam("engine_ids", expanding=True)))
+    return query
 
 
 class EngineRegistry:
@@ -206,14 +220,14 @@ class EngineRegistry:
         self, tenant_id: str | None = None, *, engine_ids: Collection[str] | None = None
     ) -> list[TenantCacheStats]:
         """Per-engine rows for one tenant (or all), optionally only for the given engines."""
-        t = EngineTenantStatsRow
-        query = sa.select(*t.__table__.c).order_by(t.tenant_id, t.engine_id)
+        query = _stats_query(tenant=tenant_id is not None, engines=engine_ids is not None)
+        params: dict[str, object] = {}
         if tenant_id is not None:
-            query = query.where(t.tenant_id == tenant_id)
+            params["tenant_id"] = tenant_id
         if engine_ids is not None:
-            query = query.where(t.engine_id.in_(list(engine_ids)))
+            params["engine_ids"] = list(engine_ids)
         with read_connection(self._engine) as conn:
-            rows = conn.execute(query).all()
+            rows = conn.execute(query, params).all()
         return [_tenant_stats(r) for r in rows]
 
     def tags_for_tenant(self, tenant_id: str) -> list[str]:

@@ -14,11 +14,12 @@ docs/benchmarks.md). What a row says (`enabled`, who disabled it) is always read
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -57,6 +58,18 @@ def check_tenant_id(tenant_id: str) -> str:
 
 
 _ONE_TENANT = sa.select(TenantRow).where(TenantRow.tenant_id == sa.bindparam("tenant_id"))
+
+
+@functools.cache
+def _tenant_page(*, only: bool, after: bool) -> Any:
+    """`TenantRegistry.list`'s statement, built once per shape: bind parameters `limit`, `only`
+    (a list) and `after`."""
+    stmt = sa.select(TenantRow).order_by(TenantRow.tenant_id).limit(sa.bindparam("limit"))
+    if only:
+        stmt = stmt.where(TenantRow.tenant_id.in_(sa.bindparam("only", expanding=True)))
+    if after:
+        stmt = stmt.where(TenantRow.tenant_id > sa.bindparam("after"))
+    return stmt
 
 
 class TenantRegistry:
@@ -128,13 +141,14 @@ class TenantRegistry:
         self, *, only: Collection[str] | None = None, after: str | None = None, limit: int = 100
     ) -> list[Tenant]:
         """Tenants in id order; `only` restricts to those ids (the caller's visible set)."""
-        stmt = sa.select(TenantRow).order_by(TenantRow.tenant_id).limit(limit)
+        stmt = _tenant_page(only=only is not None, after=after is not None)
+        params: dict[str, object] = {"limit": limit}
         if only is not None:
-            stmt = stmt.where(TenantRow.tenant_id.in_(list(only)))
+            params["only"] = list(only)
         if after is not None:
-            stmt = stmt.where(TenantRow.tenant_id > after)
+            params["after"] = after
         with read_connection(self._engine) as conn:
-            return [_tenant(r) for r in conn.execute(stmt)]
+            return [_tenant(r) for r in conn.execute(stmt, params)]
 
     def disable(
         self, tenant_id: str, *, by: str, reason: str, conn: sa.Connection | None = None
