@@ -50,17 +50,14 @@ _LIMITS_MAX = 4096  # tenants' limit entries kept (references to parts of parsed
 _LATEST, _GAP, _ANCHOR = 0, 1, 2  # the parts of `_latest_and_limits_query`'s rows
 # Statements run on every read of the current policy, built once (building one costs about as
 # much as running it).
-_LATEST_CHANGE = (
-    sa.select(
-        PolicyVersionRow.version,
-        PolicyVersionRow.author,
-        PolicyVersionRow.reason,
-        PolicyVersionRow.digest,
-        PolicyVersionRow.created_at,
-    )
-    .order_by(PolicyVersionRow.version.desc())
-    .limit(1)
+_CHANGE_COLUMNS = (  # a version's metadata: what `_to_change` reads
+    PolicyVersionRow.version,
+    PolicyVersionRow.author,
+    PolicyVersionRow.reason,
+    PolicyVersionRow.digest,
+    PolicyVersionRow.created_at,
 )
+_LATEST_CHANGE = sa.select(*_CHANGE_COLUMNS).order_by(PolicyVersionRow.version.desc()).limit(1)
 _VERSION_ROW = sa.select(*PolicyVersionRow.__table__.c).where(
     PolicyVersionRow.version == sa.bindparam("version")
 )
@@ -402,7 +399,7 @@ class PolicyStore:
                 if version.change.digest == entry[1]:
                     return self.remember_limit(tenant_id, version)
             row = c.execute(
-                sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
+                sa.select(*_CHANGE_COLUMNS)
                 .where(t.limits_of == tenant_id, t.version > after, t.version <= upto)
                 .order_by(t.version.desc())
                 .limit(1)
@@ -555,11 +552,7 @@ class PolicyStore:
         """The metadata of the versions after `after`, oldest first; at most `limit` of them (a
         page: one index range on the primary key, whatever the store holds)."""
         t = PolicyVersionRow
-        query = (
-            sa.select(t.version, t.author, t.reason, t.digest, t.created_at)
-            .where(t.version > after)
-            .order_by(t.version)
-        )
+        query = sa.select(*_CHANGE_COLUMNS).where(t.version > after).order_by(t.version)
         if limit is not None:
             query = query.limit(limit)
         with self._reading(None) as c:
