@@ -11,7 +11,14 @@ import structlog
 
 from kvguard.errors import ConfigError
 from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Scope, TokenizerRef
-from kvguard.logging import REDACTED, configure_logging, get_logger, is_sensitive_name, redact
+from kvguard.logging import (
+    REDACTED,
+    configure_logging,
+    get_logger,
+    is_sensitive_name,
+    redact,
+    register_secret,
+)
 from kvguard.settings import Settings
 
 SECRET = b"planted-secret-0123456789abcdefXYZ!"
@@ -128,3 +135,21 @@ def test_logging_follows_the_current_stderr_not_a_closed_one(monkeypatch) -> Non
     monkeypatch.setattr(sys, "stderr", now)
     get_logger("t").warning("after the swap")
     assert "after the swap" in now.getvalue()
+
+
+def test_a_secret_registered_after_lines_were_logged_is_masked_from_then_on() -> None:
+    """The sorted list of registered secrets is built when one is registered, not per line: a
+    secret registered after the first lines (a key issued while the server runs) is masked in the
+    next line, longest match first."""
+    out = io.StringIO()
+    configure_logging("INFO", json_output=True, stream=out)
+    log = get_logger("test")
+    log.info("before", note="nothing secret yet")
+    late = "late-registered-secret-7f3a9c"
+    register_secret(late)
+    register_secret(late + "-and-longer")
+    log.info("after", note=f"value {late}-and-longer and {late}", label_key_words=late)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert late not in out.getvalue()
+    assert lines[1]["note"] == f"value {REDACTED} and {REDACTED}"
+    assert lines[1]["label_key_words"] == REDACTED  # by name too ("key")

@@ -8,12 +8,13 @@ match."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
-from typing import Any
+from typing import Any, Final
 
 import sqlalchemy as sa
 
@@ -78,30 +79,99 @@ def select_indices(
     `ts_index=False` keeps the planner off the `ts` index (the caller bounds the walk by index
     intervals instead, see `kvguard.audit.timemarks`).
     """
+    shape, values = _filter_values(
+        scope_tag=scope_tag,
+        scope_tags=scope_tags,
+        kinds=kinds,
+        since=since,
+        until=until,
+        request_id=request_id,
+        block_id=block_id,
+        after=after,
+        below=below,
+    )
+    return _indices_query(shape, ts_index, limited=False).params(values)
+
+
+_FILTERS = (
+    "scope_tag", "scope_tags", "kinds", "since", "until", "request_id", "block_id", "after", "below"
+)  # fmt: skip
+
+
+def _filter_values(
+    *,
+    scope_tag: str | None,
+    scope_tags: Sequence[str] | None,
+    kinds: Sequence[str] | None,
+    since: datetime | None,
+    until: datetime | None,
+    request_id: str | None,
+    block_id: int | None,
+    after: int | None,
+    below: int | None,
+) -> tuple[tuple[bool, ...], dict[str, Any]]:
+    """Which filters are given (the statement's shape) and their bind parameters' values."""
+    given = {
+        "scope_tag": scope_tag,
+        "scope_tags": None if scope_tags is None else sorted(set(scope_tags)),
+        "kinds": [str(k) for k in kinds] if kinds else None,
+        "since": None if since is None else ts_micros(since),
+        "until": None if until is None else ts_micros(until),
+        "request_id": request_id,
+        "block_id": block_id,
+        "after": after,
+        "below": below,
+    }
+    values = {name: value for name, value in given.items() if value is not None}
+    return tuple(name in values for name in _FILTERS), values
+
+
+@functools.cache
+def _indices_query(shape: tuple[bool, ...], ts_index: bool, *, limited: bool) -> sa.Select[Any]:
+    """`select_indices`'s statement for one combination of filters, built once with a bind
+    parameter per filter (and `limit` when `limited`): building a statement and its cache key
+    cost about as much CPU as running it (docs/benchmarks.md, 2026-11-28)."""
     e = t.entries.c
+    has = dict(zip(_FILTERS, shape, strict=True))
     stmt = sa.select(e.idx, e.leaf).order_by(e.idx)
-    if scope_tag is not None:
-        stmt = stmt.where(e.scope_tag == scope_tag)
-    if scope_tags is not None:
-        stmt = stmt.where(e.scope_tag.in_(sorted(set(scope_tags))))
-    if kinds:
-        stmt = stmt.where(e.kind.in_([str(k) for k in kinds]))
+    if has["scope_tag"]:
+        stmt = stmt.where(e.scope_tag == sa.bindparam("scope_tag", type_=sa.String))
+    if has["scope_tags"]:
+        stmt = stmt.where(e.scope_tag.in_(sa.bindparam("scope_tags", expanding=True)))
+    if has["kinds"]:
+        stmt = stmt.where(e.kind.in_(sa.bindparam("kinds", expanding=True)))
     # `ts_us + 0` is not an indexed column to either planner: the walk stays in `idx` order.
     ts = e.ts_us if ts_index else e.ts_us + 0
-    if since is not None:
-        stmt = stmt.where(ts >= ts_micros(since))
-    if until is not None:
-        stmt = stmt.where(ts < ts_micros(until))
-    if request_id is not None:
-        stmt = stmt.where(e.request_id == request_id)
-    if block_id is not None:
-        links = sa.select(t.entry_blocks.c.idx).where(t.entry_blocks.c.block_id == block_id)
+    if has["since"]:
+        stmt = stmt.where(ts >= sa.bindparam("since", type_=sa.BigInteger))
+    if has["until"]:
+        stmt = stmt.where(ts < sa.bindparam("until", type_=sa.BigInteger))
+    if has["request_id"]:
+        stmt = stmt.where(e.request_id == sa.bindparam("request_id", type_=sa.String))
+    if has["block_id"]:
+        blocks = t.entry_blocks.c
+        links = sa.select(blocks.idx).where(
+            blocks.block_id == sa.bindparam("block_id", type_=sa.BigInteger)
+        )
         stmt = stmt.where(e.idx.in_(links))
-    if after is not None:
-        stmt = stmt.where(e.idx > after)
-    if below is not None:
-        stmt = stmt.where(e.idx < below)
+    if has["after"]:
+        stmt = stmt.where(e.idx > sa.bindparam("after", type_=sa.BigInteger))
+    if has["below"]:
+        stmt = stmt.where(e.idx < sa.bindparam("below", type_=sa.BigInteger))
+    if limited:
+        stmt = stmt.limit(sa.bindparam("limit", type_=sa.Integer))
     return stmt
+
+
+def _page_rows(
+    conn: sa.Connection, limit: int, filters: dict[str, Any], *, ts_index: bool = True
+) -> list[tuple[int, bytes]]:
+    """Up to `limit` rows of `select_indices(**filters)`, through the statement built once."""
+    if unknown := set(filters).difference(_FILTERS):
+        raise TypeError(f"unknown ledger query filters: {sorted(unknown)}")
+    shape, values = _filter_values(**{name: filters.get(name) for name in _FILTERS})
+    stmt = _indices_query(shape, ts_index, limited=True)
+    return [(r[0], r[1]) for r in conn.execute(stmt, {**values, "limit": limit})]
 
 
 def run_query(
@@ -115,7 +185,7 @@ def run_query(
     if marks is not None and timed:
         found = _walk_intervals(conn, marks, limit + 1, filters)
     else:
-        found = [(r[0], r[1]) for r in conn.execute(select_indices(**filters).limit(limit + 1))]
+        found = _page_rows(conn, limit + 1, filters)
     more = len(found) > limit
     rows: list[tuple[int, bytes]] = [(int(r[0]), bytes(r[1])) for r in found[:limit]]
     payloads = _payloads(conn, [idx for idx, _ in rows])
@@ -188,8 +258,8 @@ def _walk_intervals(
         stop = hi if below is None else min(hi, below)
         if start + 1 >= stop:
             continue
-        stmt = select_indices(**rest, after=start, below=stop, ts_index=False)
-        found += [(r[0], r[1]) for r in conn.execute(stmt.limit(want - len(found)))]
+        window = {**rest, "after": start, "below": stop}
+        found += _page_rows(conn, want - len(found), window, ts_index=False)
         if len(found) >= want:
             break
     return found
@@ -205,6 +275,10 @@ def _head_size(conn: sa.Connection) -> int:
 def _payloads(conn: sa.Connection, indices: list[int]) -> dict[int, bytes]:
     if not indices:
         return {}
-    p = t.payloads.c
-    rows = conn.execute(sa.select(p.idx, p.body).where(p.idx.in_(indices)))
+    rows = conn.execute(_PAYLOADS, {"indices": indices})
     return {int(i): bytes(b) for i, b in rows}
+
+
+_PAYLOADS: Final = sa.select(t.payloads.c.idx, t.payloads.c.body).where(
+    t.payloads.c.idx.in_(sa.bindparam("indices", expanding=True))
+)

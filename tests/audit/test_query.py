@@ -148,3 +148,13 @@ def test_time_marks_refuse_a_log_with_missing_entries(sqlite_url: str, open_ledg
         conn.execute(sa.text("DELETE FROM ledger_entries WHERE idx < 1024"))
     with pytest.raises(VerificationError):
         ledger.query(since=T0)
+
+
+def test_an_unknown_filter_is_refused_not_ignored(sqlite_url: str, open_ledger: Opener) -> None:
+    """Pages run statements built once per combination of filters: a misspelt filter must fail
+    loudly, as a keyword argument of `select_indices` does, not match every entry."""
+    ledger = open_ledger(sqlite_url)
+    ledger.append(make_event(0))
+    with pytest.raises(TypeError, match="scope_tagz"):
+        ledger.query(scope_tagz="st_x")
+    assert [r.index for r in ledger.query(scope_tag="st_nobody").records] == []
