@@ -156,17 +156,22 @@ class Outbox:
         # Autocommit: one round trip, not BEGIN, SELECT and the pool's ROLLBACK (the drain's
         # wall time is what every write's answer waits for, docs/benchmarks.md).
         with read_connection(self._engine) as conn:
-            rows = conn.execute(
-                sa.select(OutboxRow.id, OutboxRow.event)
-                .where(OutboxRow.ledger_index.is_(None))
-                .order_by(OutboxRow.id)
-                .limit(_BATCH)
-            ).all()
+            rows = conn.execute(_PENDING).all()
         if not rows:
             return 0, False
         prepared = {int(r.id): prepare_entry(AuditEvent.model_validate_json(r.event)) for r in rows}
         _first, appended = ledger.store.append_collected(_PendingClaim(prepared))
         return appended, len(rows) == _BATCH
+
+
+# The pending rows of one drain batch: a statement built once (building it and its cache key cost
+# about as much CPU as running it, once per drain, i.e. per write).
+_PENDING: Final = (
+    sa.select(OutboxRow.id, OutboxRow.event)
+    .where(OutboxRow.ledger_index.is_(None))
+    .order_by(OutboxRow.id)
+    .limit(_BATCH)
+)
 
 
 class _PendingClaim:
