@@ -114,10 +114,13 @@ def _job(row: Any) -> PurgeJob:
     )
 
 
-def get_job(access: Access, job_id: int) -> PurgeJob:
-    """The job, if the caller may see it (NotFoundError otherwise, as for a job that does not exist)."""
-    with read_connection(access.services.db) as conn:  # autocommit: one round trip
-        row = conn.execute(_JOB, {"job_id": job_id}).first()
+def get_job(access: Access, job_id: int, conn: sa.Connection | None = None) -> PurgeJob:
+    """The job, if the caller may see it (NotFoundError otherwise, as for a job that does not
+    exist). On `conn` (a read connection the caller holds for the report's reads too) or its own."""
+    if conn is None:
+        with read_connection(access.services.db) as own:  # autocommit: one round trip
+            return get_job(access, job_id, own)
+    row = conn.execute(_JOB, {"job_id": job_id}).first()
     job = _job(row) if row is not None else None
     if job is None or not access.may_see(job.tenant_id):
         raise NotFoundError(f"purge job {job_id} not found")
@@ -130,7 +133,12 @@ _JOB: Final = sa.select(EngineCommand).where(
 
 
 def list_jobs(
-    services: Services, *, tenant_id: str | None, before: int | None, limit: int
+    services: Services,
+    *,
+    tenant_id: str | None,
+    before: int | None,
+    limit: int,
+    conn: sa.Connection | None = None,
 ) -> list[PurgeJob]:
     """Jobs newest first, below job id `before`, of one tenant (None: every job). A tenant's page
     reads O(page) rows whatever the other tenants purged: its session purges (`tenant_id`) and its
@@ -138,8 +146,10 @@ def list_jobs(
     (`ix_engine_commands_tenant`, `ix_engine_commands_selector`), merged."""
     stmt = _jobs_query(tenant=tenant_id is not None, before=before is not None)
     params = {"tenant_id": tenant_id, "before": before, "limit": limit}
-    with read_connection(services.db) as conn:  # autocommit: one round trip
-        return [_job(r) for r in conn.execute(stmt, params).all()]
+    if conn is None:
+        with read_connection(services.db) as own:  # autocommit: one round trip
+            return [_job(r) for r in own.execute(stmt, params).all()]
+    return [_job(r) for r in conn.execute(stmt, params).all()]
 
 
 @functools.cache
@@ -189,22 +199,50 @@ class _Registry:
     max_age_s: float
 
 
-def report(services: Services, job: PurgeJob) -> JobReport:
+@dataclass(frozen=True)
+class ControlReads:
+    """What a page of reports needs from the control database: the engine registry and the
+    jobs' acknowledgements, read together on one connection (`control_reads`)."""
+
+    engines: list[EngineInfo]
+    acks: dict[int, list[dict[str, Any]]]
+
+
+def control_reads(
+    services: Services, jobs: Sequence[PurgeJob], conn: sa.Connection
+) -> ControlReads:
+    """The registry and the acknowledgements of `jobs`, on the caller's read connection (one
+    checkout for the page's job rows and these two reads: a checkout and its return cost about as
+    much CPU as a query, docs/benchmarks.md)."""
+    return ControlReads(
+        services.engines.engines(conn), services.commands.acks_for([j.job_id for j in jobs], conn)
+    )
+
+
+def report(services: Services, job: PurgeJob, control: ControlReads | None = None) -> JobReport:
     """Where the job stands now (module docstring)."""
-    return reports(services, [job])[0]
+    return reports(services, [job], control)[0]
 
 
-def reports(services: Services, jobs: Sequence[PurgeJob]) -> list[JobReport]:
+def reports(
+    services: Services, jobs: Sequence[PurgeJob], control: ControlReads | None = None
+) -> list[JobReport]:
     """`report` of each of `jobs` (a page of a listing) at a cost that grows with the page, not with
     the ledger or the number of jobs: the evidence through the ledger's command links (one read
     for the page, then each purge entry's clears), the engine registry read once, and every job's
-    acknowledgements in one query (issue 11: 18 s for a page of 100 jobs before)."""
+    acknowledgements in one query (issue 11: 18 s for a page of 100 jobs before). `control`: those
+    two reads, made by the caller on the connection it read the jobs on (read here otherwise). The
+    ledger's evidence is read after them: a job is done only if every acknowledgement seen has
+    its evidence, whichever order, and evidence read later is at least as complete."""
+    if control is None:
+        with read_connection(services.db) as conn:
+            control = control_reads(services, jobs, conn)
     windows: dict[int, Window] = {}
     for job in jobs:
         created = datetime.fromtimestamp(job.created_at, UTC)
         windows[job.job_id] = (created - CLOCK_SKEW_S, created + CLOCK_SKEW_S)
     evidence = find_evidence(services.ledger, windows)
-    engines = services.engines.engines()
+    engines = control.engines
     max_age = services.config.engine_max_age_s
     now = services.clock()
     registry = _Registry(
@@ -213,7 +251,7 @@ def reports(services: Services, jobs: Sequence[PurgeJob]) -> list[JobReport]:
         models={e.engine_id: e.model for e in engines},
         max_age_s=max_age,
     )
-    acks = services.commands.acks_for([job.job_id for job in jobs])
+    acks = control.acks
     return [_report(job, evidence[job.job_id], acks.get(job.job_id, []), registry) for job in jobs]
 
 

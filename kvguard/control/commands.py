@@ -249,13 +249,18 @@ class CommandQueue:
     def acks(self, command_id: int) -> list[dict[str, Any]]:
         return self.acks_for([command_id]).get(command_id, [])
 
-    def acks_for(self, command_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
-        """The acknowledgements of several commands in one query."""
+    def acks_for(
+        self, command_ids: Sequence[int], conn: sa.Connection | None = None
+    ) -> dict[int, list[dict[str, Any]]]:
+        """The acknowledgements of several commands in one query (on `conn`, a read connection
+        the caller holds for several reads, or on one of its own)."""
         out: dict[int, list[dict[str, Any]]] = {}
         if not command_ids:
             return out
-        with read_connection(self._engine) as conn:
-            rows = conn.execute(_ACKS_FOR, {"ids": list(command_ids)}).all()
+        if conn is None:
+            with read_connection(self._engine) as own:
+                return self.acks_for(command_ids, own)
+        rows = conn.execute(_ACKS_FOR, {"ids": list(command_ids)}).all()
         for r in rows:
             out.setdefault(int(r.command_id), []).append(
                 {"engine_id": r.engine_id, "done_at": r.done_at, **json.loads(r.result)}

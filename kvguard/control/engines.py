@@ -206,11 +206,13 @@ class EngineRegistry:
 
     # --- readers ----------------------------------------------------------------------------------
 
-    def engines(self) -> list[EngineInfo]:
-        """Every engine ever registered, oldest first."""
-        with read_connection(self._engine) as conn:
-            rows = conn.execute(_ALL_ENGINES).all()
-        return [_engine_info(r) for r in rows]
+    def engines(self, conn: sa.Connection | None = None) -> list[EngineInfo]:
+        """Every engine ever registered, oldest first (on `conn`, a read connection the caller
+        holds for several reads, or on one of its own)."""
+        if conn is None:
+            with read_connection(self._engine) as own:
+                return self.engines(own)
+        return [_engine_info(r) for r in conn.execute(_ALL_ENGINES).all()]
 
     def live_engines(self, now: float, max_age_s: float) -> list[EngineInfo]:
         """Engines not stopped and seen within `max_age_s` seconds of `now`."""

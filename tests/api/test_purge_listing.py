@@ -49,13 +49,13 @@ def measured(env: ApiEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cost]:
         cost.leaves_parsed += 1
         return parse(leaf)
 
-    def counting_registry() -> Any:
+    def counting_registry(*args: Any) -> Any:
         cost.registry_reads += 1
-        return registry()
+        return registry(*args)
 
-    def counting_acks(command_ids: Any) -> Any:
+    def counting_acks(command_ids: Any, *args: Any) -> Any:
         cost.ack_reads += 1
-        return acks(command_ids)
+        return acks(command_ids, *args)
 
     def count(*_args: Any) -> None:
         cost.statements += 1

@@ -28,6 +28,7 @@ from kvguard.api.purge_schemas import (
     PurgeJobPublic,
 )
 from kvguard.control.commands import PurgeSelector
+from kvguard.control.db import read_connection
 from kvguard.control.publish import submit_purge
 from kvguard.errors import ConflictError, PermissionDeniedError
 
@@ -53,7 +54,7 @@ async def create_purge(
     # of the eight for the whole drain: docs/benchmarks.md, 2026-11-27, tenth session).
     await action.access.services.deliver_async()
     action.drained = True  # nothing is written after this
-    report = await anyio.to_thread.run_sync(_created_report, action.access, job_id)
+    report = await anyio.to_thread.run_sync(_one_report, action.access, job_id)
     return PurgeCreated(
         job_id=job_id, status=report.status, engines_expected=report.engines_expected
     )
@@ -92,8 +93,13 @@ def _submit(body: PurgeCreate, action: Action) -> int:
     return job_id
 
 
-def _created_report(access: Access, job_id: int) -> jobs.JobReport:
-    return jobs.report(access.services, jobs.get_job(access, job_id))
+def _one_report(access: Access, job_id: int) -> jobs.JobReport:
+    """The job's report, its control-database reads (the job, the engine registry, its
+    acknowledgements) on one pooled connection, then its ledger evidence."""
+    with read_connection(access.services.db) as conn:
+        job = jobs.get_job(access, job_id, conn)
+        control = jobs.control_reads(access.services, [job], conn)
+    return jobs.report(access.services, job, control)
 
 
 @router.get("", response_model=PurgeJobPage)
@@ -108,12 +114,18 @@ def list_purges(
     """Jobs newest first; a tenant_admin sees only its own tenant's. A page costs O(its jobs'
     entries), whatever the ledger holds (`jobs.reports`)."""
     services = access.services
-    found = jobs.list_jobs(
-        services, tenant_id=access.one_tenant_or_all(tenant_id), before=before, limit=limit + 1
-    )
-    page = found[:limit]
+    with read_connection(services.db) as conn:  # the page, the registry, the acknowledgements
+        found = jobs.list_jobs(
+            services,
+            tenant_id=access.one_tenant_or_all(tenant_id),
+            before=before,
+            limit=limit + 1,
+            conn=conn,
+        )
+        page = found[:limit]
+        control = jobs.control_reads(services, page, conn)
     return PurgeJobPage(
-        jobs=[PurgeJobPublic.of(r) for r in jobs.reports(services, page)],
+        jobs=[PurgeJobPublic.of(r) for r in jobs.reports(services, page, control)],
         next_before=page[-1].job_id if len(found) > limit else None,
     )
 
@@ -121,7 +133,7 @@ def list_purges(
 @router.get("/{job_id}", response_model=PurgeJobPublic)
 def get_purge(job_id: JobId, access: Annotated[Access, require(*READERS)]) -> PurgeJobPublic:
     """One job: status, each engine's progress, block counts."""
-    return PurgeJobPublic.of(jobs.report(access.services, jobs.get_job(access, job_id)))
+    return PurgeJobPublic.of(_one_report(access, job_id))
 
 
 @router.get(
