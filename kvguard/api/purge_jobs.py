@@ -43,7 +43,7 @@ from kvguard.api.services import Services
 from kvguard.audit.erasure import PurgeEntry
 from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, Window, find_evidence
 from kvguard.control.commands import PurgeKind
-from kvguard.control.db import read_connection
+from kvguard.control.db import read_connection, reading
 from kvguard.control.engines import EngineInfo
 from kvguard.control.schema import EngineCommand
 from kvguard.errors import NotFoundError
@@ -117,10 +117,8 @@ def _job(row: Any) -> PurgeJob:
 def get_job(access: Access, job_id: int, conn: sa.Connection | None = None) -> PurgeJob:
     """The job, if the caller may see it (NotFoundError otherwise, as for a job that does not
     exist). On `conn` (a read connection the caller holds for the report's reads too) or its own."""
-    if conn is None:
-        with read_connection(access.services.db) as own:  # autocommit: one round trip
-            return get_job(access, job_id, own)
-    row = conn.execute(_JOB, {"job_id": job_id}).first()
+    with reading(access.services.db, conn) as c:  # autocommit: one round trip
+        row = c.execute(_JOB, {"job_id": job_id}).first()
     job = _job(row) if row is not None else None
     if job is None or not access.may_see(job.tenant_id):
         raise NotFoundError(f"purge job {job_id} not found")
@@ -146,10 +144,8 @@ def list_jobs(
     (`ix_engine_commands_tenant`, `ix_engine_commands_selector`), merged."""
     stmt = _jobs_query(tenant=tenant_id is not None, before=before is not None)
     params = {"tenant_id": tenant_id, "before": before, "limit": limit}
-    if conn is None:
-        with read_connection(services.db) as own:  # autocommit: one round trip
-            return [_job(r) for r in own.execute(stmt, params).all()]
-    return [_job(r) for r in conn.execute(stmt, params).all()]
+    with reading(services.db, conn) as c:  # autocommit: one round trip
+        return [_job(r) for r in c.execute(stmt, params).all()]
 
 
 @functools.cache
@@ -217,6 +213,15 @@ def control_reads(
     return ControlReads(
         services.engines.engines(conn), services.commands.acks_for([j.job_id for j in jobs], conn)
     )
+
+
+def job_report(access: Access, job_id: int) -> JobReport:
+    """Job `job_id`'s report if the caller may see it (`get_job`): its control-database reads (the
+    job, the engine registry, its acknowledgements) on one pooled connection, then its evidence."""
+    with read_connection(access.services.db) as conn:
+        job = get_job(access, job_id, conn)
+        control = control_reads(access.services, [job], conn)
+    return report(access.services, job, control)
 
 
 def report(services: Services, job: PurgeJob, control: ControlReads | None = None) -> JobReport:

@@ -133,6 +133,18 @@ def read_connection(engine: sa.Engine) -> sa.Connection:
 
 
 @contextmanager
+def reading(engine: sa.Engine, conn: sa.Connection | None) -> Iterator[sa.Connection]:
+    """`conn` when the caller holds one for several reads (one pool checkout for all of them: a
+    checkout and its return cost about as much CPU as a query), else a `read_connection` of
+    `engine` for this read alone."""
+    if conn is not None:
+        yield conn
+        return
+    with read_connection(engine) as own:
+        yield own
+
+
+@contextmanager
 def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
     """A write transaction: `BEGIN IMMEDIATE` on SQLite, plain BEGIN (READ COMMITTED) on PostgreSQL.
 

@@ -37,7 +37,12 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 
-from kvguard.control.db import ensure_schema, open_engine, read_connection, write_transaction
+from kvguard.control.db import (
+    ensure_schema,
+    open_engine,
+    reading,
+    write_transaction,
+)
 from kvguard.control.schema import HEAD_ID, CommandHead, EngineCommand, EngineCommandAck
 from kvguard.errors import ConfigError
 from kvguard.isolation.scope import Scope
@@ -257,10 +262,8 @@ class CommandQueue:
         out: dict[int, list[dict[str, Any]]] = {}
         if not command_ids:
             return out
-        if conn is None:
-            with read_connection(self._engine) as own:
-                return self.acks_for(command_ids, own)
-        rows = conn.execute(_ACKS_FOR, {"ids": list(command_ids)}).all()
+        with reading(self._engine, conn) as c:
+            rows = c.execute(_ACKS_FOR, {"ids": list(command_ids)}).all()
         for r in rows:
             out.setdefault(int(r.command_id), []).append(
                 {"engine_id": r.engine_id, "done_at": r.done_at, **json.loads(r.result)}

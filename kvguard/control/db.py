@@ -25,7 +25,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError as AlembicCommandError
 
-from kvguard.audit.db import create_engine, read_connection, write_transaction
+from kvguard.audit.db import create_engine, read_connection, reading, write_transaction
 from kvguard.errors import SchemaVersionError
 
 VERSION_TABLE: Final = "control_alembic_version"
@@ -39,6 +39,7 @@ __all__ = [
     "ensure_schema",
     "open_engine",
     "read_connection",
+    "reading",
     "upgrade",
     "write_transaction",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from kvguard.control.db import ensure_schema, open_engine, read_connection
+from kvguard.control.db import ensure_schema, open_engine, read_connection, reading
 from kvguard.control.schema import EngineRow, EngineTenantStatsRow, ScopeTagRow
 
 Totals = Mapping[str, int | float]
@@ -209,10 +209,8 @@ class EngineRegistry:
     def engines(self, conn: sa.Connection | None = None) -> list[EngineInfo]:
         """Every engine ever registered, oldest first (on `conn`, a read connection the caller
         holds for several reads, or on one of its own)."""
-        if conn is None:
-            with read_connection(self._engine) as own:
-                return self.engines(own)
-        return [_engine_info(r) for r in conn.execute(_ALL_ENGINES).all()]
+        with reading(self._engine, conn) as c:
+            return [_engine_info(r) for r in c.execute(_ALL_ENGINES).all()]
 
     def live_engines(self, now: float, max_age_s: float) -> list[EngineInfo]:
         """Engines not stopped and seen within `max_age_s` seconds of `now`."""

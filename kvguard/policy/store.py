@@ -19,8 +19,8 @@ import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,12 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvguard.control.db import create_engine, ensure_schema, read_connection, write_transaction
+from kvguard.control.db import (
+    create_engine,
+    ensure_schema,
+    reading,
+    write_transaction,
+)
 from kvguard.control.schema import (
     ALL_TENANTS,
     AUTHOR_MAX,
@@ -559,13 +564,9 @@ class PolicyStore:
             rows = c.execute(query).all()  # metadata only: documents can be large
             return [_to_change(row) for row in rows]
 
-    @contextmanager
-    def _reading(self, conn: sa.Connection | None) -> Iterator[sa.Connection]:
-        if conn is not None:
-            yield conn
-            return
-        with read_connection(self._engine) as own:
-            yield own
+    def _reading(self, conn: sa.Connection | None) -> AbstractContextManager[sa.Connection]:
+        """`conn`, or a read connection of this store's own (`kvguard.control.db.reading`)."""
+        return reading(self._engine, conn)
 
 
 def _notify(subscribers: list[Subscriber], change: PolicyChange) -> None:

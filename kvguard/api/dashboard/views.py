@@ -20,6 +20,7 @@ from kvguard.api.audit_schemas import CheckpointPublic
 from kvguard.api.dashboard import summaries
 from kvguard.api.dashboard.render import PREFIX, Page, viewer
 from kvguard.api.deps import GLOBAL_READERS, READERS, Action, audited
+from kvguard.api.purge_schemas import PurgeJobPublic
 from kvguard.api.routes import audit, cache, inference_keys, policies, purges, tenants
 from kvguard.audit import note
 from kvguard.audit.witness_client import WitnessEndpoint
@@ -164,10 +165,11 @@ def purge_list(
 def purge_detail(job_id: purges.JobId, page: Reader) -> HTMLResponse:
     """A job, and whether the certificate it would get now passes the offline verifier."""
     access, services = page.access, page.access.services
-    job = purges.get_purge(job_id, access)
+    report = jobs.job_report(access, job_id)  # read once: the page and its certificate check
+    job = PurgeJobPublic.of(report)
     verification = None
     if job.status is jobs.PurgeStatus.DONE:
-        document = certificates.issue(services, jobs.report(services, jobs.get_job(access, job_id)))
+        document = certificates.issue(services, report)
         keys = [note.verifier_key_string(v.name, v.public_key) for v in services.ledger.verifiers()]
         verification = summaries.verify(document, keys, services.ledger.origin)
     return page.render(

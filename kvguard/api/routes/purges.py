@@ -54,7 +54,7 @@ async def create_purge(
     # of the eight for the whole drain: docs/benchmarks.md, 2026-11-27, tenth session).
     await action.access.services.deliver_async()
     action.drained = True  # nothing is written after this
-    report = await anyio.to_thread.run_sync(_one_report, action.access, job_id)
+    report = await anyio.to_thread.run_sync(jobs.job_report, action.access, job_id)
     return PurgeCreated(
         job_id=job_id, status=report.status, engines_expected=report.engines_expected
     )
@@ -93,15 +93,6 @@ def _submit(body: PurgeCreate, action: Action) -> int:
     return job_id
 
 
-def _one_report(access: Access, job_id: int) -> jobs.JobReport:
-    """The job's report, its control-database reads (the job, the engine registry, its
-    acknowledgements) on one pooled connection, then its ledger evidence."""
-    with read_connection(access.services.db) as conn:
-        job = jobs.get_job(access, job_id, conn)
-        control = jobs.control_reads(access.services, [job], conn)
-    return jobs.report(access.services, job, control)
-
-
 @router.get("", response_model=PurgeJobPage)
 def list_purges(
     access: Annotated[Access, require(*READERS)],
@@ -133,7 +124,7 @@ def list_purges(
 @router.get("/{job_id}", response_model=PurgeJobPublic)
 def get_purge(job_id: JobId, access: Annotated[Access, require(*READERS)]) -> PurgeJobPublic:
     """One job: status, each engine's progress, block counts."""
-    return PurgeJobPublic.of(_one_report(access, job_id))
+    return PurgeJobPublic.of(jobs.job_report(access, job_id))
 
 
 @router.get(
