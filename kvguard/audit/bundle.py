@@ -69,10 +69,12 @@ _STR = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\bfnrt]|u00[01][0-9a-f])[^"\\\x00-\x1f]*)*
 # printable ASCII, `"` and `\` escaped (unrolled as `_STR`)
 _ASCII = rb'"[\x21\x23-\x5b\x5d-\x7e]*(?:\\["\\][\x21\x23-\x5b\x5d-\x7e]*)*"'
 _INT = rb"-?(?:0|[1-9][0-9]{0,639})"
-# a number as `repr` writes a float or int (at most 17 digits before a fraction or exponent), or a
-# longer integer; so no literal overflows but an exponent of 308 and more (`_BIG_EXPONENT`)
+# a number as `repr` writes a float or int (at most 17 digits before a fraction or exponent; a
+# fraction of at most 20: `repr` writes down to 1e-4 without an exponent, so up to three zeros
+# precede 17 significant digits, e.g. 0.00012345678901234567), or a longer integer; so no literal
+# overflows but an exponent of 308 and more (`_BIG_EXPONENT`)
 _NUM = (
-    rb"-?(?:0|[1-9][0-9]{0,16})(?:\.[0-9]{1,17})?(?:e[+-][0-9]{2,3})?(?![0-9])|-?[1-9][0-9]{17,639}"
+    rb"-?(?:0|[1-9][0-9]{0,16})(?:\.[0-9]{1,20})?(?:e[+-][0-9]{2,3})?(?![0-9])|-?[1-9][0-9]{17,639}"
 )
 _SCALAR = rb"(?:" + _STR + rb"|" + _NUM + rb"|true|false|null)"
 _PAIR = _STR + rb":" + _SCALAR

@@ -341,3 +341,14 @@ def test_foreign_rows_linked_to_a_job_do_not_stop_its_erasure_evidence(
     assert [p.index for p in evidence.purges] == [1]
     assert [z.index for z in evidence.zeroizes] == [4]
     assert evidence.coverage.complete
+
+
+@pytest.mark.parametrize(
+    "value", [0.0005015233418591654, 0.00012345678901234567, -0.00010000000000000002]
+)
+def test_small_floats_repr_writes_without_an_exponent_are_events(value: float) -> None:
+    """`repr` writes floats down to 1e-4 without an exponent, with up to 20 fraction digits (three
+    zeros, then 17 significant digits). The leaf pattern allowed 17, so a genuine entry with such a
+    detail read as foreign (found by the property test above)."""
+    leaf = prepare_entry(make_event(1, details={"k0": value})).leaf
+    assert bundle.is_event(leaf), leaf
