@@ -57,10 +57,11 @@ def b64(raw: bytes) -> str:
 
 
 # What a kvguard event's leaf is, byte for byte (`kvguard.audit.leaf`, version 1: canonical JSON,
-# keys sorted, no whitespace, flat `details`), as one pattern that admits no more than kvguard's
-# event model and encoder can write, so that every reader (the exporters, both verifier paths, the
-# renderings, the listings, the byte-level slicing of commitments and index columns) reads a match
-# alike, in any Python: kinds are lower-case words, tags and request ids printable ASCII (the
+# keys sorted, no whitespace, flat `details`), as one pattern that every reader (the exporters,
+# both verifier paths, the renderings, the listings, the byte-level slicing of commitments and
+# index columns) reads alike, in any Python. It admits a few leaves kvguard would not write (details
+# out of key order, a detail name the model refuses, `-0`), none that any reader reads
+# differently: kinds are lower-case words, tags and request ids printable ASCII (the
 # model's rule), string escapes only those `json` writes (no `\uD800`: no lone surrogate), integers
 # of at most 640 digits (the lowest `int_max_str_digits` Python allows; the model refuses longer
 # ones), floats as `repr` spells them. Strings are written unrolled (runs of plain characters,
@@ -69,12 +70,15 @@ _STR = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\bfnrt]|u00[01][0-9a-f])[^"\\\x00-\x1f]*)*
 # printable ASCII, `"` and `\` escaped (unrolled as `_STR`)
 _ASCII = rb'"[\x21\x23-\x5b\x5d-\x7e]*(?:\\["\\][\x21\x23-\x5b\x5d-\x7e]*)*"'
 _INT = rb"-?(?:0|[1-9][0-9]{0,639})"
-# a number as `repr` writes a float or int (at most 17 digits before a fraction or exponent; a
-# fraction of at most 20: `repr` writes down to 1e-4 without an exponent, so up to three zeros
-# precede 17 significant digits, e.g. 0.00012345678901234567), or a longer integer; so no literal
-# overflows but an exponent of 308 and more (`_BIG_EXPONENT`)
+# a number as `repr` writes a float or int: a float with an exponent has one digit before its
+# point (`1e+16`, `5e-324`, `1.7976931348623157e+308`); one without has at most 16 digits before
+# the point and at most 20 after it (`repr` writes down to 1e-4 without an exponent, so up to three
+# zeros precede 17 significant digits, e.g. 0.00012345678901234567); an integer has no point. So
+# no literal overflows but one with an exponent of 308 or more (`_BIG_EXPONENT`): `18e+307` is
+# infinity and was read as an event while any number of digits could precede an exponent.
 _NUM = (
-    rb"-?(?:0|[1-9][0-9]{0,16})(?:\.[0-9]{1,20})?(?:e[+-][0-9]{2,3})?(?![0-9])|-?[1-9][0-9]{17,639}"
+    rb"-?(?:[1-9](?:\.[0-9]{1,16})?e[+-][0-9]{2,3}|(?:0|[1-9][0-9]{0,15})\.[0-9]{1,20}"
+    rb"|0|[1-9][0-9]{0,639})(?![0-9])"
 )
 _SCALAR = rb"(?:" + _STR + rb"|" + _NUM + rb"|true|false|null)"
 _PAIR = _STR + rb":" + _SCALAR
@@ -84,19 +88,16 @@ _EVENT_LEAF = re.compile(
     rb',"kind":"[a-z][a-z_.]*","payload_commitment":(?:null|"[0-9a-f]{64}")'
     rb',"request_id":(?:null|' + _ASCII + rb")"
     rb',"scope_tag":(?:null|' + _ASCII + rb")"
-    rb',"ts":"([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6})Z","v":1\}'
+    rb',"ts":"([0-9]{4}-[0-9]{2}-[0-9]{2}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\.[0-9]{6})Z"'
+    rb',"v":1\}'
 )
 # An exponent from 308 up: a float there may overflow to infinity, which `repr` never writes.
 _BIG_EXPONENT = re.compile(rb"[0-9]e\+(?:30[89]|3[1-9][0-9]|[4-9][0-9][0-9])")
-# Runs of events, each followed by a newline, for `first_non_event`: `_EVENT_LEAF` with the time of
-# day held to real ranges (the date is checked once per distinct date there). A leaf matching
-# `_EVENT_LEAF` holds no raw newline, so with as many newlines as leaves each run is one leaf.
+# Runs of events, each followed by a newline, for `first_non_event`: `_EVENT_LEAF` without its
+# group (the date is checked once per distinct date there). A leaf matching `_EVENT_LEAF` holds no
+# raw newline, so with as many newlines as leaves each run is one leaf.
 _EVENT_RUN = re.compile(
-    rb"(?:"
-    + _EVENT_LEAF.pattern.replace(
-        rb"T[0-9]{2}:[0-9]{2}:[0-9]{2}\.", rb"T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\."
-    ).replace(rb'"ts":"(', rb'"ts":"(?:')
-    + rb"\n)*"
+    rb"(?:" + _EVENT_LEAF.pattern.replace(rb'"ts":"(', rb'"ts":"(?:') + rb"\n)*"
 )
 _DATE_AT = slice(-35, -25)  # YYYY-MM-DD in `..."ts":"YYYY-MM-DDTHH:MM:SS.ffffffZ","v":1}`
 FOREIGN_EVENT = b"null"  # the `event` of a foreign entry's line
@@ -106,7 +107,8 @@ def is_event(leaf: bytes) -> bool:
     """Whether a leaf is a kvguard event; if not, it is *foreign* (written into the log by
     something other than kvguard, e.g. a database role holding INSERT): exported as
     `"event":null` with its leaf in base64, never rendered, never read for a commitment. An event
-    matches `_EVENT_LEAF`, is UTF-8, names a real time (no month 13) and holds finite numbers."""
+    matches `_EVENT_LEAF`, is UTF-8, names a real time (no month 13; no hour 24, which the pattern
+    refuses and Python 3.14's `fromisoformat` would take) and holds finite numbers."""
     found = _EVENT_LEAF.fullmatch(leaf)
     if found is None:
         return False

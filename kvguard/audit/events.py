@@ -37,6 +37,9 @@ _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])")
 _EXTRA_SENSITIVE = frozenset({"text", "content", "completion", "messages", "hmac", "pem"})
 _TOKEN_LIST = re.compile(r"^\s*\[?\s*-?\d+(\s*[,;\s]\s*-?\d+){7,}")
 _PEM = re.compile(r"-----BEGIN [A-Z ]+-----")
+# A lone surrogate has no UTF-8 form: the leaf encoder could not write the event, and a ledger
+# writer would retry its batch for ever (every event queued behind it with it).
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class EventKind(StrEnum):
@@ -89,6 +92,8 @@ def _check_field(where: str, name: str, value: DetailValue) -> None:
     if sensitive and not is_count:
         raise SensitiveFieldError(f"{where}.{name}: field name reads like sensitive material (G6)")
     if isinstance(value, str):
+        if not value.isascii() and _SURROGATE.search(value):
+            raise ValueError(f"{where}.{name}: a lone surrogate (U+D800-U+DFFF) has no UTF-8 form")
         if len(value) > MAX_TEXT:
             raise SensitiveFieldError(
                 f"{where}.{name}: {len(value)} characters reads like free text"
@@ -111,6 +116,8 @@ def _plain_value_ok(name: str, is_int: bool) -> bool:
 
 def _check_mapping(where: str, mapping: dict[str, DetailValue] | None) -> None:
     for name, value in (mapping or {}).items():
+        if not name.isascii() and _SURROGATE.search(name):
+            raise ValueError(f"{where}: a field name with a lone surrogate (U+D800-U+DFFF)")
         kind = type(value)
         if kind is int and value.bit_length() > MAX_INT_BITS:  # type: ignore[union-attr]
             raise ValueError(f"{where}.{name}: an integer of over {MAX_INT_BITS} bits")
