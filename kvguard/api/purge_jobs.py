@@ -198,10 +198,13 @@ class _Registry:
 @dataclass(frozen=True)
 class ControlReads:
     """What a page of reports needs from the control database: the engine registry and the
-    jobs' acknowledgements, read together on one connection (`control_reads`)."""
+    jobs' acknowledgements, read together on one connection (`control_reads`), and the time of
+    that read: engines are live by their heartbeats as of then, not as of after the ledger's
+    evidence is read (a slow evidence read made live engines read as lost)."""
 
     engines: list[EngineInfo]
     acks: dict[int, list[dict[str, Any]]]
+    now: float
 
 
 def control_reads(
@@ -210,9 +213,9 @@ def control_reads(
     """The registry and the acknowledgements of `jobs`, on the caller's read connection (one
     checkout for the page's job rows and these two reads: a checkout and its return cost about as
     much CPU as a query, docs/benchmarks.md)."""
-    return ControlReads(
-        services.engines.engines(conn), services.commands.acks_for([j.job_id for j in jobs], conn)
-    )
+    engines = services.engines.engines(conn)
+    now = services.clock()
+    return ControlReads(engines, services.commands.acks_for([j.job_id for j in jobs], conn), now)
 
 
 def job_report(access: Access, job_id: int) -> JobReport:
@@ -249,10 +252,9 @@ def reports(
     evidence = find_evidence(services.ledger, windows)
     engines = control.engines
     max_age = services.config.engine_max_age_s
-    now = services.clock()
     registry = _Registry(
         engines,
-        live={e.engine_id for e in engines if e.live(now, max_age)},
+        live={e.engine_id for e in engines if e.live(control.now, max_age)},
         models={e.engine_id: e.model for e in engines},
         max_age_s=max_age,
     )

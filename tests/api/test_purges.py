@@ -373,3 +373,34 @@ def test_a_purge_larger_than_one_ledger_entry_is_split_and_still_certified(env: 
     assert cert["media"]["kv_cache_blocks"]["cleared"] == blocks
     assert cert["media"]["kv_cache_blocks"]["bytes_cleared"] == blocks * BLOCK_BYTES
     verify_certificate(cert, [_vkey(env)])
+
+
+def test_a_slow_evidence_read_does_not_make_a_live_engine_lost(
+    make_env: Callable[..., ApiEnv], any_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine is live by its heartbeat as of the registry read, not as of after the ledger's
+    evidence is read (found by a review: an 11 s evidence read turned a live engine `lost` and its
+    queued job `incomplete`, in the report and in a purge's 202 answer)."""
+    from kvguard.api import purge_jobs  # noqa: PLC0415
+
+    env = make_env(any_db)
+    offset = [0.0]
+    object.__setattr__(env.services, "clock", lambda: time.time() + offset[0])
+    engine = SimEngine(env.services, "engine-one")
+    engine.cache(scope("acme", "s-1"), [1, 2])
+    r = _purge(env, "acme", kind="session", value="s-1", tenant_id="acme")
+    assert r.status_code == 202, r.text
+    job = int(r.json()["job_id"])
+    assert _job(env, job)["status"] == "queued"
+    real = purge_jobs.find_evidence
+
+    def slow(ledger: Any, windows: Any) -> Any:  # 11 s pass while the evidence is read
+        found = real(ledger, windows)
+        offset[0] += 11
+        env.services.engines.touch("engine-one", time.time() + offset[0] - 1)
+        return found
+
+    monkeypatch.setattr(purge_jobs, "find_evidence", slow)
+    got = _job(env, job)
+    assert got["status"] == "queued", got
+    assert [e["state"] for e in got["engines"]] == ["pending"]
