@@ -126,6 +126,10 @@ class TierAuthError(OffloadError):
     """An offloaded block failed authentication (tampered, moved or corrupted): recompute it."""
 
 
+class TierReadError(OffloadError):
+    """An offloaded block's file could not be read (an I/O error): recompute it."""
+
+
 class CustodyError(KvguardError):
     """The block custody state machine refused a transition or found a broken invariant (G4)."""
 

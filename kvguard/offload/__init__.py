@@ -7,7 +7,7 @@ save / load hooks, the restore-or-recompute decision, policy and ledger events b
 (docs/offload.md says what exists today).
 """
 
-from kvguard.errors import OffloadKeyError, TierAuthError
+from kvguard.errors import OffloadKeyError, TierAuthError, TierReadError
 from kvguard.offload.keys import DataKey, OffloadKeys, Shred
 from kvguard.offload.tier import BlockAddress, EncryptedTier, Removal, ShredReport
 
@@ -21,4 +21,5 @@ __all__ = [
     "Shred",
     "ShredReport",
     "TierAuthError",
+    "TierReadError",
 ]

@@ -29,10 +29,13 @@ from typing import Final
 
 from cryptography.exceptions import InvalidTag
 
-from kvguard.errors import TierAuthError
+from kvguard.errors import TierAuthError, TierReadError
+from kvguard.logging import get_logger
 from kvguard.offload.keys import OffloadKeys, Shred
 from kvguard.offload.tierdir import Swept, TierDirectory
 from kvguard.secretfile import write_private_file
+
+_log = get_logger("offload.tier")
 
 AAD_LABEL: Final = b"kvguard/offload-block/v1"
 OVERHEAD_BYTES: Final = 12 + 16  # nonce + GCM tag
@@ -141,7 +144,12 @@ class EncryptedTier:
         if to_disk:
             assert self._dir is not None
             entry.path = self._dir / f"{secrets.token_hex(16)}.kvb"
-            write_private_file(entry.path, sealed)
+            try:
+                write_private_file(entry.path, sealed)
+            except BaseException:  # a full disk: no partial ciphertext outlives the failed spill
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                raise
         else:
             entry.data = sealed
         with self._lock:
@@ -159,7 +167,8 @@ class EncryptedTier:
 
     def get(self, address: BlockAddress) -> bytes | None:
         """The block's plaintext, authenticated; None when the tier does not hold it (or only under
-        a shredded epoch). Raises TierAuthError (and drops the entry) when authentication fails."""
+        a shredded epoch). Raises TierAuthError (and drops the entry) when authentication fails,
+        TierReadError (and drops it) when its file cannot be read."""
         with self._lock:
             entry = self._entries.get(address.key())
             if entry is None:
@@ -170,7 +179,15 @@ class EncryptedTier:
             with self._lock:
                 self._drop(address.key(), only=entry)
             return None
-        sealed = entry.data if entry.data is not None else self._read(entry)
+        try:
+            sealed = entry.data if entry.data is not None else self._read(entry)
+        except OSError as exc:  # an I/O error, a replaced file: never served, recomputed
+            with self._lock:
+                self._drop(address.key(), only=entry)
+            raise TierReadError(
+                f"offloaded block unreadable (scope tag {address.scope_tag}, position "
+                f"{address.position}, {type(exc).__name__}): recompute"
+            ) from None
         try:
             return key.decrypt(entry.nonce, sealed, address.aad(entry.epoch))
         except InvalidTag:
@@ -241,8 +258,12 @@ class EncryptedTier:
     @staticmethod
     def _delete_file(entry: _Entry) -> None:
         if entry.path is not None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # replaced by something else: forgotten, and said so
+                _log.warning("offload file not deleted", error_type=type(exc).__name__)
             entry.path = None
 
     @staticmethod

@@ -138,7 +138,14 @@ def _try_lock(path: Path) -> int | None:
 
 
 def _remove_tree(path: Path) -> Swept:
+    """Delete the subdirectory `path` and its files. A symbolic link in its place is removed, never
+    followed: a link planted in the offload directory must not make the sweep delete files
+    elsewhere."""
     total = Swept()
+    if path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return total
     if not path.is_dir():
         return total
     for child in path.iterdir():
@@ -149,7 +156,7 @@ def _remove_tree(path: Path) -> Swept:
 
 def _remove_file(path: Path) -> Swept:
     try:
-        size = path.stat().st_size
+        size = path.lstat().st_size  # a link's own size: its target is not ours to count
         os.unlink(path)
     except FileNotFoundError:
         return Swept()

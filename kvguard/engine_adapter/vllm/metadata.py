@@ -100,7 +100,7 @@ class TierReport:
 
     spilled: list[tuple[TierOrder, int]] = field(default_factory=list)  # (order, ciphertext bytes)
     restored: list[TierOrder] = field(default_factory=list)
-    failed: list[tuple[TierOrder, str]] = field(default_factory=list)  # reason: auth, missing, size
+    failed: list[tuple[TierOrder, str]] = field(default_factory=list)  # auth, io, missing, size
     shredded: list[ShredDone] = field(default_factory=list)
     spill_s: float = 0.0
     restore_s: float = 0.0

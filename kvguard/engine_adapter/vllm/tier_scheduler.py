@@ -62,6 +62,7 @@ class _Match:
     keys: list[TierKey]
     scope_tag: str
     decision: str
+    tenant: str  # the requesting tenant (its metrics count the restore)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +95,17 @@ class SchedulerTier:
         self._clock = clock
         self._candidates: dict[int, _Candidate] = {}
         # Domains that may have a data key in the worker (a spill was ordered since their last
-        # shred) -> a scope of the domain (purge selectors match it). What purges shred.
-        self._scopes: dict[bytes, Scope] = {}
+        # shred) -> the owner scopes that spilled into it, by tenant. A group or public domain is
+        # shared by its tenants (its key leaves the tenant out), so a purge, disable or policy
+        # change of any one of them shreds the domain (the others' entries are recomputed), and
+        # each entry is charged to and expires by the tenant that spilled it (`_spilling`).
+        self._scopes: dict[bytes, dict[str, Scope]] = {}
+        self._spilling: dict[TierKey, str] = {}  # spills ordered, not yet reported -> tenant
         self._generation: Counter[bytes] = Counter()  # shreds so far, per domain
         self._matches: dict[str, _Match] = {}
         self._external: dict[str, int] = {}
-        self._loading: dict[int, str] = {}  # block id -> request id, loads ordered and unreported
+        # block id -> (request id, tenant), loads ordered and unreported
+        self._loading: dict[int, tuple[str, str]] = {}
         # Blocks a restore was ordered into -> when the restored bytes were first computed:
         # custody dates the block from then (`SchedulerGuard._allocate`), not from the restore.
         self.born: dict[int, float] = {}
@@ -166,7 +172,8 @@ class SchedulerTier:
                 self.settings.directory is not None
                 and self._policy_for(scope.tenant_id).offload.disk
             )
-            self._scopes.setdefault(scope.domain_key, scope)
+            self._scopes.setdefault(scope.domain_key, {}).setdefault(scope.tenant_id, scope)
+            self._spilling[candidate.key] = scope.tenant_id
             self._spill.append(
                 TierOrder(
                     b,
@@ -203,7 +210,7 @@ class SchedulerTier:
         if not keys:
             return 0
         decision, restore_s, recompute_s = self._decide(len(keys))
-        match = _Match(start, keys, self._tag_for(scope), decision)
+        match = _Match(start, keys, self._tag_for(scope), decision, scope.tenant_id)
         if decision == "recompute":
             self._record_recompute(rid, match, restore_s, recompute_s)
             return 0
@@ -256,7 +263,7 @@ class SchedulerTier:
         for i, key in enumerate(match.keys[:count]):
             block = block_ids[match.start + i]
             self._load.append(TierOrder(block, key, match.scope_tag))
-            self._loading[block] = rid
+            self._loading[block] = (rid, match.tenant)
             entry = self.index.get(key)
             if entry is not None and entry.created_at is not None:
                 self.born[block] = entry.created_at
@@ -347,12 +354,9 @@ class SchedulerTier:
     def _spilled(self, report: TierReport, now: float) -> None:
         per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
         for order, size in report.spilled:
-            if order.generation != self._generation[order.key.domain]:
+            tenant = self._spilling.pop(order.key, None)
+            if order.generation != self._generation[order.key.domain] or tenant is None:
                 continue  # shredded after it was ordered: the worker deleted it with the domain
-            scope = self._scopes.get(order.key.domain)
-            if scope is None:
-                continue
-            tenant = scope.tenant_id
             entry = IndexEntry(
                 order.key,
                 tenant,
@@ -396,12 +400,11 @@ class SchedulerTier:
     def _restored(self, report: TierReport, now: float) -> None:
         per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
         for order in report.restored:
-            rid = self._loading.pop(order.block_id, "")
+            rid, tenant = self._loading.pop(order.block_id, ("", ""))
             per_request[(rid, order.scope_tag)].append(order.block_id)
-            scope = self._scopes.get(order.key.domain)
-            if scope is not None:
-                self._tenant_figure(scope.tenant_id, "tier_restored_blocks", 1)
-                self._tenant_figure(scope.tenant_id, "tier_hit_tokens", self._bs)
+            if tenant:
+                self._tenant_figure(tenant, "tier_restored_blocks", 1)
+                self._tenant_figure(tenant, "tier_hit_tokens", self._bs)
         share = report.restore_s / max(1, len(report.restored) + len(report.failed))
         for (rid, tag), blocks in per_request.items():
             self.stats["tier_restored_blocks"] += len(blocks)
@@ -423,7 +426,7 @@ class SchedulerTier:
                 )
             )
         for order, reason in report.failed:
-            rid = self._loading.pop(order.block_id, "")
+            rid, _tenant = self._loading.pop(order.block_id, ("", ""))
             self.index.remove(order.key)
             if reason == "missing":  # dropped or shredded after the match: recomputed, no harm
                 self.stats["tier_load_misses"] += 1
@@ -447,13 +450,14 @@ class SchedulerTier:
     # --- retention ------------------------------------------------------------------------------
 
     def purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
-        """Shred every domain the purge selects; returns the purge entry's tier figures."""
+        """Shred every domain holding entries of a scope the purge selects (a shared domain whole);
+        returns the purge entry's tier figures."""
         keys = entries = nbytes = 0
-        for domain, scope in list(self._scopes.items()):
-            if not selector.matches(scope):
+        for domain, owners in list(self._scopes.items()):
+            if not any(selector.matches(scope) for scope in owners.values()):
                 continue
             held, size = self.index.domain_usage(domain)
-            self._shred_domain(domain, scope, "purge", command_id)
+            self._shred_domain(domain, "purge", command_id)
             keys, entries, nbytes = keys + 1, entries + held, nbytes + size
         for b in [b for b, c in self._candidates.items() if selector.matches(c.scope)]:
             del self._candidates[b]
@@ -478,27 +482,31 @@ class SchedulerTier:
             self.stats["tier_expired_entries"] += 1
             emptied.add(entry.key.domain)
         for domain in emptied:
-            scope = self._scopes.get(domain)
-            if scope is not None and not self.index.has_domain(domain):
-                self._shred_domain(domain, scope, "expiry", None)
+            if domain in self._scopes and not self.index.has_domain(domain):
+                self._shred_domain(domain, "expiry", None)
 
     def on_policy(self) -> None:
         """A new policy is in force: a tenant disabled, or no longer allowed to offload, loses its
-        tier entries and keys now."""
-        for domain, scope in list(self._scopes.items()):
-            policy = self._policy_for(scope.tenant_id)
-            if not policy.enabled:
-                self._shred_domain(domain, scope, "disable", None)
-            elif not policy.offload.allowed:
-                self._shred_domain(domain, scope, "policy", None)
+        tier entries and keys now (a domain it shares with other tenants, whole)."""
+        for domain, owners in list(self._scopes.items()):
+            policies = [self._policy_for(tenant) for tenant in owners]
+            if not all(p.enabled for p in policies):
+                self._shred_domain(domain, "disable", None)
+            elif not all(p.offload.allowed for p in policies):
+                self._shred_domain(domain, "policy", None)
 
-    def _shred_domain(
-        self, domain: bytes, scope: Scope, reason: str, command_id: int | None
-    ) -> None:
+    def _domain_tag(self, domain: bytes) -> str:
+        """The domain's scope tag (a tag names the reuse domain, the same for each of its owners)."""
+        return self._tag_for(next(iter(self._scopes[domain].values())))
+
+    def _shred_domain(self, domain: bytes, reason: str, command_id: int | None) -> None:
+        tag = self._domain_tag(domain)
         self.index.remove_domain(domain)
         self._generation[domain] += 1
-        self._scopes.pop(domain, None)
-        self._shred.append(ShredOrder(domain, self._tag_for(scope), reason, command_id))
+        del self._scopes[domain]
+        for key in [k for k in self._spilling if k.domain == domain]:
+            del self._spilling[key]  # their reports are stale now (the generation moved on)
+        self._shred.append(ShredOrder(domain, tag, reason, command_id))
 
     def has_orders(self) -> bool:
         return bool(self._spill or self._drop or self._shred or self._load)
@@ -506,14 +514,14 @@ class SchedulerTier:
     def closing_shreds(self, now: float) -> None:
         """The engine stops: every data key dies with the process (its epoch secrets exist only in
         memory); record that for each domain the tier still held."""
-        for domain, scope in list(self._scopes.items()):
+        for domain in list(self._scopes):
             held, size = self.index.domain_usage(domain)
             self.index.remove_domain(domain)
             self.events.append(
                 CustodyEvent(
                     EventKind.KEY_SHRED,
                     now,
-                    self._tag_for(scope),
+                    self._domain_tag(domain),
                     None,
                     (),
                     {

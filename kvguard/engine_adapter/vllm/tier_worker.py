@@ -29,7 +29,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvguard.engine_adapter.vllm.metadata import ShredDone, ShredOrder, TierOrder, TierReport
-from kvguard.errors import OffloadKeyError, TierAuthError
+from kvguard.errors import OffloadKeyError, TierAuthError, TierReadError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import get_logger
 from kvguard.offload import BlockAddress, EncryptedTier, OffloadKeys
@@ -107,6 +107,12 @@ class WorkerTier:
                 payload = self.tier.get(self.address(order))
             except TierAuthError:
                 self._fail(order, "auth")
+                continue
+            except TierReadError:  # its file is unreadable: recomputed, not the engine stopped
+                self._fail(order, "io")
+                continue
+            except OffloadKeyError:  # its key was shredded meanwhile: as good as gone
+                self._fail(order, "missing")
                 continue
             if payload is None:
                 self._fail(order, "missing")
