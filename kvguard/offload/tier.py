@@ -176,27 +176,28 @@ class EncryptedTier:
             self._entries.move_to_end(address.key())
         key = self._keys.key(address.domain, entry.epoch)
         if key is None:  # its epoch was shredded: unreadable by design
-            with self._lock:
-                self._drop(address.key(), only=entry)
+            self._forget_entry(address, entry)
             return None
+        where = f"scope tag {address.scope_tag}, position {address.position}"
         try:
             sealed = entry.data if entry.data is not None else self._read(entry)
         except OSError as exc:  # an I/O error, a replaced file: never served, recomputed
-            with self._lock:
-                self._drop(address.key(), only=entry)
+            self._forget_entry(address, entry)
             raise TierReadError(
-                f"offloaded block unreadable (scope tag {address.scope_tag}, position "
-                f"{address.position}, {type(exc).__name__}): recompute"
+                f"offloaded block unreadable ({where}, {type(exc).__name__}): recompute"
             ) from None
         try:
             return key.decrypt(entry.nonce, sealed, address.aad(entry.epoch))
         except InvalidTag:
-            with self._lock:
-                self._drop(address.key(), only=entry)
+            self._forget_entry(address, entry)
             raise TierAuthError(
-                f"offloaded block failed authentication (scope tag {address.scope_tag}, "
-                f"position {address.position}): recompute"
+                f"offloaded block failed authentication ({where}): recompute"
             ) from None
+
+    def _forget_entry(self, address: BlockAddress, entry: _Entry) -> None:
+        """Drop `entry` (if the address still holds it): what cannot be served is not kept."""
+        with self._lock:
+            self._drop(address.key(), only=entry)
 
     def discard(self, address: BlockAddress) -> Removal:
         """Delete one entry (budget or expiry decided elsewhere); nothing when it is not held."""
