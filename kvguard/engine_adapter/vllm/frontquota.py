@@ -126,18 +126,39 @@ def _route(scope: MutableMapping[str, Any]) -> str:
 
 
 def output_tokens(doc: dict[str, Any], route: str) -> int | None:
-    """The output length the request asks for, in the field its route reads
-    (`max_output_tokens` on /v1/responses, `max_completion_tokens` or `max_tokens` elsewhere);
-    None when it asks for none (vLLM then fills in the rest of the model's length)."""
-    keys = (
-        ("max_output_tokens",)
-        if route == "/v1/responses"
-        else ("max_completion_tokens", "max_tokens")
-    )
-    output = next((doc[k] for k in keys if doc.get(k) is not None), None)
-    if isinstance(output, bool) or not isinstance(output, int) or output <= 0:
+    """The output length the request asks for, in the field its route reads: `max_output_tokens` on
+    /v1/responses, `max_completion_tokens` else `max_tokens` on /v1/chat/completions, the larger
+    of both on /invocations (the body decides which request it is), `max_tokens` elsewhere (an
+    extra `max_completion_tokens` on /v1/completions or /v1/messages is ignored by vLLM, so it must
+    not make the request look shorter). Numbers are read as vLLM's models coerce them (`1000.0`,
+    `"1000"`). None when it asks for none, or for something vLLM will not take (vLLM then fills in
+    the rest of the model's length, or refuses the request)."""
+    if route == "/v1/responses":
+        return _count(doc.get("max_output_tokens"))
+    if route == "/v1/chat/completions":
+        first = _count(doc.get("max_completion_tokens"))
+        return first if first is not None else _count(doc.get("max_tokens"))
+    if route == "/invocations":
+        both = [_count(doc.get(k)) for k in ("max_completion_tokens", "max_tokens")]
+        return max((n for n in both if n is not None), default=None)
+    return _count(doc.get("max_tokens"))
+
+
+def _count(value: object) -> int | None:
+    """A positive whole number as vLLM's request models read one (an int, an integral float, a
+    numeric string), else None."""
+    if isinstance(value, bool):
         return None
-    return output
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[str, Any]) -> int:
@@ -209,15 +230,14 @@ def blocks_needed(
     doc: dict[str, Any], prompt: int, max_len: int, block_size: int, route: str = ""
 ) -> int:
     """Blocks for every sequence of the request: (prompt + output) rounded up, times `n`. The
-    output is what the route reads (`max_output_tokens` on /v1/responses, `max_completion_tokens`
-    or `max_tokens` elsewhere, what vLLM fills in when absent); pooling routes generate none."""
+    output is what the route reads (`output_tokens`; what vLLM fills in when absent); pooling
+    routes generate none."""
     if route and route not in _GENERATING:
         return max(math.ceil(prompt / block_size), 1)
     output = output_tokens(doc, route)
     if output is None:
         output = max(max_len - prompt, 1) if max_len else 1  # what vLLM fills in
-    n = doc.get("n")
-    sequences = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    sequences = _count(doc.get("n")) or 1  # `6.0` and `"6"` are six sequences to vLLM
     return math.ceil((prompt + output) / block_size) * sequences
 
 
