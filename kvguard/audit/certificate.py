@@ -189,6 +189,7 @@ def _verify(
     shreds = [erasure.shred_entry(i, obj) for role, i, obj in entries if role == "shred"]
     requests = [(i, obj) for role, i, obj in entries if role == "request"]
     _check_purges(document, purges, job_id)
+    _check_parts([(i, obj) for role, i, obj in entries if role == "purge"])
     for s in shreds:
         if s.command_id != job_id:
             raise VerificationError(f"entry {s.index}: a key shred of another job")
@@ -309,6 +310,36 @@ def _check_purges(
     for p in purges:
         if p.command_id != job_id or p.kind != kind:
             raise VerificationError(f"entry {p.index}: a purge of another job or kind")
+
+
+def _check_parts(purges: Sequence[tuple[int, dict[str, Any]]]) -> None:
+    """A purge entry split into parts (`part` k of `parts`: more block ids than one entry holds) is
+    evidence only whole: every part of it, once each, all naming the same count. Parts of one
+    purge share the engine and the time (`ledger_bridge.to_audit_events`); leaving one out would
+    hide blocks the purge quarantined, whose clears are then never asked for."""
+    groups: dict[tuple[object, object], list[tuple[int, object, object]]] = {}
+    for index, obj in purges:
+        details = obj["details"]
+        key = (details.get("engine_id"), obj.get("ts"))
+        groups.setdefault(key, []).append((index, details.get("part"), details.get("parts")))
+    for members in groups.values():
+        if len(members) == 1 and members[0][1:] == (None, None):
+            continue  # one entry, not split
+        counts = {count for _, _, count in members}
+        count = next(iter(counts))
+        numbers = sorted(n for _, n, _ in members if isinstance(n, int) and not isinstance(n, bool))
+        if not (
+            len(counts) == 1
+            and isinstance(count, int)
+            and not isinstance(count, bool)
+            and len(numbers) == len(members)
+            and numbers == list(range(1, count + 1))
+        ):
+            first = min(index for index, _, _ in members)
+            raise VerificationError(
+                f"entry {first}: a purge entry split into parts is not carried whole (each of its "
+                "parts, once)"
+            )
 
 
 def _check_request(

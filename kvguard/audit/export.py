@@ -143,10 +143,15 @@ def payload_lines(
             sa.select(p.idx, p.salt, p.body).where(p.idx.in_(chunk))
         ):
             stored[int(idx)] = (bytes(salt), bytes(body))
-    erasures = _erasures(conn, cp.size) if len(stored) < len(committed) else {}
+    erasures = _erasures(conn, cp.size)
     reader = ledger.store.reader(conn)
     out = []
     for index, commitment in committed:
+        if index in stored and index in erasures:  # put back after its erasure: never "present"
+            raise VerificationError(
+                f"entry {index}: payload stored although a payload.erase entry names it: run "
+                "verify-db"
+            )
         if index in stored:
             salt, body = stored[index]
             payloads.check_commitment(commitment, salt, body)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, AnyStr, Final
 
 from kvguard.audit import bundle, merkle, note, offline_full, payloads
 from kvguard.audit.checkpoint import (
@@ -115,6 +116,8 @@ def verify_bundle(
         raise VerificationError("a bundle file holds JSON nested too deeply to be one") from None
     except OSError as exc:  # e.g. a proof file replaced by a folder
         raise VerificationError(f"cannot read {Path(exc.filename or '?').name}") from None
+    except MemoryError:  # a last guard: files and lines are read within bounds below
+        raise VerificationError("a bundle file is too large to verify in memory") from None
 
 
 def expected_origin(
@@ -250,25 +253,52 @@ def _check_listing(d: Path) -> None:
         raise VerificationError(f"{d} is not a directory")
     known = {*bundle.KNOWN_FILES, MANIFEST, payloads.PAYLOADS}
     for child in d.iterdir():
+        if child.is_symlink():  # a link could point anywhere (a device, a pipe, another file)
+            raise VerificationError(f"unexpected link in bundle: {child.name}")
         ok = child.name in known and child.is_file()
         ok = ok or (child.name == bundle.PROOFS and child.is_dir())
         if not ok:
             raise VerificationError(f"unexpected file in bundle: {child.name}")
+    proofs = d / bundle.PROOFS
+    for child in proofs.iterdir() if proofs.is_dir() else ():
+        if child.is_symlink() or not child.is_file():
+            raise VerificationError(f"unexpected file in bundle: {bundle.PROOFS}/{child.name}")
     for required in (bundle.CHECKPOINT, MANIFEST, bundle.ENTRIES):
         if not (d / required).is_file():
             hint = " (written by kvguard 0.2 and later; re-export)" if required == MANIFEST else ""
             raise VerificationError(f"bundle has no {required}{hint}")
 
 
+# Bounds on what is read at once: a signed note (checkpoint, manifest, a tlog proof) or one line of
+# a bundle file holds at most a few hundred kB (a leaf's 4,096 block ids, a proof's 64 hashes);
+# a file made larger is refused, not read into memory (a sparse file, a line with no end).
+_MAX_NOTE: Final = 16 << 20
+_MAX_LINE: Final = 16 << 20
+
+
 def _read_text(path: Path) -> str:
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_NOTE + 1)
+    if len(raw) > _MAX_NOTE:
+        raise VerificationError(
+            f"{path.name}: larger than any file of its kind ({_MAX_NOTE} bytes)"
+        )
     try:
-        return path.read_bytes().decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise VerificationError(f"{path.name} is not valid UTF-8") from None
 
 
 def _lines(path: Path, stack: ExitStack) -> Iterator[str]:
-    return iter(stack.enter_context(open(path, encoding="utf-8", newline="")))
+    """The file's lines, each at most `_MAX_LINE` characters (VerificationError past that)."""
+    return _bounded(stack.enter_context(open(path, encoding="utf-8", newline="")), path.name)
+
+
+def _bounded(f: IO[AnyStr], name: str) -> Iterator[AnyStr]:
+    while line := f.readline(_MAX_LINE + 1):
+        if len(line) > _MAX_LINE:
+            raise VerificationError(f"{name}: a line longer than any line of its kind")
+        yield line
 
 
 def _verify_entries(
@@ -387,12 +417,21 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, list[int]]:
     Also returns the indices of the foreign entries (`"event":null`, which commit to nothing)."""
     committed: dict[int, bytes] = {}
     foreign: list[int] = []
+    erased: set[int] = set()  # indices the bundle's payload.erase entries name
     marker = b',"payload_commitment":"'
+    erase = b'"kind":"' + payloads.ERASE_KIND.encode() + b'"'
     with open(d / bundle.ENTRIES, "rb") as f:
-        for line in f:
+        for line in _bounded(f, bundle.ENTRIES):
             if line.startswith(_FOREIGN_LINE):  # canonical (checked above): a foreign entry
                 foreign.append(json.loads(line)["index"])
-            elif marker in line:  # canonical lines (checked above): the leaf holds a commitment
+                continue
+            if erase in line:  # a payload.erase entry, perhaps: its leaf says
+                named = payloads.erased_index(
+                    b64decode_strict(json.loads(line)["leaf"], bundle.ENTRIES)
+                )
+                if named is not None:
+                    erased.add(named)
+            if marker in line:  # canonical lines (checked above): the leaf holds a commitment
                 obj = json.loads(line)
                 leaf = b64decode_strict(obj["leaf"], bundle.ENTRIES)
                 found = payloads.commitment_in_leaf(leaf)
@@ -404,8 +443,8 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, list[int]]:
             raise VerificationError(f"bundle has no {payloads.PAYLOADS} but entries commit to one")
         return 0, 0, foreign
     with ExitStack() as stack:
-        present, erased = payloads.check_payload_lines(_lines(path, stack), committed, cp)
-    return present, erased, foreign
+        present, gone = payloads.check_payload_lines(_lines(path, stack), committed, cp, erased)
+    return present, gone, foreign
 
 
 def _check_all_renderings(
@@ -483,8 +522,15 @@ def _verify_consistency(
     path = d / bundle.CONSISTENCY
     if not path.is_file():
         return []
+    with ExitStack() as stack:
+        return _consistency_lines(_lines(path, stack), cp, verifiers)
+
+
+def _consistency_lines(
+    lines: Iterator[str], cp: Checkpoint, verifiers: Sequence[note.Verifier]
+) -> list[Checkpoint]:
     olds: list[Checkpoint] = []
-    for number, line in enumerate(_read_text(path).splitlines(keepends=True), start=1):
+    for number, line in enumerate(lines, start=1):
         where = f"{bundle.CONSISTENCY} line {number}"
         try:
             obj = json.loads(line)

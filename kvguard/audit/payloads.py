@@ -28,7 +28,7 @@ import base64
 import hashlib
 import hmac
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from enum import StrEnum
 from typing import Final
 
@@ -115,11 +115,15 @@ def erased_index(leaf: bytes) -> int | None:
 
 
 def check_payload_lines(
-    lines: Iterator[str], committed: Mapping[int, bytes], cp: Checkpoint
+    lines: Iterator[str],
+    committed: Mapping[int, bytes],
+    cp: Checkpoint,
+    erased_in_bundle: Set[int] = frozenset(),
 ) -> tuple[int, int]:
     """Check `payloads.jsonl` against the committed entries of the bundle (index -> commitment):
-    one line each, in index order, each stating presence or proving the erasure. Returns
-    (present, erased)."""
+    one line each, in index order, each stating presence or proving the erasure; never presence
+    for an entry a `payload.erase` entry of the bundle names (`erased_in_bundle`: a payload put
+    back after its erasure). Returns (present, erased)."""
     wanted = iter(sorted(committed))
     present = erased = 0
     for number, line in enumerate(lines, start=1):
@@ -134,6 +138,11 @@ def check_payload_lines(
             if _line(obj) != line:
                 raise VerificationError("line is not canonical")
             if obj.get("state") == "present":
+                if index in erased_in_bundle:
+                    raise VerificationError(
+                        f"entry {index} is stated present, but the bundle's payload.erase entry "
+                        "names it"
+                    )
                 present += 1
             elif obj.get("state") == "erased":
                 _check_erasure(obj, index, cp)

@@ -191,6 +191,10 @@ def _check_payloads(conn: sa.Connection, scan: _Scan) -> int:
         present.add(int(idx))
     for idx in sorted(set(scan.commitments) - present - scan.erased):
         raise VerificationError(f"entry {idx}: payload deleted without a payload.erase record")
+    for idx in sorted(present & scan.erased):  # put back (a backup restored) after its erasure
+        raise VerificationError(
+            f"entry {idx}: payload stored although a payload.erase entry names it"
+        )
     return len(present)
 
 
