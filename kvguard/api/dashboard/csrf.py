@@ -66,6 +66,21 @@ def same_origin(headers: Mapping[str, str]) -> bool:
     return urlsplit(source).netloc.lower() == host
 
 
+def isolated(headers: Mapping[str, str]) -> bool:
+    """Whether a safe request may be answered (a resource isolation policy on the browser's
+    fetch metadata): from this origin, typed by the user, or a navigation to a page; never a
+    subresource another site's page asks for (`<img src=...>` on a sibling subdomain would carry the
+    SameSite=Strict cookie, and some dashboard pages record what they show in the audit ledger).
+    Requests without fetch metadata (older browsers, scripts) are let through, as before."""
+    site = headers.get("sec-fetch-site")
+    if site is None or site in {"same-origin", "none"}:
+        return True
+    return headers.get("sec-fetch-mode") == "navigate" and headers.get("sec-fetch-dest") in {
+        None,
+        "document",
+    }
+
+
 def bearer_key(request: Request) -> str:
     """The API key this request was authenticated with (the session middleware moved it from the
     cookie into `Authorization`, where the request gate checked it)."""

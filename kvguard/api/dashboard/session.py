@@ -168,6 +168,9 @@ class DashboardSession:
         if method not in _SAFE_METHODS and not csrf.same_origin(headers):
             await error_page(403, csrf.CROSS_ORIGIN)(scope, receive, send)
             return
+        if method in _SAFE_METHODS and not csrf.isolated(headers):
+            await error_page(403, csrf.CROSS_ORIGIN)(scope, receive, send)
+            return
         if path == STYLESHEET:
             response: Response = Response(self.stylesheet, media_type="text/css")
         elif path == LOGIN:

@@ -1,0 +1,46 @@
+"""A sibling subdomain (same site, not same origin) can make an admin's browser fetch the dashboard's
+certificate download: SameSite=Strict still sends the cookie to same-site subresource requests, and
+the origin check (`kvguard.api.dashboard.csrf.same_origin`) runs on unsafe methods only. Each such GET
+is recorded in the audit ledger as a `purge.certificate` export by the admin's key.
+
+Found by a review (each forged GET was answered 200 and left a ledger entry); a navigation to a page
+from another site still works."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from kvguard.api.dashboard.session import COOKIE
+from tests.api.conftest import ApiEnv
+from tests.api.test_dashboard import admin_actions
+
+
+def test_a_same_site_subresource_get_cannot_record_a_certificate_export(env: ApiEnv) -> None:
+    body = {"kind": "session", "value": "chat-1", "tenant_id": "acme"}
+    job = env.call("admin", "POST", "/v1/purges", json=body).json()["job_id"]
+    client = TestClient(env.client.app, follow_redirects=False)
+    # What Chromium sends for <img src="https://kvguard.example.com/dashboard/purges/N/certificate">
+    # on a page of evil.example.com: the Strict cookie (same site) and Sec-Fetch-Site: same-site.
+    forged = {
+        "Cookie": f"{COOKIE}={env.keys['admin']}",
+        "Sec-Fetch-Site": "same-site",
+        "Sec-Fetch-Mode": "no-cors",
+        "Sec-Fetch-Dest": "image",
+        "Referer": "https://evil.example.com/",
+    }
+    size = env.services.ledger.size
+    r = client.get(f"/dashboard/purges/{job}/certificate", headers=forged)
+    assert r.status_code == 403
+    assert admin_actions(env, "purge.certificate") == []
+    assert env.services.ledger.size == size
+
+
+def test_a_navigation_from_another_site_still_opens_a_page(env: ApiEnv) -> None:
+    client = TestClient(env.client.app, follow_redirects=False)
+    link = {
+        "Cookie": f"{COOKIE}={env.keys['admin']}",
+        "Sec-Fetch-Site": "same-site",
+        "Sec-Fetch-Mode": "navigate",
+        "Sec-Fetch-Dest": "document",
+    }
+    assert client.get("/dashboard/tenants", headers=link).status_code == 200
