@@ -44,3 +44,12 @@ def test_a_navigation_from_another_site_still_opens_a_page(env: ApiEnv) -> None:
         "Sec-Fetch-Dest": "document",
     }
     assert client.get("/dashboard/tenants", headers=link).status_code == 200
+
+
+def test_two_session_cookies_are_no_session(env: ApiEnv) -> None:
+    """A cookie planted by a sibling subdomain on a narrower path is sent first: with two, the
+    dashboard signs nobody in rather than the planter (found by a review)."""
+    client = TestClient(env.client.app, follow_redirects=False)
+    planted = {"Cookie": f"{COOKIE}={env.keys['globex']}; {COOKIE}={env.keys['admin']}"}
+    r = client.get("/dashboard/tenants", headers=planted)
+    assert r.status_code == 303 and r.headers["location"].endswith("/dashboard/login")

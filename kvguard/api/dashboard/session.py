@@ -95,12 +95,17 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def session_key(headers: dict[str, str]) -> str | None:
-    """The API key in the session cookie, if there is a well-formed one."""
-    for part in headers.get("cookie", "").split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == COOKIE and _COOKIE_VALUE.fullmatch(value):
-            return value
-    return None
+    """The API key in the session cookie, if there is exactly one, well formed. Two are no session:
+    a sibling subdomain can plant a second cookie of the name on a narrower path, which the browser
+    sends first, and would otherwise lock the user into the planter's session."""
+    found = [
+        value
+        for name, _, value in (
+            p.strip().partition("=") for p in headers.get("cookie", "").split(";")
+        )
+        if name == COOKIE
+    ]
+    return found[0] if len(found) == 1 and _COOKIE_VALUE.fullmatch(found[0]) else None
 
 
 def set_session(response: Response, api_key: str, *, secure: bool) -> None:
