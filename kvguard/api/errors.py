@@ -216,11 +216,20 @@ def response_for(exc: BaseException) -> JSONResponse:
 
 
 def _validation_fields(exc: RequestValidationError) -> list[dict[str, str]]:
+    """The fields a body got wrong, by path. A path may hold a member name the client chose (an
+    unknown field, a map key); one that reads like a key or free text is not echoed (G6)."""
     fields = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err.get("loc", ()))
+        path = ".".join(_path_part(p) for p in err.get("loc", ()))
         fields.append({"field": path, "problem": str(err.get("msg", "invalid"))})
     return fields
+
+
+def _path_part(part: object) -> str:
+    text = str(part)
+    if isinstance(part, str) and (len(text) > 64 or text.startswith("kvg_")):
+        return "<member>"
+    return text
 
 
 def install(app: FastAPI) -> None:

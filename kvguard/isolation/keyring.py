@@ -34,7 +34,8 @@ _KID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 def _check_kid(kid: str) -> KeyId:
     if not _KID_RE.fullmatch(kid):
-        raise ConfigError(f"key id {kid!r} is invalid: use 1-32 characters from A-Z a-z 0-9 _ -")
+        # The id is not echoed: in a hand-edited file it may be a key pasted into the wrong place.
+        raise ConfigError("a key id is invalid: use 1-32 characters from A-Z a-z 0-9 _ -")
     return KeyId(kid)
 
 

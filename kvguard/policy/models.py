@@ -248,8 +248,10 @@ def _with_defaults(section: Any, **defaults: Any) -> Any:
 
 
 def _refuse_duplicates(values: Iterable[str], what: str) -> None:
+    """Refuse a repeated value, naming its position, not the value: an error body never echoes
+    what was sent (G6: a key pasted into the wrong field must not come back)."""
     seen: set[str] = set()
-    for value in values:
+    for position, value in enumerate(values, start=1):
         if value in seen:
-            raise ValueError(f"duplicate {what} '{value}'")
+            raise ValueError(f"duplicate {what} (entry {position} repeats an earlier one)")
         seen.add(value)

@@ -88,7 +88,7 @@ def test_restricted_never_reuses_and_confidential_never_public() -> None:
         ({"retention": {"idle_s": -1}}, "greater than or equal to 0"),
         ({"retention": {"ttl_s": 10**9}}, "less than or equal to"),
         ({"quota": {"max_blocks": 0}}, "greater than or equal to 1"),
-        ({"groups": ["g", "g"]}, "duplicate share group 'g'"),
+        ({"groups": ["g", "g"]}, "duplicate share group (entry 2"),
         ({"classification": "confidential", "zeroize": {"verify": "none"}}, "verified zeroization"),
         ({"classification": "restricted", "zeroize": {"on_release": "cross_scope"}}, "'always'"),
         ({"classification": "restricted", "zeroize": {"verify": "sample"}}, "('full')"),
@@ -130,7 +130,7 @@ def test_policy_set_cross_references() -> None:
     [
         ({"prefixes": []}, "at least 1 item"),
         ({"prefixes": [{"id": "p", "digest": "md5:abc"}]}, "should match pattern"),
-        ({"prefixes": [{"id": "p", "digest": PREFIX_DIGEST}] * 2}, "duplicate prefix id 'p'"),
+        ({"prefixes": [{"id": "p", "digest": PREFIX_DIGEST}] * 2}, "duplicate prefix id"),
         (
             {
                 "prefixes": [
