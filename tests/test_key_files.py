@@ -37,3 +37,16 @@ def test_key_commands_write_under_the_data_dir(
     assert again.exit_code == 2 and path.read_bytes()  # refuses to overwrite (usage), file kept
     if name == "ledger-signing.key":
         assert SigningKey.load(path).verifier_key() in created.output
+
+
+def test_a_key_file_that_is_not_text_is_refused_without_its_bytes(tmp_path: Path) -> None:
+    """Found by a review: a non-UTF-8 signing-key file raised UnicodeDecodeError, whose message
+    quotes a byte of the key, out of `kvguard serve`."""
+    from kvguard.errors import ConfigError  # noqa: PLC0415
+
+    path = tmp_path / "signing.key"
+    path.write_bytes(b"\xffPRIVATE+KEY+secret-bytes")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError) as refused:
+        SigningKey.load(path)
+    assert "xff" not in str(refused.value) and "secret" not in str(refused.value)

@@ -109,7 +109,13 @@ class NoteKey:
         """Read a key file after checking it is 0600 (SecretFileError otherwise)."""
         from kvguard.secretfile import read_secret_file  # noqa: PLC0415 - keep verifiers light
 
-        return cls.decode(read_secret_file(path).decode().strip())
+        try:
+            text = read_secret_file(path).decode()
+        except UnicodeDecodeError:  # its bytes are not echoed: they are the key's
+            raise ConfigError(
+                f"{Path(path).name}: not a {cls.KIND} key file (not UTF-8 text)"
+            ) from None
+        return cls.decode(text.strip())
 
     def wipe(self) -> None:
         """Overwrite the seed copy this object holds (the cryptography object keeps its own)."""
