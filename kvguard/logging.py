@@ -16,6 +16,7 @@ Two redaction layers, both running after exceptions are formatted so tracebacks 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import logging
@@ -73,11 +74,15 @@ _registered_sorted: tuple[str, ...] = ()
 
 
 def register_secret(value: str | bytes | bytearray) -> None:
-    """Mask `value` (and its hex form for bytes) wherever it appears in a log line."""
+    """Mask `value` wherever it appears in a log line; for bytes also their hex and base64 forms
+    (standard and URL-safe, with and without padding: how key files hold them)."""
     texts: list[str] = []
     if isinstance(value, bytes | bytearray):
         raw = bytes(value)
         texts.append(raw.hex())
+        for encoded in (base64.b64encode(raw), base64.urlsafe_b64encode(raw)):
+            text = encoded.decode("ascii")
+            texts += [text, text.rstrip("=")]
         with contextlib.suppress(UnicodeDecodeError):
             texts.append(raw.decode("utf-8"))
     else:

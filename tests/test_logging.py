@@ -153,3 +153,21 @@ def test_a_secret_registered_after_lines_were_logged_is_masked_from_then_on() ->
     assert late not in out.getvalue()
     assert lines[1]["note"] == f"value {REDACTED} and {REDACTED}"
     assert lines[1]["label_key_words"] == REDACTED  # by name too ("key")
+
+
+def test_a_byte_secret_is_masked_in_the_base64_form_its_key_file_holds() -> None:
+    """Found by a review: salt keys and signing seeds were registered raw and in hex, while their
+    files hold them in base64; a log line quoting a file's value went out unmasked."""
+    import base64  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    out = io.StringIO()
+    configure_logging("INFO", json_output=True, stream=out)
+    secret = os.urandom(32)
+    register_secret(secret)
+    forms = [
+        base64.b64encode(secret).decode(),
+        base64.urlsafe_b64encode(secret).decode().rstrip("="),
+    ]
+    get_logger("test").info("quoted", note=f"a {forms[0]} b {forms[1]} c")
+    assert all(form not in out.getvalue() for form in forms)
