@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("vllm", reason="the connector's messages subclass vLLM's")
 
 from kvguard.engine_adapter.records import PurgeKind, PurgeSelector
-from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, TierOrder
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, TierOrder, TierReport
 from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
 from kvguard.isolation.keyring import Keyring
 from kvguard.offload import BlockAddress, EncryptedTier, OffloadKeys
@@ -156,3 +156,18 @@ def test_a_failed_spill_write_leaves_no_ciphertext_behind(tmp_path: Path) -> Non
     tier.shred(b"A")
     assert tier._dir is not None and list(tier._dir.iterdir()) == []  # was: a 100 kB partial file
     tier.close()
+
+
+def test_a_spill_the_worker_failed_is_forgotten_at_the_next_report() -> None:
+    """The scheduler notes each ordered spill's tenant until the worker reports it; a spill that
+    fails in the worker (disk full) is not reported, and must not stay noted for ever."""
+    h, _ = _group_harness(OFFLOAD_B)
+    req = FakeRequest("rc", [b"c-h0"], BS + 1)
+    h.pool.blocks[4].block_hash = b"c-h0" + b"\0\0\0\0"
+    h.cached.add(4)
+    h.tier.note_cached(req, scope_for("b", group="g1"), [4], h.pool, life=lambda _b: (h.now, h.now))
+    h.evict([4])
+    assert h.tier.take_orders()[0]  # ordered; the worker fails it and reports nothing of it
+    h.tier.on_report(TierReport())
+    assert h.tier._spilling == {}
+    assert h.tier.index.tenant_bytes("b") == 2000  # the earlier, reported spills stay indexed

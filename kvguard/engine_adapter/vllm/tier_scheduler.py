@@ -396,6 +396,10 @@ class SchedulerTier:
                 )
             )
         self.stats["tier_spill_us"] += int(report.spill_s * 1e6)
+        # Every spill ordered so far ran in the step this report closes (orders are taken when a
+        # step is built and carried out before its forward): one not reported failed in the worker
+        # (logged there) and is not kept. Forgotten here, so failures cannot grow the map.
+        self._spilling.clear()
 
     def _restored(self, report: TierReport, now: float) -> None:
         per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
