@@ -143,8 +143,14 @@ def write_private_file(path: str | Path, data: str | bytes) -> Path:
 
 
 def private_dir(path: str | Path) -> Path:
-    """Create `path` (and parents) and restrict it to its owner (0700)."""
+    """Create `path` (and parents) and restrict it to its owner (0700). A symbolic link there is
+    refused, not followed: the mode change would land on whatever it points at (a directory of
+    someone else's choosing in a shared location), and so would the evidence written into it."""
     p = Path(path)
+    if p.is_symlink():
+        raise SecretFileError(f"{p} is a symbolic link; give the directory itself")
     p.mkdir(parents=True, exist_ok=True)
+    if p.is_symlink() or not p.is_dir():  # replaced between the check and the mkdir
+        raise SecretFileError(f"{p} is not a directory")
     p.chmod(0o700)
     return p

@@ -54,7 +54,9 @@ class TierDirectory:
     """This process's own subdirectory of the offload directory `root` (module docstring)."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = private_dir(root)
+        # An operator may point the offload directory at another disk through a link: followed here,
+        # deliberately (private_dir refuses links where the path may be chosen by someone else).
+        self.root = private_dir(Path(root).resolve())
         self.swept = sweep(self.root)
         if self.swept.entries:
             _log.warning(

@@ -70,3 +70,27 @@ def test_saved_checkpoints_are_owner_only(
     assert verified.exit_code == 0, verified.output
     for path in (out, saved):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_export_into_a_symbolic_link_is_refused_and_its_target_keeps_its_mode(
+    open_umask: None, sqlite_url: str, key: SigningKey, tmp_path: Path
+) -> None:
+    """A link planted where the export goes (a shared directory) must not have kvguard chmod its
+    target or write evidence there; the command names the problem and exits 2."""
+    key_file = tmp_path / "k"
+    key.save(key_file)
+    ledger = Ledger.open(sqlite_url, origin=ORIGIN, signing_key=key)
+    ledger.append_many([make_event(i) for i in range(3)])
+    ledger.close()
+    target = tmp_path / "someone-elses"
+    target.mkdir(mode=0o755)
+    target.chmod(0o755)
+    link = tmp_path / "export"
+    link.symlink_to(target)
+    common = ["--db", sqlite_url, "--origin", ORIGIN, "--key", str(key_file)]
+    result = CliRunner().invoke(app, ["audit", "export", *common, "--out", str(link)])
+    assert result.exit_code == 2, result.output
+    assert "symbolic link" in result.output
+    assert "Traceback" not in result.output
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert not any(target.iterdir())

@@ -123,3 +123,17 @@ def test_a_claim_is_locked_before_it_is_visible(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     home.close()
+
+
+def test_an_offload_directory_given_as_a_link_is_used_where_it_points(tmp_path: Path) -> None:
+    """Operators point the offload directory at another disk through a link: the tier follows the
+    operator's link (evidence directories refuse links; this one is configuration)."""
+    disk = tmp_path / "fast-disk"
+    disk.mkdir()
+    link = tmp_path / "offload"
+    link.symlink_to(disk)
+    home = TierDirectory(link)
+    assert home.path.parent == disk
+    assert home.path.is_dir()
+    home.close()
+    assert list(disk.iterdir()) == []
