@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvguard.api.auth import Principal, authenticate_bearer, cached_bearer
 from kvguard.api.errors import ApiError, response_for
 from kvguard.api.services import Services
+from kvguard.errors import AuthenticationError
 
 PRINCIPAL_STATE: Final = "kvguard_principal"
 
@@ -52,6 +53,15 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return bytes(value).decode("latin-1")
     return None
+
+
+def _authorization(scope: Scope) -> str | None:
+    """The one `Authorization` header; two or more are refused (401), not resolved by picking
+    one: the layers in front of the application and inside it must not disagree on the caller."""
+    values = [v for k, v in scope["headers"] if k == b"authorization"]
+    if len(values) > 1:
+        raise AuthenticationError("send one Authorization header, not several")
+    return bytes(values[0]).decode("latin-1") if values else None
 
 
 def _client(scope: Scope) -> str:
@@ -178,7 +188,7 @@ class RequestGate:
             if scope["path"] not in self.public_paths:
                 # A key in the revocation-coherent cache is checked here on the event loop (an
                 # HMAC, no I/O); anything else is checked against the database on a worker thread.
-                principal = cached_bearer(self.services.keys, _header(scope, b"authorization"))
+                principal = cached_bearer(self.services.keys, _authorization(scope))
                 if principal is None:
                     principal = await anyio.to_thread.run_sync(self._authenticate, scope)
                 scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
@@ -203,7 +213,7 @@ class RequestGate:
         return authenticate_bearer(
             self.services.keys,
             self.services.limiter,
-            _header(scope, b"authorization"),
+            _authorization(scope),
             client=_client(scope),
             path=scope["path"],
         )

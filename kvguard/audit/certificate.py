@@ -350,7 +350,8 @@ def _check_request(
     field = REQUEST_ACTIONS.get(details.get("action", ""))
     if obj.get("kind") != "admin.action" or field is None or details.get("outcome") != "ok":
         raise VerificationError(f"entry {index}: not a successful purge request")
-    if details.get(field) != job_id:
+    requested = details.get(field)
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested != job_id:
         raise VerificationError(f"entry {index}: requested another job")
     if details.get("principal") != get_path(document, "requested_by.principal"):
         raise VerificationError(f"entry {index}: requested by someone else")
@@ -358,7 +359,11 @@ def _check_request(
     if tag is not None and obj.get("scope_tag") != tag:
         raise VerificationError(f"entry {index}: about another tenant")
     expected = details.get("engines_expected")
-    if isinstance(expected, int) and len(_engine_list(document)) < expected:
+    if (
+        isinstance(expected, int)
+        and not isinstance(expected, bool)
+        and len(_engine_list(document)) < expected
+    ):
         raise VerificationError(f"entry {index}: fewer engines than were live at the request")
 
 
@@ -382,7 +387,7 @@ def _check_job(
             "engine it expected)"
         )
     recorded = request["details"].get("engines_expected")
-    if recorded is not None and claimed != recorded:
+    if recorded is not None and (isinstance(recorded, bool) or claimed != recorded):
         raise VerificationError(
             "job.engines_expected: the certificate's value is not what the request entry shows"
         )

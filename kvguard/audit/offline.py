@@ -65,6 +65,8 @@ class BundleReport:
     # Entries whose leaf is not a kvguard event (`bundle.leaf_event`): proven part of the log, but
     # written into it by something other than kvguard (e.g. a database role holding INSERT).
     foreign: tuple[int, ...] = ()
+    # The signed manifest's selection: `complete`, or `filtered` and the export's filters as JSON.
+    selection: str = "complete"
 
 
 class OriginNotPinnedError(VerificationError):
@@ -183,6 +185,7 @@ def _verify_files(
         erased,
         pinned.size if pinned is not None else None,
         tuple(foreign),
+        m.selection,
     )
 
 

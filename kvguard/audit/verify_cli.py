@@ -10,6 +10,7 @@ this module adds Typer and the progress bar, never SQL.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
@@ -197,6 +198,18 @@ def _verify_certificate(path: Path, trust: _Trust) -> _Outcome:
     return _Outcome(checkpoint, result, human)
 
 
+def _selection_filters(selection: str) -> dict[str, Any] | None:
+    """The filters of a filtered bundle's selection (None: the complete log)."""
+    _, _, body = selection.partition(" ")
+    if not body:
+        return None
+    try:
+        filters = json.loads(body)
+    except ValueError:
+        return {"unparsed": selection}
+    return filters if isinstance(filters, dict) else {"unparsed": selection}
+
+
 def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool) -> _Outcome:
     with progress("verifying", "entries", json_output=json_output) as update:
         report = verify_bundle(
@@ -214,7 +227,13 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         if report.pinned_size is not None
         else ""
     )
-    selection = "complete log" if report.complete else "filtered"
+    # A filtered bundle says which filters the signed manifest records: an auditor must see that
+    # entries outside them are absent by selection, not proven absent from the log.
+    selection = (
+        "complete log"
+        if report.complete
+        else "".join(c if c.isprintable() else "?" for c in report.selection)
+    )
     human = (
         f"valid: {report.entries} entries ({selection}) against checkpoint of origin "
         f"{report.origin!r} size {report.tree_size}; {report.consistency_proofs} consistency "
@@ -229,6 +248,7 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         "tree_size": report.tree_size,
         "entries": report.entries,
         "complete": report.complete,
+        "selection": _selection_filters(report.selection),
         "root_recomputed": full,
         "consistency_proofs": report.consistency_proofs,
         "tlog_proofs": report.tlog_proofs,

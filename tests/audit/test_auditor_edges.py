@@ -206,8 +206,9 @@ def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows
 # --- 2. certificates without their ledger entries ---------------------------------------------------
 
 
-def _purge_log(open_ledger: Opener, url: str) -> Ledger:
-    """A purge job 7 of tenant tt_acme on two engines: request, then purge and clear per engine."""
+def _purge_log(open_ledger: Opener, url: str, **request: Any) -> Ledger:
+    """A purge job 7 of tenant tt_acme on two engines: request, then purge and clear per engine
+    (`request`: details of the request entry replaced)."""
     ledger = open_ledger(url)
     ledger.append(
         AuditEvent(
@@ -221,6 +222,7 @@ def _purge_log(open_ledger: Opener, url: str) -> Ledger:
                 "job_id": 7,
                 "purge_kind": "tenant",
                 "engines_expected": 2,
+                **request,
             },
             payload={"tenant_id": "acme"},
             ts=T0,
@@ -564,3 +566,23 @@ def test_trusted_checkpoint_with_a_certificate_is_a_usage_error(
     assert result.exit_code == 2, (
         result.output
     )  # today 1, "INVALID: --trusted-checkpoint applies ..."
+
+
+@pytest.mark.parametrize(
+    ("request_details", "claims"),
+    [({"job_id": True}, {"job_id": 1}), ({"engines_expected": True}, {"engines_expected": 1})],
+)
+def test_a_json_true_in_the_request_entry_is_no_count(
+    sqlite_url: str,
+    open_ledger: Opener,
+    key: SigningKey,
+    request_details: dict[str, Any],
+    claims: dict[str, Any],
+) -> None:
+    """JSON `true` equals 1 in Python: a request entry recording `"job_id": true` or
+    `"engines_expected": true` matched a certificate claiming job 1 or one expected engine."""
+    ledger = _purge_log(open_ledger, sqlite_url, **request_details)
+    document = _certificate(ledger, [0, 1, 2, 3, 4])
+    document["job"].update(claims)
+    with pytest.raises(VerificationError):
+        verify_certificate(document, [key.verifier_key()])

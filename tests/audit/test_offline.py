@@ -105,7 +105,15 @@ def test_filtered_export_verifies_but_is_not_complete(
     ledger = _ledger(open_ledger, db_url, 90)
     summary = ledger.export(tmp_path / "t", scope_tag="st-tenant2", since=T0)
     assert summary.entries == len([i for i in range(90) if i % 3 == 2]) and not summary.complete
-    assert _verify(tmp_path / "t", key.verifier_key())[0] == 0
+    code, out = _verify(tmp_path / "t", key.verifier_key())
+    # The auditor sees which filters the signed manifest records, not only "filtered".
+    assert code == 0 and '"scope_tag":"st-tenant2"' in out and '"since":' in out, out
+    result = CliRunner().invoke(
+        _app(),
+        ["verify", str(tmp_path / "t"), "--key", key.verifier_key(), "--origin", ORIGIN, "--json"],
+    )
+    shown = json.loads(result.output)
+    assert shown["complete"] is False and shown["selection"]["scope_tag"] == "st-tenant2"
     code, out = _verify(tmp_path / "t", key.verifier_key(), full=True)
     assert code == 1 and "complete log" in out
 

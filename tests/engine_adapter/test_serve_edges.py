@@ -140,3 +140,22 @@ def test_a_reject_quota_cannot_be_bypassed_by_a_decoy_messages_field(server) -> 
     assert response.status_code == 400, (
         f"{response.status_code}: a request needing 8 blocks ran under a 4-block reject quota"
     )
+
+
+def test_two_authorization_headers_are_refused_not_resolved(server, acme_key) -> None:
+    """kvguard took the last of two `Authorization` headers (a dict of the raw headers), while
+    vLLM's own `--api-key` check and proxies in front read the first: two layers that disagree on
+    the caller. Two headers are a 401, whichever keys they carry."""
+    other = server.keys().issue("dup-auth-b").api_key
+    for second in (other, acme_key):
+        response = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": server.model, "prompt": SHORT, "max_tokens": 1},
+            headers=[
+                ("Authorization", f"Bearer {acme_key}"),
+                ("Authorization", f"Bearer {second}"),
+            ],
+            timeout=60,
+        )
+        assert response.status_code == 401, response.text[:300]
+        assert acme_key not in response.text

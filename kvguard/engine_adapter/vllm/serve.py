@@ -157,6 +157,11 @@ class KVGuardMiddleware:
         self, scope: MutableMapping[str, Any], send: Send, headers: dict[bytes, bytes]
     ) -> str | None:
         """The caller's tenant; None once the refusal (401, or 503 without the key store) is sent."""
+        if sum(1 for name, _ in scope.get("headers") or [] if name == b"authorization") > 1:
+            # Not resolved by picking one: vLLM and whatever sits in front must not disagree
+            # with kvguard on who the caller is.
+            await _reply(send, 401, "send one Authorization header, not several")
+            return None
         try:
             # Database reads run on a worker thread: vLLM's event loop keeps streaming meanwhile.
             tenant = await anyio.to_thread.run_sync(
