@@ -275,9 +275,9 @@ class TenantKeys:
         if conn is None:
             with write_transaction(self._engine) as own:
                 return self.issue(tenant_id, conn=own)
-        tenant = TenantRegistry(self._engine).get(tenant_id, conn=conn)
+        tenant = TenantRegistry(self._engine).get(tenant_id, conn=conn, lock=True)
         if not tenant.enabled:
-            raise ConflictError(f"tenant {tenant_id!r} is disabled; no new keys")
+            raise ConflictError("the tenant is disabled; no new keys")
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         conn.execute(

@@ -58,6 +58,9 @@ def check_tenant_id(tenant_id: str) -> str:
 
 
 _ONE_TENANT = sa.select(TenantRow).where(TenantRow.tenant_id == sa.bindparam("tenant_id"))
+# The same row share-locked (PostgreSQL `FOR SHARE`; SQLite's write transactions are serial): a
+# write that depends on the tenant's state waits for a concurrent disable to commit, then sees it.
+_ONE_TENANT_LOCKED = _ONE_TENANT.with_for_update(read=True)
 
 
 @functools.cache
@@ -110,19 +113,25 @@ class TenantRegistry:
             sa.select(TenantRow.tenant_id).where(TenantRow.tenant_id == tenant_id)
         ).first()
         if exists is not None:
-            raise ConflictError(f"tenant {tenant_id!r} already exists")
+            raise ConflictError("the tenant already exists")
         try:
             with conn.begin_nested():
                 conn.execute(sa.insert(TenantRow).values(**row))
         except IntegrityError:
-            raise ConflictError(f"tenant {tenant_id!r} already exists") from None
+            raise ConflictError("the tenant already exists") from None
         return Tenant(**row)  # type: ignore[arg-type]
 
-    def get(self, tenant_id: str, *, conn: sa.Connection | None = None) -> Tenant:
+    def get(
+        self, tenant_id: str, *, conn: sa.Connection | None = None, lock: bool = False
+    ) -> Tenant:
+        """The tenant's row (NotFoundError if unknown). `lock`: share-locked until `conn`'s write
+        transaction ends, for a write that must not follow a concurrent disable's (a key issued
+        while the tenant is being disabled)."""
         if conn is None:
             with read_connection(self._engine) as own:
                 return self.get(tenant_id, conn=own)
-        row = conn.execute(_ONE_TENANT, {"tenant_id": tenant_id}).first()
+        statement = _ONE_TENANT_LOCKED if lock else _ONE_TENANT
+        row = conn.execute(statement, {"tenant_id": tenant_id}).first()
         if row is None:
             raise NotFoundError("tenant not found")  # never the id sent back
         return _tenant(row)
@@ -164,7 +173,7 @@ class TenantRegistry:
         ).rowcount
         tenant = self.get(tenant_id, conn=conn)  # NotFoundError for an unknown tenant
         if done != 1:
-            raise ConflictError(f"tenant {tenant_id!r} is already disabled")
+            raise ConflictError("the tenant is already disabled")
         return tenant
 
 

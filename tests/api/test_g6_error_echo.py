@@ -21,3 +21,22 @@ def test_unknown_member_name_is_not_echoed(env: ApiEnv) -> None:
     r = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": "zz", secret: 1})
     assert r.status_code == 422
     assert secret not in r.text
+
+
+def test_a_conflict_does_not_echo_the_tenant_id(env: ApiEnv) -> None:
+    """409s named the tenant id sent ("tenant '...' already exists"); an id is the caller's input
+    and may be a key pasted in the wrong place."""
+    secret = env.keys["auditor"].replace("-", "_")[:120]
+    created = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": secret})
+    if created.status_code == 422:  # the id pattern refuses it: nothing to echo either
+        assert secret not in created.text
+        return
+    assert created.status_code == 201, created.text
+    again = env.call("admin", "POST", "/v1/tenants", json={"tenant_id": secret})
+    assert again.status_code == 409 and secret not in again.text
+    path = f"/v1/tenants/{secret}/disable"
+    assert env.call("admin", "POST", path, json={"reason": "r"}).status_code == 200
+    twice = env.call("admin", "POST", path, json={"reason": "r"})
+    assert twice.status_code == 409 and secret not in twice.text
+    keys = env.call("admin", "POST", f"/v1/tenants/{secret}/inference-keys")
+    assert keys.status_code == 409 and secret not in keys.text

@@ -146,7 +146,7 @@ def test_two_authorization_headers_are_refused_not_resolved(server, acme_key) ->
     """kvguard took the last of two `Authorization` headers (a dict of the raw headers), while
     vLLM's own `--api-key` check and proxies in front read the first: two layers that disagree on
     the caller. Two headers are a 401, whichever keys they carry."""
-    other = server.keys().issue("dup-auth-b").api_key
+    other = server.keys().issue("globex").api_key
     for second in (other, acme_key):
         response = httpx.post(
             server.base_url + "/v1/completions",

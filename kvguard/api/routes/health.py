@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.api.deps import ServicesDep
+from kvguard.api.errors import RETRY_AFTER_S
 from kvguard.api.offload import OneHopRoute
 from kvguard.audit.db import write_transaction
 from kvguard.logging import get_logger
@@ -25,7 +26,12 @@ MAX_PENDING_EVENTS: Final = 10_000
 
 
 def _unavailable(reason: str) -> JSONResponse:
-    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+    # `Retry-After` as on every other route's 503 (docs/api.md, "Errors").
+    return JSONResponse(
+        {"status": "unavailable", "reason": reason},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 @router.get("/healthz")

@@ -102,7 +102,8 @@ async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) ->
     """(prompt tokens over every prompt of the request, the model's maximum length; 0 when
     unknown), read the way the request's route reads its body: `messages` on the chat routes,
     `prompt` on /v1/completions, the larger of both on /invocations (vLLM picks the request type
-    from the body there), `input` on /v1/responses and the pooling routes. Tokenized by vLLM's
+    from the body there), `input` on /v1/responses and the pooling routes, with a top-level `system`
+    on /v1/messages and `instructions` and `tools` on /v1/responses. Tokenized by vLLM's
     own service; what it cannot tokenize counts the characters of its strings, an upper bound (a
     token is at least one character), so an unusual body can never make a request look smaller
     than it is."""
@@ -117,7 +118,10 @@ async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) ->
     if route in _TEXT_ROUTES or (route == "/invocations" and "prompt" in doc):
         counts.append(await _text_tokens(scope, serving, doc.get("model"), doc.get("prompt")))
     if route not in _CHAT_ROUTES and route not in _TEXT_ROUTES and route != "/invocations":
-        counts.append(_characters(doc.get("input", doc)))  # /v1/responses, pooling: an upper bound
+        # /v1/responses renders `instructions` and `tools` too; pooling routes read `input`
+        # (an upper bound; a body without `input` counts as a whole).
+        rendered = [doc.get(k) for k in ("input", "instructions", "tools")]
+        counts.append(_characters(rendered if "input" in doc else doc))
     return max(counts, default=0), max_len
 
 
@@ -164,13 +168,17 @@ def _count(value: object) -> int | None:
 async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[str, Any]) -> int:
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest  # noqa: PLC0415
 
-    fields = {k: doc[k] for k in _CHAT_FIELDS if k in doc}
-    try:
-        request = TokenizeChatRequest.model_validate(fields)
-    except (ValueError, TypeError):
-        return _characters(doc.get("messages"))
-    counted = await _tokenize(scope, serving, request)
-    return _characters(doc.get("messages")) if counted is None else counted
+    anthropic = _route(scope) == "/v1/messages"
+    # /v1/messages renders a top-level `system` and Anthropic-format `tools` into the prompt too:
+    # counted by their characters (an upper bound), the messages by vLLM's tokenizer.
+    extra = _characters([doc.get("system"), doc.get("tools")]) if anthropic else 0
+    names = _CHAT_FIELDS[:-1] if anthropic else _CHAT_FIELDS
+    fields = {k: doc[k] for k in names if k in doc}
+    request = _validated(TokenizeChatRequest, fields)
+    counted = None if request is None else await _tokenize(scope, serving, request)
+    if counted is None:
+        counted = _characters([fields.get("messages"), fields.get("tools")])
+    return counted + extra
 
 
 async def _text_tokens(
@@ -186,15 +194,22 @@ async def _text_tokens(
 
     total = 0
     for text in prompt if isinstance(prompt, list) else [prompt]:
-        try:
-            request = TokenizeCompletionRequest.model_validate({"model": model, "prompt": text})
-        except (ValueError, TypeError):
-            return _characters(prompt)
-        counted = await _tokenize(scope, serving, request)
+        request = _validated(TokenizeCompletionRequest, {"model": model, "prompt": text})
+        counted = None if request is None else await _tokenize(scope, serving, request)
         if counted is None:
             return _characters(prompt)
         total += counted
     return total
+
+
+def _validated(model: Any, fields: dict[str, Any]) -> Any:
+    """`model` validated from `fields`, None if they do not validate. The caller counts characters
+    instead, outside any exception handler: the validation error quotes the body (G6) and must not
+    be chained into a later traceback."""
+    try:
+        return model.model_validate(fields)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 async def _tokenize(scope: MutableMapping[str, Any], serving: Any, request: Any) -> int | None:
@@ -212,18 +227,23 @@ async def _tokenize(scope: MutableMapping[str, Any], serving: Any, request: Any)
 
 
 def _characters(value: object) -> int:
-    """Characters of every string in `value` (and one per token id): at least its token count."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, bool) or value is None:
-        return 0
-    if isinstance(value, int):
-        return 1
-    if isinstance(value, dict):
-        return sum(_characters(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_characters(v) for v in value)
-    return 0
+    """Characters of every string in `value` (and one per token id): at least its token count.
+    A walk with its own stack: a body nested as deep as the JSON parser goes must not overflow
+    Python's (found by a review: a 500 with a traceback quoting the prompt)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            total += 1
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def blocks_needed(

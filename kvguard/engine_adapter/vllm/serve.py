@@ -219,6 +219,7 @@ class KVGuardMiddleware:
             raise _RefusedError(413, "request body too large")
         try:
             doc = _json_object(body)
+            _refuse_engine_controls(doc)
             named = headers.get(ADAPTER_HEADER)
             if named and route_path(str(scope.get("path", ""))) == "/invocations":
                 doc["model"] = named.decode("latin-1")
@@ -236,15 +237,19 @@ class KVGuardMiddleware:
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
         quota = self.policies.policy_for(tenant).quota
-        held = None
-        if quota.max_blocks is not None and quota.when_full is QuotaFull.REJECT:
-            held = await self._quota.hold(
-                scope, tenant, doc, cap=quota.max_blocks, block_size=engine.cache.block_size
-            )
-        else:
+        if quota.max_blocks is None or quota.when_full is not QuotaFull.REJECT:
             route = route_path(str(scope.get("path", "")))
             self._check_quota(tenant, doc, engine.cache.block_size, route)
-        return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), held
+            return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), None
+        held = await self._quota.hold(
+            scope, tenant, doc, cap=quota.max_blocks, block_size=engine.cache.block_size
+        )
+        try:
+            return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), held
+        except BaseException:
+            if held is not None:  # nothing reaches the engine: the blocks are not in use
+                self._quota.release(held)
+            raise
 
     def _check_quota(self, tenant: str, doc: dict[str, Any], block_size: int, route: str) -> None:
         """A request whose output alone needs more blocks than the tenant's quota can never fit:
@@ -353,6 +358,32 @@ def _required_env(name: str) -> str:
             "yourself, set KVGUARD_DB_URL and KVGUARD_SALT_KEYRING_FILE (docs/vllm.md)"
         )
     return value
+
+
+# Fields through which a client would steer vLLM's own machinery rather than its request: KV
+# transfer parameters (vLLM reports a client's `remote_prefill_cached_tokens` as the request's
+# cached tokens, G1's observable; a malformed value is a 500 in its output processor) and the
+# `extra_args` keys vLLM reads itself. kvguard's own envelope is overwritten, never refused.
+_ENGINE_FIELDS: Final = ("kv_transfer_params", "ec_transfer_params")
+_ENGINE_XARGS: Final = frozenset({*_ENGINE_FIELDS, "kv_cache_report_mode"})
+
+
+def _refuse_engine_controls(doc: dict[str, Any]) -> None:
+    """ValueError (400) for a body that asks for what kvguard cannot govern: beam search (vLLM
+    builds a new SamplingParams for every beam step without the request's `extra_args`, so each
+    step would run outside the tenant's scope and policy) and engine-internal parameters."""
+    if doc.get("use_beam_search"):
+        raise ValueError(
+            "use_beam_search is not served through kvguard: vLLM's beam search drops the "
+            "request's tenant scope"
+        )
+    for name in _ENGINE_FIELDS:
+        if doc.get(name) is not None:
+            raise ValueError(f"{name} is set by the serving engine, not by clients")
+    xargs = doc.get("vllm_xargs")
+    reserved = sorted(_ENGINE_XARGS & xargs.keys()) if isinstance(xargs, dict) else []
+    if reserved:
+        raise ValueError(f"vllm_xargs.{reserved[0]} is set by the serving engine, not by clients")
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

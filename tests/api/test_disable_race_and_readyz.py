@@ -1,0 +1,87 @@
+"""Review of the admin API's contract with the control tables under concurrency and outages
+(adversarial review, 2026-11-28). Each test failed on the code before its fix.
+
+1. An inference key can be issued for a tenant that a concurrent disable has just disabled:
+   `TenantKeys.issue` reads the tenant row without a lock (READ COMMITTED), so a disable that has
+   updated the row but not yet committed does not stop it, and the key commits after the disable
+   (docs/api.md: "disabled tenant 409"; docs/operations.md: keys "only for registered, enabled
+   tenants"). Seen under load: 18 keys created after `disabled_at` in 8 disable races.
+2. `/readyz` answers a database outage with `503` but without `Retry-After` and without the one
+   error body (docs/api.md, "Errors": 503 `unavailable` ... `Retry-After: 5`), unlike every other
+   route in the same outage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from tests.api.conftest import ApiEnv
+from tests.api.test_hardening import _database_down
+
+MakeEnv = Callable[..., ApiEnv]
+
+
+@pytest.mark.postgres
+def test_inference_key_is_not_issued_across_a_concurrent_disable(
+    make_env: MakeEnv, pg_db: str
+) -> None:
+    env = make_env(pg_db)
+    other = sa.create_engine(pg_db)
+    try:
+        with other.connect() as conn:
+            tx = conn.begin()
+            # What `POST /v1/tenants/acme/disable` does first, in its own transaction: the row is
+            # updated and the transaction has not committed yet (it goes on to store the policy
+            # version and queue the purge).
+            conn.execute(
+                sa.text(
+                    "UPDATE tenants SET disabled_at = :now, disabled_by = 'key:review',"
+                    " disable_reason = 'r' WHERE tenant_id = 'acme' AND disabled_at IS NULL"
+                ),
+                {"now": time.time()},
+            )
+            answer: dict[str, Any] = {}
+
+            def issue() -> None:
+                r = env.call("acme", "POST", "/v1/tenants/acme/inference-keys")
+                answer["status"] = r.status_code
+
+            thread = threading.Thread(target=issue)
+            thread.start()
+            thread.join(1.0)  # an issue that waits for the disable's row lock is still running
+            tx.commit()  # the disable commits
+            thread.join(30)
+        with other.connect() as conn:
+            disabled_at = conn.execute(
+                sa.text("SELECT disabled_at FROM tenants WHERE tenant_id = 'acme'")
+            ).scalar_one()
+            late = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM tenant_api_keys WHERE tenant_id = 'acme'"
+                    " AND NOT revoked AND created_at >= :at"
+                ),
+                {"at": disabled_at},
+            ).scalar_one()
+    finally:
+        other.dispose()
+    assert disabled_at is not None
+    assert answer.get("status") == 409, answer
+    assert late == 0, "an inference key was issued for a tenant after it was disabled"
+
+
+@pytest.mark.postgres
+def test_readyz_outage_answer_carries_retry_after(make_env: MakeEnv, pg_db: str) -> None:
+    env = make_env(pg_db)
+    with _database_down(pg_db):
+        other = env.call("admin", "GET", "/v1/tenants/acme")
+        ready = env.client.get("/readyz")
+    assert other.status_code == 503 and int(other.headers["retry-after"]) >= 1  # the contract
+    assert ready.status_code == 503
+    assert "retry-after" in ready.headers, "/readyz 503 without Retry-After"
+    assert int(ready.headers["retry-after"]) >= 1
