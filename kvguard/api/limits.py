@@ -33,6 +33,7 @@ from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 import anyio
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard.api.auth import Principal, authenticate_bearer, cached_bearer
@@ -62,6 +63,18 @@ def _authorization(scope: Scope) -> str | None:
     if len(values) > 1:
         raise AuthenticationError("send one Authorization header, not several")
     return bytes(values[0]).decode("latin-1") if values else None
+
+
+def _route_template(scope: Scope) -> str:
+    """The route the path matches, as declared (`/v1/tenants/{tenant_id}`), for the failed
+    authentication log line: a raw path carries tenant ids and job ids (the access log logs the
+    template too). `unmatched` when no route matches."""
+    app = scope.get("app")
+    for route in getattr(app, "routes", ()):
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return str(getattr(route, "path", "unmatched"))
+    return "unmatched"
 
 
 def _client(scope: Scope) -> str:
@@ -215,5 +228,5 @@ class RequestGate:
             self.services.limiter,
             _authorization(scope),
             client=_client(scope),
-            path=scope["path"],
+            path=_route_template(scope),
         )

@@ -170,3 +170,14 @@ def test_the_failure_limit_holds_across_processes(
     with env.services.db.connect() as conn:
         rows = dict(conn.execute(sa.text("SELECT subject, failures FROM auth_failures")).all())
     assert rows == {"addr:10.0.0.9": 1, "key:k1": 1, "addr:10.0.0.8": 1}
+
+
+def test_failed_auth_logs_the_route_not_the_ids_in_the_path(env: ApiEnv) -> None:
+    """The failure line named the raw path (`/v1/tenants/<tenant id>`): tenant and job ids are
+    what the access log keeps out by logging the route's template, and so does this line."""
+    with structlog.testing.capture_logs() as logs:
+        env.client.get("/v1/tenants/someones-tenant/policy", headers=_bearer("kvg_adm_x_y"))
+        env.client.get("/no/such/route/someones-tenant", headers=_bearer("kvg_adm_x_y"))
+    failed = [e for e in logs if e["event"] == "authentication failed"]
+    assert [e["path"] for e in failed] == ["/v1/tenants/{tenant_id}/policy", "unmatched"]
+    assert "someones-tenant" not in repr(logs)
