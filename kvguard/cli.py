@@ -35,7 +35,7 @@ from kvguard.control.cli import db_app, purge, tenant_key_app
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import configure_logging
 from kvguard.policy.cli import policy_app
-from kvguard.settings import Settings
+from kvguard.settings import load_settings
 
 app = typer.Typer(
     name="kvguard",
@@ -114,7 +114,7 @@ def salt_keyring(
 
     Exit 0 ok; 2 the file exists (never overwritten) or cannot be read for a rotation."""
     with reporting(json_output):  # an existing file, an unreadable one: usage / environment
-        out = out or Settings().secret_path("salt.keys")
+        out = out or load_settings().secret_path("salt.keys")
         if rotate is None:
             ring = Keyring.generate("k1")
             ring.save(out)

@@ -9,6 +9,7 @@ first byte (`open_private`, `write_private_file`), in 0700 directories (`private
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -118,7 +119,15 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _private_fd(path: str | Path) -> int:
-    fd = os.open(Path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """A 0600 file opened for writing; a symbolic link at `path` is refused, not written through
+    (it would overwrite, and make 0600, whatever it points at)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(Path(path), flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SecretFileError(f"{path} is a symbolic link; give the file itself") from None
+        raise
     os.fchmod(fd, 0o600)  # also when it existed with another mode
     return fd
 

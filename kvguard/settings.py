@@ -14,7 +14,7 @@ import os
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvguard.errors import ConfigError, FailClosedError
@@ -111,6 +111,19 @@ class Settings(BaseSettings):
             "no salt key configured: set KVGUARD_SALT_KEYRING_FILE (a 0600 keyring file made by "
             "`kvguard keys salt-keyring`) or KVGUARD_SALT_KEY, or run with KVGUARD_MODE=dev"
         )
+
+
+def load_settings() -> Settings:
+    """The settings from the environment; ConfigError naming the first variable that does not
+    parse (`KVGUARD_MODE: Input should be 'dev' or 'prod'`), never its value (a secret may sit in
+    the wrong variable), instead of pydantic's multi-line report."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        error = exc.errors(include_input=False, include_url=False)[0]
+        where = error.get("loc") or ("?",)
+        name = "KVGUARD_" + str(where[0]).upper()
+        raise ConfigError(f"{name}: {error.get('msg', 'invalid value')}") from None
 
 
 def _keyring_from_env(value: SecretStr) -> Keyring:

@@ -44,6 +44,10 @@ def test_tenant_key_create_list_revoke(tmp_path) -> None:
     from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
 
     url = f"sqlite:///{tmp_path / 't.db'}"
+    missing_db = runner.invoke(app, ["keys", "tenant-key", "create", "acme", "--db", url])
+    assert missing_db.exit_code == 2 and "does not exist" in missing_db.output
+    assert not (tmp_path / "t.db").exists()  # a mistyped --db makes no database
+    assert runner.invoke(app, ["db", "migrate", "--db", url]).exit_code == 0
     refused = runner.invoke(app, ["keys", "tenant-key", "create", "acme", "--db", url])
     assert refused.exit_code == 1 and "not found" in refused.output  # unregistered tenant
     TenantRegistry(sa.create_engine(url)).create("acme", display_name="Acme", created_by="t")

@@ -124,6 +124,7 @@ def test_admin_key_commands_report_json(tmp_path: Path) -> None:
 
 def test_tenant_key_commands_report_json(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 't.db'}"
+    ok_json(["db", "migrate", "--db", url])
     assert ok_json(["keys", "tenant-key", "list", "--db", url]) == {"keys": []}
     TenantRegistry(sa.create_engine(url)).create("acme", display_name="Acme", created_by="t")
     created = ok_json(["keys", "tenant-key", "create", "acme", "--db", url])
@@ -380,6 +381,7 @@ def test_invalid_policies_exit_1() -> None:
 
 def test_unknown_keys_and_tenants_exit_1(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'c.db'}"
+    ok_json(["db", "migrate", "--db", url])
     failed_json(["keys", "revoke", "0" * 12, "--db", url], 1)
     failed_json(["keys", "tenant-key", "revoke", "0" * 12, "--db", url], 1)
     failed_json(["keys", "tenant-key", "create", "nobody", "--db", url], 1)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import typer
 
 from kvguard.cli_output import EXIT_FAILED, EXIT_USAGE, JsonOpt, emit, fail, reporting, safe_url
+from kvguard.errors import ConfigError, VerificationError
 from kvguard.logging import capture_stdlib_logging
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def _open_keys(url: str) -> ApiKeys:
 def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
     db: DbOption = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8600,
+    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535)] = 8600,
     origin: Annotated[
         str | None,
         typer.Option(
@@ -119,7 +120,10 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         config = _config(db, origin, checkpoint_interval or None, max_body_bytes)
         config = replace(config, witnesses=tuple(witness or ()))
         for w in config.witnesses:
-            WitnessEndpoint.parse(w)
+            try:
+                WitnessEndpoint.parse(w)
+            except VerificationError as exc:  # a malformed option (exit 2), not an invalid log
+                raise ConfigError(f"--witness: {exc}") from None
     with reporting(False, db_url=config.db_url):
         services = Services.open(config)
     typer.echo(f"kvguard admin API on http://{host}:{port} (database {safe_url(config.db_url)})")
@@ -254,9 +258,9 @@ def _config(
     db: str | None, origin: str | None, checkpoint_interval: float | None, max_body_bytes: int
 ) -> ApiConfig:
     from kvguard.api.services import ApiConfig  # noqa: PLC0415
-    from kvguard.settings import Settings  # noqa: PLC0415
+    from kvguard.settings import load_settings  # noqa: PLC0415
 
-    settings = Settings()
+    settings = load_settings()
     origin = origin or settings.ledger_origin
     keyring_file, signing_file = settings.secret_files(origin, command="kvguard serve")
     return ApiConfig(
@@ -329,7 +333,7 @@ def revoke_key_command(
     from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
 
     with reporting(json_output):
-        url = resolve_db_url(db)
+        url = resolve_db_url(db, existing=True)
     with reporting(json_output, db_url=url):
         keys = _open_keys(url)
         record_operator_change(

@@ -94,9 +94,9 @@ def _open(
     answer "valid" about a ledger that moved or was deleted."""
     from kvguard.audit.ledger import Ledger  # noqa: PLC0415 - `kvguard verify` must not load SQL
     from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
-    from kvguard.settings import Settings  # noqa: PLC0415
+    from kvguard.settings import load_settings  # noqa: PLC0415
 
-    settings = Settings()
+    settings = load_settings()
     db = resolve_db_url(db)
     origin = origin or settings.ledger_origin
     key_files = key_files or settings.signing_key_files()
@@ -156,6 +156,9 @@ def _require_ledger(url: str, json_output: bool) -> None:
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+_MAX_DURATION_S = 100 * 365.25 * 86_400
+
+
 def parse_duration(text: str) -> timedelta | None:
     """`90s`, `30m`, `24h`, `7d` or plain seconds; `0` means no limit (None)."""
     number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
@@ -163,8 +166,8 @@ def parse_duration(text: str) -> timedelta | None:
         seconds = float(number) * _UNITS[unit]
     except ValueError:
         raise ValueError(f"{text!r} is not a duration like 90s, 30m, 24h or 7d") from None
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"{text!r} is not a duration like 90s, 30m, 24h or 7d")
+    if not 0 <= seconds <= _MAX_DURATION_S:  # NaN, negative, or past what a timedelta holds
+        raise ValueError(f"{text!r} is not a duration like 90s, 30m, 24h or 7d (at most 100 years)")
     return timedelta(seconds=seconds) if seconds else None
 
 
@@ -330,11 +333,11 @@ def create_note_key(
 ) -> None:
     """`kvguard keys signing-key` / `witness-key`: create the 0600 key (under KVGUARD_DATA_DIR
     when `out` is None, the path then said on stderr), print its verifier key."""
-    from kvguard.settings import Settings  # noqa: PLC0415 - `kvguard verify` stays light
+    from kvguard.settings import load_settings  # noqa: PLC0415 - `kvguard verify` stays light
 
     default = out is None
     with reporting(json_output, usage=(ValueError,)):
-        out = out or Settings().secret_path(default_file)
+        out = out or load_settings().secret_path(default_file)
         key = kind.generate(name)
         key.save(out)
     if default:  # stdout stays the verifier key alone

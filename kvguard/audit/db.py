@@ -31,7 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvguard.errors import LedgerUnavailableError
+from kvguard.errors import ConfigError, LedgerUnavailableError
 
 _BUSY_TIMEOUT_MS = 30_000
 # libpq parameters (seconds, except tcp_user_timeout in milliseconds); see the module docstring.
@@ -49,9 +49,20 @@ PG_LOCK_TIMEOUT_MS = 15_000
 _WRITE = "kvguard_ledger_write"
 
 
+def parse_url(url: str) -> sa.engine.URL:
+    """`url` parsed; ConfigError (never the URL: it may hold a password) when it is not one."""
+    try:
+        return sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        raise ConfigError(
+            "the database URL is malformed (expected dialect+driver://user@host:port/name, "
+            "with a numeric port)"
+        ) from None
+
+
 def create_engine(url: str) -> sa.Engine:
     """An engine for `url` with the ledger's durability and locking settings."""
-    parsed = sa.engine.make_url(url)
+    parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):
             raise LedgerUnavailableError("the ledger needs a durable SQLite file, not :memory:")

@@ -13,6 +13,9 @@ itself.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from kvguard.audit.leaf import parse_ts, ts_micros
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
 from kvguard.audit.store import CheckpointRow, blob
-from kvguard.errors import AuditError, LogRewrittenError, VerificationError
+from kvguard.errors import AuditError, LogRewrittenError, SecretFileError, VerificationError
 from kvguard.logging import get_logger
 from kvguard.secretfile import open_private, private_dir, write_private_file
 
@@ -70,18 +73,52 @@ def export_bundle(
 ) -> ExportSummary:
     """Write a bundle of the matching entries to the new or empty directory `out`. A complete
     export always carries its consistency proofs (`consistency` applies to filtered ones).
-    `progress(done, total)` is called every few thousand entries (`kvguard audit export`)."""
-    if out.exists() and any(out.iterdir()):
+    `progress(done, total)` is called every few thousand entries (`kvguard audit export`).
+
+    The bundle is written into a private directory beside `out` and renamed into place when it
+    is whole: an export that fails or is interrupted (Ctrl-C, SIGTERM, a database error) leaves
+    no partial bundle at `out`, which a later export would refuse as not empty."""
+    if out.is_symlink():
+        raise SecretFileError(f"{out} is a symbolic link; give the directory itself")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AuditError(f"export directory {out} is not empty")
-    private_dir(out)  # evidence: 0700 directory, 0600 files (issue 13, item 2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # mkdtemp: 0700 from the start (evidence: 0700 directory, 0600 files, issue 13, item 2).
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        summary = _export_into(
+            ledger,
+            work,
+            filters={"scope_tag": scope_tag, "since": since, "until": until, "kinds": kinds},
+            tlog_proofs=tlog_proofs,
+            renderings=renderings,
+            consistency=consistency,
+            progress=progress,
+        )
+        if out.exists():
+            out.rmdir()  # empty (checked above); the rename takes its place
+        os.rename(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return ExportSummary(
+        out, summary.tree_size, summary.entries, summary.complete, summary.checkpoint
+    )
+
+
+def _export_into(
+    ledger: Ledger,
+    out: Path,
+    *,
+    filters: dict[str, Any],
+    tlog_proofs: bool,
+    renderings: bool,
+    consistency: bool,
+    progress: Progress | None,
+) -> ExportSummary:
+    """`export_bundle`'s work, into the (new, private) directory `out`."""
     signed = ledger.checkpoint()
     cp = parse_checkpoint(note.split_note(signed)[0])
-    filters: dict[str, Any] = {
-        "scope_tag": scope_tag,
-        "since": since,
-        "until": until,
-        "kinds": kinds,
-    }
     complete = all(v is None for v in filters.values())
     write_private_file(out / bundle.CHECKPOINT, signed)
     committed: list[tuple[int, bytes]] = []

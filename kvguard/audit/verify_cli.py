@@ -131,11 +131,21 @@ def _usage(message: str, json_output: bool) -> typer.Exit:
     return fail(message, EXIT_USAGE, json_output, label="usage error")
 
 
+_MAX_CHECKPOINT = 1 << 20  # a signed note with many cosignatures is a few KiB
+
+
 def _read_pinned(path: Path | None, json_output: bool) -> str | None:
     if path is None:
         return None
     try:
-        return path.read_text(encoding="utf-8")
+        if not path.is_file():  # a FIFO would block, /dev/zero would never end
+            raise _usage(f"--trusted-checkpoint: {path} is not a regular file", json_output)
+        with path.open("rb") as f:
+            raw = f.read(_MAX_CHECKPOINT + 1)
+        if len(raw) > _MAX_CHECKPOINT:
+            message = f"--trusted-checkpoint: {path} is larger than any checkpoint"
+            raise _usage(message, json_output)
+        return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise _usage(f"--trusted-checkpoint: cannot read {path}: {exc}", json_output) from None
 
@@ -147,7 +157,7 @@ def _save_checkpoint(path: Path, checkpoint: str, json_output: bool) -> None:
         from kvguard.secretfile import write_private_file  # noqa: PLC0415 - verify stays light
 
         write_private_file(path, checkpoint)  # evidence: 0600
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:
         raise fail(f"--save-checkpoint: {exc}", EXIT_USAGE, json_output) from None
 
 

@@ -8,7 +8,9 @@ within `--wait`; 2 usage or environment (a bad option, a database it cannot open
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -23,6 +25,9 @@ from kvguard.cli_output import (
     reporting,
     safe_url,
 )
+from kvguard.errors import ConfigError
+
+MAX_WAIT_S = 86_400.0  # `purge --wait`: a day; engines acknowledge within seconds
 
 if TYPE_CHECKING:
     from kvguard.control.commands import CommandQueue, PurgeSelector
@@ -44,15 +49,39 @@ TenantDbOption = Annotated[
 ]
 
 
-def resolve_db_url(db: str | None) -> str:
-    """`--db`, or the embedded SQLite default under KVGUARD_DATA_DIR (created)."""
-    from kvguard.settings import Settings  # noqa: PLC0415
+def resolve_db_url(db: str | None, *, existing: bool = False) -> str:
+    """`--db`, or the embedded SQLite default under KVGUARD_DATA_DIR (created). `existing`: for a
+    command that works on stored state (revoking, listing, issuing for a registered tenant), a
+    SQLite file that does not exist is a ConfigError, not a new database made at a mistyped path."""
+    from kvguard.settings import load_settings  # noqa: PLC0415
 
     if db:
-        return db
-    settings = Settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the embedded default lives there
-    return settings.database_url()
+        url = db
+    else:
+        settings = load_settings()
+        settings.data_dir.mkdir(parents=True, exist_ok=True)  # the embedded default lives there
+        url = settings.database_url()
+    if existing:
+        _require_existing(url)
+    return url
+
+
+def _require_existing(url: str) -> None:
+    from kvguard.audit.db import parse_url  # noqa: PLC0415
+
+    parsed = parse_url(url)
+    path = parsed.database
+    if (
+        parsed.get_backend_name() == "sqlite"
+        and path
+        and path != ":memory:"
+        and not path.startswith("file:")
+        and not Path(path).is_file()
+    ):
+        raise ConfigError(
+            f"database {safe_url(url)} does not exist: check --db (or KVGUARD_DB_URL); "
+            "`kvguard db migrate` creates one"
+        )
 
 
 def _submit_recorded_purge(queue: CommandQueue, selector: PurgeSelector, by: str) -> int:
@@ -87,6 +116,14 @@ def _selector(
     too_long = _too_long(tenant, chosen)
     if too_long is not None:
         raise fail(too_long, EXIT_USAGE, json_output)
+    from kvguard.control.tenants import TENANT_ID_PATTERN  # noqa: PLC0415
+
+    if tenant is not None and not re.fullmatch(TENANT_ID_PATTERN, tenant):
+        # No tenant can have it (the API answers 422): a typo, never a purge of nothing.
+        message = (
+            "--tenant is not a tenant id (a letter or digit, then letters, digits and . _ : @ -)"
+        )
+        raise fail(message, EXIT_USAGE, json_output)
     if chosen:
         kind, value = chosen[0]
         if kind != "session" and tenant:
@@ -147,10 +184,18 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
         (k, v) for k, v in (("session", session), ("model", model), ("adapter", adapter)) if v
     ]
     selector = _selector(tenant, chosen, json_output)
+    if not 0 <= wait <= MAX_WAIT_S:  # checked before anything is queued (NaN too)
+        raise fail(f"--wait must be 0 to {MAX_WAIT_S:g} seconds", EXIT_USAGE, json_output)
     with reporting(json_output, db_url=db):
         queue = CommandQueue.open(db)
         command_id = _submit_recorded_purge(queue, selector, by)
-        acks = _wait_for_acks(queue, command_id, wait)
+        try:
+            acks = _wait_for_acks(queue, command_id, wait)
+        except KeyboardInterrupt:
+            # The purge is committed: say so, or a retry would queue a second one.
+            queued = {"command_id": command_id, "acks": [], "interrupted": True}
+            emit(queued, json_output, f"purge command {command_id} queued (wait interrupted)")
+            raise typer.Exit(130) from None
     result = {
         "command_id": command_id,
         "selector": {
@@ -177,9 +222,9 @@ def _tenant_keys(url: str) -> TenantKeys:
     return TenantKeys.open(url)
 
 
-def _resolved(db: str | None, json_output: bool) -> str:
+def _resolved(db: str | None, json_output: bool, *, existing: bool = True) -> str:
     with reporting(json_output):
-        return resolve_db_url(db)
+        return resolve_db_url(db, existing=existing)
 
 
 @tenant_key_app.command("create")
@@ -266,7 +311,7 @@ def db_migrate(
     from kvguard.audit.db import create_engine  # noqa: PLC0415
     from kvguard.control import db as control  # noqa: PLC0415
 
-    url = _resolved(db, json_output)
+    url = _resolved(db, json_output, existing=False)  # creating it is the point
     with reporting(json_output, db_url=url):
         engine = create_engine(url)
         try:

@@ -52,8 +52,9 @@ class Keyring:
         self._keys: dict[KeyId, bytearray] = {}
         for kid, secret in keys.items():
             if len(secret) < MIN_KEY_BYTES:
+                # Never the key id: a pasted key may sit where an id belongs (see `_check_kid`).
                 raise ConfigError(
-                    f"salt key {kid!r} is {len(secret)} bytes; at least {MIN_KEY_BYTES} required"
+                    f"a salt key is {len(secret)} bytes; at least {MIN_KEY_BYTES} required"
                 )
             self._keys[_check_kid(kid)] = bytearray(secret)
             register_secret(bytes(secret))

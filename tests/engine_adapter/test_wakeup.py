@@ -133,3 +133,28 @@ def test_tasks_handed_to_the_link_run_once_in_order_on_its_thread(tmp_path: Path
     link.call_soon(lambda: task(9))  # after close: never run
     time.sleep(0.6)
     assert len(ran) == 3
+
+
+def test_figures_changed_since_the_last_heartbeat_wake_an_idle_engine(tmp_path: Path) -> None:
+    """An engine that went idle right after a burst ran no step, so its figures never reached the
+    registry (found by a review: /metrics said requests_total 1 after five requests). The waker
+    makes it step once when a heartbeat is due and figures changed since the last one."""
+    commands = CommandQueue.open(f"sqlite:///{tmp_path / 'c.db'}")
+    stale = [False]
+    inbox: queue.Queue[object] = queue.Queue()
+    waker = IdleWaker(
+        inbox,
+        commands=commands,
+        last_command=lambda: 0,
+        cached_blocks=lambda: 0,
+        request_wake=lambda: None,
+        figures_stale=lambda: stale[0],
+        item=WAKE,
+        clock=Clock(),
+    )
+    assert not waker.check() and inbox.empty()
+    stale[0] = True
+    assert waker.check() and inbox.get_nowait() == WAKE
+    stale[0] = False  # the step took the figures
+    assert not waker.check()
+    commands.engine.dispose()

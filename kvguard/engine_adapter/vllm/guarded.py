@@ -232,13 +232,19 @@ class GuardedLLM:
         if core is None or conn is None or conn.scheduler_guard is None:
             return
         guard = conn.scheduler_guard
-        for _ in range(_SETTLE_STEPS):
-            if not guard.has_pending():
-                return
-            if not guard.has_pending(ledger=False):
-                return  # only events the ledger still refuses: they wait (recorded once it is back)
-            core.step_fn()
-        raise RuntimeError("kvguard: zeroization did not settle; blocks remain quarantined")
+        try:
+            for _ in range(_SETTLE_STEPS):
+                if not guard.has_pending():
+                    return
+                if not guard.has_pending(ledger=False):
+                    return  # only events the ledger still refuses: they wait (recorded later)
+                core.step_fn()
+            raise RuntimeError("kvguard: zeroization did not settle; blocks remain quarantined")
+        finally:
+            # An in-process engine steps only when its caller does: the figures of this batch
+            # reach the registry now (written on the link's thread), not at the next batch.
+            if guard.figures_changed():
+                guard.beat_soon()
 
     def sync(self) -> None:
         """Run the commands and expiry that are due, step until what they released is zeroized, and

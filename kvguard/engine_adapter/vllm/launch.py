@@ -32,7 +32,7 @@ from typing import TypeVarTuple
 
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.errors import ConfigError
-from kvguard.settings import Settings
+from kvguard.settings import Settings, load_settings
 
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
@@ -146,7 +146,7 @@ def serve(model: str, vllm_argv: list[str], settings: Settings | None = None) ->
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup  # noqa: PLC0415
     from vllm.logger import configure_logging_from_args  # noqa: PLC0415
 
-    config = ServeConfig.from_settings(settings or Settings())
+    config = ServeConfig.from_settings(settings or load_settings())
     ledger = config.options.open_ledger()
     try:  # seed the policy store before the engine and the middleware read it
         config.options.initial_policy(ledger)

@@ -182,11 +182,13 @@ class SchedulerGuard:
         )
         self._last_sweep = float("-inf")
         self._wake_requested = False  # set by the idle waker's check, cleared by the next step
+        self._beat_step = 0  # the step whose figures the last heartbeat took
         self.waker = IdleWaker.attach(
             commands=link.queue,
             last_command=lambda: self.commands.last_seq,
             cached_blocks=lambda: self.custody.cached_count if self.custody is not None else 0,
             request_wake=self._request_wake,
+            figures_stale=self.figures_stale,
         )
         if self.waker is not None:  # fetched commands wake an idle engine at once
             self.commands.on_fetched = self.waker.wake
@@ -660,7 +662,22 @@ class SchedulerGuard:
             self._drop_doomed_hashes()
         self._hold_quarantined()
         if self.reporter.due(now):  # figures taken here, written on the link's thread
-            self.reporter.heartbeat_soon(now, c.summary(), self._counters(), self.link.call_soon)
+            self.beat_soon(now)
+
+    def beat_soon(self, now: float | None = None) -> None:
+        """Take the figures now (scheduler thread) and have the link's thread write them."""
+        now = self._clock() if now is None else now
+        self._beat_step = self._step
+        self.reporter.heartbeat_soon(now, self._c.summary(), self._counters(), self.link.call_soon)
+
+    def figures_changed(self) -> bool:
+        """Whether steps ran since the figures were last taken."""
+        return self._step != self._beat_step
+
+    def figures_stale(self) -> bool:
+        """Whether figures changed and a heartbeat is due (read on the link's thread by the idle
+        waker: plain reads, a late answer costs one more check)."""
+        return self.figures_changed() and self.reporter.due(self._clock())
 
     # --- commands and reporting ---------------------------------------------------------------
 

@@ -4,7 +4,9 @@ vLLM's engine-core process blocks on its input queue while it has no requests, s
 runs: a purge queued through the database, or a TTL that runs out, would wait for the next request
 and the tenant's bytes would stay in device memory until then. `IdleWaker.check` runs on the engine
 link's thread (`EngineLink.every`, once a second) in the engine-core process: it looks for a command
-newer than the last one the engine ran (one indexed `max(seq)` read on the link's pool) and, while
+newer than the last one the engine ran (one indexed `max(seq)` read on the link's pool), for a
+heartbeat that is due while figures changed since the last one (the engine went idle right after
+a burst: without a step its figures never reached the registry and `/metrics`), and, while
 blocks are cached, every `EXPIRY_WAKE_S` for expiry. When there is work it raises the guard's wake flag (which
 `has_pending_push_work` reports, so the engine keeps stepping) and puts vLLM's own no-op
 `WAKEUP` request on the input queue, which unblocks the loop; the next step runs the guard's
@@ -65,11 +67,13 @@ class IdleWaker:
         last_command: Callable[[], int],
         cached_blocks: Callable[[], int],
         request_wake: Callable[[], None],
+        figures_stale: Callable[[], bool] = lambda: False,
         item: Any = None,
         expiry_s: float = EXPIRY_WAKE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._queue = input_queue
+        self._figures_stale = figures_stale
         self._commands = commands
         self._last_command = last_command
         self._cached_blocks = cached_blocks
@@ -87,6 +91,7 @@ class IdleWaker:
         last_command: Callable[[], int],
         cached_blocks: Callable[[], int],
         request_wake: Callable[[], None],
+        figures_stale: Callable[[], bool] = lambda: False,
     ) -> IdleWaker | None:
         """A waker for the engine-core process constructing us; None for an in-process engine."""
         found = find_engine_input_queue()
@@ -98,10 +103,13 @@ class IdleWaker:
             last_command=last_command,
             cached_blocks=cached_blocks,
             request_wake=request_wake,
+            figures_stale=figures_stale,
         )
 
     def _due(self) -> bool:
         if self._commands.latest_seq() > self._last_command():
+            return True
+        if self._figures_stale():  # steps ran since the last heartbeat, and one is due
             return True
         expiry_due = self._clock() - self._last_expiry_wake >= self._expiry_s
         return expiry_due and self._cached_blocks() > 0
