@@ -83,8 +83,11 @@ class Custody:
         # the running requests a purge doomed (their later blocks are doomed as they come).
         self._unhash: list[BlockId] = []
         self._doomed_requests: set[RequestId] = set()
-        # Doomed requests the engine preempted: doomed again when they resume (`begin`).
+        # Doomed requests the engine preempted: doomed again when they resume (`begin`). And every
+        # preempted request's scope until it resumes or ends, so that a purge landing meanwhile
+        # dooms what it recomputes over the purged context.
         self._doomed_preempted: set[RequestId] = set()
+        self._preempted: dict[RequestId, Scope] = {}
         self._events: list[CustodyEvent] = []
         self._cached: set[BlockId] = set()  # index of CACHED blocks
         # The expiry sweep's index: (earliest expiry, entry number, block) per cached block, in a
@@ -264,6 +267,7 @@ class Custody:
         if rid in self._requests:
             raise CustodyError(f"request {request_id!r} is already registered")
         req = self._requests[rid] = _Request(scope, use_cache, retain_blocks)
+        self._preempted.pop(rid, None)
         if rid in self._doomed_preempted:  # resumed after a preemption: recomputes purged context
             self._doomed_preempted.discard(rid)
             req.doomed = True
@@ -273,6 +277,7 @@ class Custody:
         """The engine is done with a request custody does not hold now (one that ended while
         preempted): forget what was kept for its resumption."""
         self._doomed_preempted.discard(RequestId(request_id))
+        self._preempted.pop(RequestId(request_id), None)
 
     def allocate(
         self, request_id: str, block_ids: Iterable[int], now: float, *, start: int | None = None
@@ -295,7 +300,10 @@ class Custody:
                 self._engine_took_quarantined(rec)
             if rec.status is BlockStatus.CACHED:
                 self._engine_evicted(rec, now)
-            if rec.owner is not None and self._needs_clear(rec, req.scope):
+            # A doomed block holds purged context: cleared whoever gets it next, also its own
+            # domain under `cross_scope` (vLLM may hand a preempted doomed request's blocks to a
+            # same-domain request in the preempting schedule, before their release clear ran).
+            if rec.owner is not None and (rec.doomed or self._needs_clear(rec, req.scope)):
                 handover.append(rec.block_id)
                 self._handover_owner(rec)
             self._take(rec, req, RequestId(request_id), now, first + offset)
@@ -428,8 +436,10 @@ class Custody:
         if req is None:
             raise CustodyError(f"request {request_id!r} is not registered")
         self._doomed_requests.discard(rid)
-        if preempted and req.doomed:
-            self._doomed_preempted.add(rid)
+        if preempted:
+            self._preempted[rid] = req.scope
+            if req.doomed:
+                self._doomed_preempted.add(rid)
         quarantined: list[int] = []
         retained = residue = 0
         for bid in dict.fromkeys(req.blocks):
@@ -575,6 +585,9 @@ class Custody:
             if selector.matches(req.scope):
                 req.doomed = True
                 self._doomed_requests.add(rid)
+        for rid, scope in self._preempted.items():  # doomed again when they resume (`begin`)
+            if selector.matches(scope):
+                self._doomed_preempted.add(rid)
         self._events.append(
             CustodyEvent(
                 purge_event_kind(selector),
@@ -585,6 +598,32 @@ class Custody:
                 {**(details or {}), "blocks_quarantined": len(out), "blocks_active_doomed": doomed},
             )
         )
+        return tuple(out)
+
+    def retire_unshareable(self, shareable: Callable[[Scope], bool], now: float) -> tuple[int, ...]:
+        """A new policy version is in force: every block whose owner scope may no longer serve
+        even its own domain (`shareable` False: the epoch moved on, the creating tenant withdrew
+        the share or was disabled) leaves the cache now, quarantined and zeroized (one
+        `block.evict` entry per owner, reason `policy`); active ones are doomed (never cached).
+        O(pool), once per policy change."""
+        verdicts: dict[Scope, bool] = {}
+        out: list[int] = []
+        for rec in self._blocks:
+            owner = rec.owner
+            if owner is None or rec.status not in _COUNTED:
+                continue
+            allowed = verdicts.get(owner)
+            if allowed is None:
+                allowed = verdicts[owner] = shareable(owner)
+            if allowed:
+                continue
+            if rec.status is BlockStatus.CACHED:
+                self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
+                self._quarantine(rec, now)
+                out.append(rec.block_id)
+            else:
+                self._doom(rec)
+        self._emit_grouped(EventKind.EVICT, now, out, {"reason": "policy"})
         return tuple(out)
 
     def _doom(self, rec: BlockRecord) -> None:

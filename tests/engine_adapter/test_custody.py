@@ -520,3 +520,41 @@ def test_a_purge_doomed_request_stays_doomed_across_a_preemption(make_custody) -
     assert c.finish("r2", 9.0) == ()
     assert c.record(8).status is BlockStatus.CACHED
     c.check_invariants()
+
+
+def test_retire_unshareable_zeroizes_cached_and_dooms_active_blocks(make_custody) -> None:
+    c = make_custody()
+    run_request(c, "r1", scope_for("a"), [0, 1], 0.0)  # cached
+    run_request(c, "r2", scope_for("b"), [2], 0.0)  # cached, still shareable
+    c.begin("r3", scope_for("a"), use_cache=True)
+    c.allocate("r3", [3], 1.0)  # active
+    c.take_events()
+    out = c.retire_unshareable(lambda owner: owner.tenant_id != "a", 2.0)
+    assert out == (0, 1) and c.record(2).status is BlockStatus.CACHED
+    assert c.record(3).doomed  # never cached when it ends
+    (evict,) = c.take_events()
+    assert evict.kind is EventKind.EVICT and evict.details == {"reason": "policy"}
+    assert c.finish("r3", 3.0) == (3,)
+    c.check_invariants()
+
+
+def test_a_purge_reaches_a_request_preempted_when_it_lands(make_custody) -> None:
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.allocate("r1", [0, 1], 0.0)
+    c.finish("r1", 1.0, preempted=True)
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 2.0)
+    c.begin("r1", scope_for("a"), use_cache=True)  # resumes: recomputes over purged context
+    c.allocate("r1", [4], 3.0)
+    assert c.record(4).doomed
+
+
+def test_a_doomed_block_is_cleared_for_its_own_domain_under_cross_scope(make_custody) -> None:
+    c = make_custody(default=CROSS)
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.allocate("r1", [0], 0.0)
+    c.purge(PurgeSelector(PurgeKind.TENANT, "a"), 1.0)
+    c.finish("r1", 2.0, preempted=True)  # quarantined; the engine re-allocates it at once
+    c.begin("r2", scope_for("a"), use_cache=True)
+    assert c.allocate("r2", [0], 3.0) == (0,)  # a handover clear, though the same domain
+    c.check_invariants()

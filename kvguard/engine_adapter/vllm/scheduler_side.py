@@ -65,6 +65,7 @@ from kvguard.policy import (
     Usage,
     Verify,
     admit,
+    may_reuse,
     shared_prefix_tokens,
 )
 
@@ -705,9 +706,35 @@ class SchedulerGuard:
         return {"blocks_quarantined": len(quarantined), "blocks_active_doomed": doomed}
 
     def use_policy(self, policies: PolicySet, version: int) -> None:
+        """Put a new policy version in force (a `policy` command, on the scheduler thread between
+        steps). What it no longer allows stops at once: cached blocks whose owner scope it no
+        longer lets share (a bumped epoch, a tenant disabled or withdrawn from its share group)
+        are zeroized, and requests admitted under the old version that have not started read no
+        prefix cache (found by a review: a queued request of a disabled tenant hit its old
+        blocks, and a group kept serving a withdrawn member's blocks)."""
         self.policies, self.policy_version = policies, version
         if self.tier is not None:
             self.tier.on_policy()
+        if self.custody is None:
+            return
+        now = self._clock()
+        self._c.retire_unshareable(lambda owner: may_reuse(policies, owner, owner), now)
+        for rid, env in list(self._envelopes.items()):
+            if rid in self._begun or not env.use_cache:
+                continue
+            decision = admit(policies, env.scope, NO_USAGE)
+            if (
+                decision.admitted
+                and decision.use_cache
+                and may_reuse(policies, env.scope, env.scope)
+            ):
+                continue
+            request = self._live.get(rid)
+            if request is not None:
+                make_private(request, skip_reading=rid not in self._quota_wait)
+            self._envelopes[rid] = Envelope(scope=env.scope, use_cache=False)
+        self._hold_quarantined()
+        self._forward(self._c.take_events())
 
     def _tier_purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
         """Crypto-shred the offload tier's domains the purge selects (the purge entry's figures)."""
