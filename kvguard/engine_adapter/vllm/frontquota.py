@@ -172,7 +172,7 @@ async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[
     # /v1/messages renders a top-level `system` and Anthropic-format `tools` into the prompt too:
     # counted by their characters (an upper bound), the messages by vLLM's tokenizer.
     extra = _characters([doc.get("system"), doc.get("tools")]) if anthropic else 0
-    names = _CHAT_FIELDS[:-1] if anthropic else _CHAT_FIELDS
+    names = tuple(k for k in _CHAT_FIELDS if k != "tools") if anthropic else _CHAT_FIELDS
     fields = {k: doc[k] for k in names if k in doc}
     request = _validated(TokenizeChatRequest, fields)
     counted = None if request is None else await _tokenize(scope, serving, request)
