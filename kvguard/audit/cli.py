@@ -124,21 +124,16 @@ def _require_ledger(url: str, json_output: bool) -> None:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         raise fail("--db: not a database URL", EXIT_USAGE, json_output) from None
+    from kvguard.audit.db import missing_sqlite_file  # noqa: PLC0415
+
     where = safe_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        path = parsed.database
-        if (
-            path
-            and path != ":memory:"
-            and not path.startswith("file:")
-            and not Path(path).is_file()
-        ):
-            raise fail(
-                f"database {where} does not exist (nothing to verify or export; "
-                "check --db / KVGUARD_DB_URL)",
-                EXIT_USAGE,
-                json_output,
-            )
+    if missing_sqlite_file(parsed):
+        raise fail(
+            f"database {where} does not exist (nothing to verify or export; "
+            "check --db / KVGUARD_DB_URL)",
+            EXIT_USAGE,
+            json_output,
+        )
     engine = sa.create_engine(url)
     try:
         has_ledger = sa.inspect(engine).has_table(t.head.name)

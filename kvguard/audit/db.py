@@ -60,6 +60,19 @@ def parse_url(url: str) -> sa.engine.URL:
         ) from None
 
 
+def missing_sqlite_file(url: sa.engine.URL) -> bool:
+    """Whether `url` names an SQLite file that does not exist (SQLite would create it on
+    connect): commands that only read or change stored state refuse it instead."""
+    path = url.database
+    return bool(
+        url.get_backend_name() == "sqlite"
+        and path
+        and path != ":memory:"
+        and not path.startswith("file:")
+        and not Path(path).is_file()
+    )
+
+
 def create_engine(url: str) -> sa.Engine:
     """An engine for `url` with the ledger's durability and locking settings."""
     parsed = parse_url(url)

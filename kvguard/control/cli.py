@@ -8,9 +8,7 @@ within `--wait`; 2 usage or environment (a bad option, a database it cannot open
 
 from __future__ import annotations
 
-import re
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -67,17 +65,9 @@ def resolve_db_url(db: str | None, *, existing: bool = False) -> str:
 
 
 def _require_existing(url: str) -> None:
-    from kvguard.audit.db import parse_url  # noqa: PLC0415
+    from kvguard.audit.db import missing_sqlite_file, parse_url  # noqa: PLC0415
 
-    parsed = parse_url(url)
-    path = parsed.database
-    if (
-        parsed.get_backend_name() == "sqlite"
-        and path
-        and path != ":memory:"
-        and not path.startswith("file:")
-        and not Path(path).is_file()
-    ):
+    if missing_sqlite_file(parse_url(url)):
         raise ConfigError(
             f"database {safe_url(url)} does not exist: check --db (or KVGUARD_DB_URL); "
             "`kvguard db migrate` creates one"
@@ -116,14 +106,13 @@ def _selector(
     too_long = _too_long(tenant, chosen)
     if too_long is not None:
         raise fail(too_long, EXIT_USAGE, json_output)
-    from kvguard.control.tenants import TENANT_ID_PATTERN  # noqa: PLC0415
+    from kvguard.control.tenants import check_tenant_id  # noqa: PLC0415
 
-    if tenant is not None and not re.fullmatch(TENANT_ID_PATTERN, tenant):
-        # No tenant can have it (the API answers 422): a typo, never a purge of nothing.
-        message = (
-            "--tenant is not a tenant id (a letter or digit, then letters, digits and . _ : @ -)"
-        )
-        raise fail(message, EXIT_USAGE, json_output)
+    if tenant is not None:
+        try:  # no tenant can have it (the API answers 422): a typo, never a purge of nothing
+            check_tenant_id(tenant)
+        except ConfigError as exc:
+            raise fail(f"--tenant: {exc}", EXIT_USAGE, json_output) from None
     if chosen:
         kind, value = chosen[0]
         if kind != "session" and tenant:
