@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvguard.engine_adapter.vllm import lifeline
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
+from kvguard.engine_adapter.vllm.routes import POOLING_REFUSED
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard, open_scheduler_guard
 from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
@@ -53,6 +54,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 "kvguard refuses to run with vLLM KV cache events enabled: BlockStored events carry "
                 "raw token ids and the cache salt in plain text (disable kv_events_config)"
             )
+        if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
+            raise ConfigError(POOLING_REFUSED)  # also a model vLLM chose to pool on its own
         parallel = vllm_config.parallel_config
         extra = dict(self._kv_transfer_config.kv_connector_extra_config)
         if extra.get("offload_bytes"):

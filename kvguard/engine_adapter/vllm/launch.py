@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVarTuple
 
+from kvguard.engine_adapter.vllm.routes import POOLING_REFUSED
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.errors import ConfigError
 from kvguard.settings import Settings, load_settings
@@ -114,6 +115,12 @@ def refuse_owned_options(vllm_argv: list[str], model: str = "model") -> Namespac
         dest = flag.removeprefix("--").replace("-", "_")
         if getattr(args, dest, None) != getattr(defaults, dest, None):
             raise ConfigError(f"{flag} is set by kvguard engine serve: {why}")
+    if getattr(args, "runner", None) == "pooling" or getattr(args, "convert", None) not in (
+        None,
+        "auto",
+        "none",
+    ):
+        raise ConfigError(POOLING_REFUSED)
     return args
 
 

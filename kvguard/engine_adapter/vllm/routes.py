@@ -8,6 +8,9 @@ adds (or an endpoint plugin registers) stays closed until someone decides how it
   models, tokenizing text);
 - `GOVERNED`: need a tenant key and are admitted by policy; their JSON body gets the server-derived
   salt and the scope envelope (anything that runs the model, and so reads or fills the KV cache);
+- `NOT_GOVERNED`: routes that run the model in a way that drops the scope envelope on its way to the
+  engine (pooling, generative scoring): refused with 403 and the reason, since they would run as
+  ungoverned traffic (found by a review against the real server);
 - everything else (admin and dev routes: `/reset_prefix_cache`, `/sleep`, LoRA loading, metrics that
   aggregate every tenant, stored responses by id, ...) is refused with 403 even with a valid key.
 """
@@ -34,23 +37,54 @@ GOVERNED: Final = frozenset(
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/messages",
-        "/v1/embeddings",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
         "/invocations",
-        "/generative_scoring",
     )
+)
+# Routes that run the model but that kvguard cannot govern: the tenant's scope envelope never
+# reaches the engine through them, so they would run as ungoverned traffic (outside the tenant's
+# quota, policy and purges, recorded under no tenant). Refused (403) with the reason.
+_POOLING = (
+    "pooling requests (embeddings, scoring, classification, reranking) carry no scope to the "
+    "engine, and kvguard engine serve does not start a pooling model"
+)
+NOT_GOVERNED: Final[dict[tuple[str, str], str]] = {
+    ("POST", "/generative_scoring"): (
+        "vLLM builds its own sampling parameters for every scored item and drops the tenant's "
+        "scope; use /v1/completions with logprobs instead"
+    ),
+    **{
+        ("POST", path): _POOLING
+        for path in (
+            "/v1/embeddings",
+            "/pooling",
+            "/classify",
+            "/score",
+            "/v1/score",
+            "/rerank",
+            "/v1/rerank",
+            "/v2/rerank",
+        )
+    },
+}
+
+
+POOLING_REFUSED: Final = (
+    "kvguard governs generative models only: a pooling model's requests (embeddings, scoring, "
+    "classification, reranking) carry no tenant scope to the engine, so they would run outside "
+    "every tenant's policy, quota and purges; serve pooling models without kvguard "
+    "(--runner pooling / --convert are refused)"
 )
 
 
 def route_path(path: str) -> str:
     """The route a request path names: a trailing slash is not a different route."""
     return path.rstrip("/") or "/"
+
+
+def refusal(method: str, path: str) -> str:
+    """The 403 answer for a refused route: why, where kvguard knows a reason beyond "not listed"."""
+    reason = NOT_GOVERNED.get((method.upper(), route_path(path)))
+    return "this route is not served through kvguard" + (f": {reason}" if reason else "")
 
 
 def classify(method: str, path: str) -> RouteClass:

@@ -49,7 +49,7 @@ from kvguard.engine_adapter.vllm.frontquota import (
     Reservation,
     output_tokens,
 )
-from kvguard.engine_adapter.vllm.routes import RouteClass, classify, route_path
+from kvguard.engine_adapter.vllm.routes import RouteClass, classify, refusal, route_path
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
 from kvguard.errors import ConfigError, KvguardError, PolicyError
 from kvguard.isolation.keyring import Keyring
@@ -149,7 +149,9 @@ class KVGuardMiddleware:
             await self.app(scope, receive, send)
             return
         if route is RouteClass.REFUSED:
-            await _reply(send, 403, "this route is not served through kvguard")
+            await _reply(
+                send, 403, refusal(str(scope.get("method", "")), str(scope.get("path", "")))
+            )
             return
         await self._governed(scope, receive, send, tenant, headers)
 
