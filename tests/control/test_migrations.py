@@ -141,3 +141,27 @@ def test_a_new_sqlite_database_and_its_wal_are_private(tmp_path: Path) -> None:
     for file in (path, path.with_name("kvguard.db-wal")):
         assert file.exists() and file.stat().st_mode & 0o777 == 0o600, file
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_outbox_is_vacuumed_after_a_fixed_number_of_drained_rows() -> None:
+    """Each admin write leaves a dead outbox row version that every drain's pending read walks
+    until a vacuum: autovacuum's default (a fifth of the table dead) grows with the history the
+    outbox keeps. Migration 0008 sets a fixed threshold (and SQLite needs none)."""
+    from tests.dbs import fresh_pg_database  # noqa: PLC0415
+
+    with fresh_pg_database("kvg_vacuum") as url:
+        engine = control_db.open_engine(url)
+        try:
+            with engine.connect() as conn:
+                options = conn.exec_driver_sql(
+                    "SELECT reloptions FROM pg_class WHERE relname = 'control_outbox'"
+                ).scalar_one()
+        finally:
+            engine.dispose()
+    assert options is not None, "control_outbox keeps autovacuum's scale-factor default"
+    settings = dict(o.split("=", 1) for o in options)
+    assert settings["autovacuum_vacuum_scale_factor"] == "0"
+    assert settings["autovacuum_analyze_scale_factor"] == "0"
+    assert 0 < int(settings["autovacuum_vacuum_threshold"]) <= 10_000
+    assert 0 < int(settings["autovacuum_analyze_threshold"]) <= 10_000
