@@ -116,13 +116,29 @@ def set_path(document: dict[str, Any], path: str, value: Any) -> None:
     document[last] = value
 
 
+class _DuplicateKeyError(Exception):
+    """A JSON object naming one key twice: readers disagree on which value counts (the last here,
+    the first in others), so a certificate must not have one."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateKeyError(json.dumps(key[:64]))
+        document[key] = value
+    return document
+
+
 def load(path: str | Path) -> dict[str, Any]:
     """Read a certificate file (JSON object); VerificationError if it is not one."""
     p = Path(path)
     try:
         if p.stat().st_size > MAX_BYTES:
             raise VerificationError(f"{p.name} is larger than a certificate can be")
-        document = json.loads(p.read_bytes().decode("utf-8"))
+        document = json.loads(p.read_bytes().decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise VerificationError(f"{p.name}: the key {exc} appears twice in one object") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise VerificationError(f"{p.name} is not a readable JSON document") from None
     if not isinstance(document, dict):
@@ -209,6 +225,12 @@ def _verify(
             raise VerificationError(f"{path}: the certificate's value is not what the entries show")
     shown_offload = erasure.offload_summary(purges, shreds, offload)
     _check_offload(document, shown_offload)
+    # The id names the job and the checkpoint (docs/api.md): a certificate relabelled as another
+    # job's, or as of another tree size, is not this one.
+    if document.get("certificate_id") != f"{cp.origin}/purges/{job_id}/certificate@{cp.size}":
+        raise VerificationError(
+            "certificate_id: not <origin>/purges/<job id>/certificate@<tree size> of this evidence"
+        )
     engines = _check_engines(
         document,
         erasure.engine_facts(purges, zeroizes, coverage),

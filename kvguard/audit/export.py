@@ -244,14 +244,17 @@ def _rows(
 ) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
     """Matching (index, leaf, event) rows; `event` is None for a foreign leaf (`bundle.leaf_event`).
 
-    In a filtered export an event's index columns are checked against its leaf, so a doctored
-    column (which could hide an entry from it) stops the export. A foreign leaf (a row some other
-    writer put at the head) is not an event, so no filter selects it: a complete export carries it
-    as `"event":null` (the tree needs every leaf), a filtered one leaves it out, with a warning."""
+    A filtered export selects on the leaves, not on the index columns, and checks every entry's
+    columns against its leaf first: the columns are what a database query filters on, so a
+    doctored one could hide an entry from the filter (a row moved *out* of a tenant's tag or a
+    time range is never selected by a query on them; found by a review). This reads every entry
+    below the checkpoint, the cost of a filtered export as of a complete one. A foreign leaf (a
+    row some other writer put at the head) is not an event, so no filter selects it: a complete
+    export carries it as `"event":null` (the tree needs every leaf), a filtered one leaves it
+    out, with a warning."""
     e = t.entries.c
-    stmt = select_indices(below=size, **filters).add_columns(
-        e.kind, e.scope_tag, e.request_id, e.ts_us
-    )
+    stmt = select_indices(below=size).add_columns(e.kind, e.scope_tag, e.request_id, e.ts_us)
+    selected = None if complete else _selector(filters)
     for idx, raw, *columns in conn.execute(stmt.execution_options(yield_per=5_000)):
         leaf = blob(raw, f"entry {idx}: leaf")
         event = bundle.leaf_event(leaf)
@@ -260,16 +263,34 @@ def _rows(
             if complete:
                 yield int(idx), leaf, None
             continue
-        if not complete:  # a complete export selects on no column: a doctored one hides nothing
-            expected = [
-                event["kind"],
-                event["scope_tag"],
-                event["request_id"],
-                ts_micros(parse_ts(event["ts"])),
-            ]
-            if columns != expected:
-                raise VerificationError(f"entry {idx}: index columns do not match the leaf")
-        yield int(idx), leaf, event
+        if selected is None:  # a complete export selects on no column: a doctored one hides nothing
+            yield int(idx), leaf, event
+            continue
+        ts = ts_micros(parse_ts(event["ts"]))
+        if columns != [event["kind"], event["scope_tag"], event["request_id"], ts]:
+            raise VerificationError(f"entry {idx}: index columns do not match the leaf")
+        if selected(event, ts):
+            yield int(idx), leaf, event
+
+
+def _selector(filters: dict[str, Any]) -> Callable[[dict[str, Any], int], bool]:
+    """Whether an event (and its timestamp in microseconds) is in a filtered export: the filters
+    of `kvguard.audit.query.select_indices`, read off the leaf (`since` inclusive, `until` not)."""
+    tag, kinds = filters.get("scope_tag"), filters.get("kinds")
+    since, until = filters.get("since"), filters.get("until")
+    low = ts_micros(since) if since is not None else None
+    high = ts_micros(until) if until is not None else None
+    wanted = frozenset(kinds) if kinds is not None else None
+
+    def selected(event: dict[str, Any], ts: int) -> bool:
+        return (
+            (tag is None or event["scope_tag"] == tag)
+            and (wanted is None or event["kind"] in wanted)
+            and (low is None or ts >= low)
+            and (high is None or ts < high)
+        )
+
+    return selected
 
 
 def _complete_proofs(conn: sa.Connection, size: int, root: bytes) -> ProofFn:

@@ -32,8 +32,9 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, AnyStr, Final
+from typing import IO, Any, AnyStr, Final
 
 from kvguard.audit import bundle, merkle, note, offline_full, payloads
 from kvguard.audit.checkpoint import (
@@ -160,13 +161,20 @@ def _verify_files(
     expected_origin(cp.origin, origin, pinned, verifiers)
     m = _verify_manifest(d, cp, verifiers)
     leaf_hashes = _verify_entries(
-        d, cp, full, progress=progress, parallel=parallel, complete=m.complete
+        d,
+        cp,
+        full,
+        progress=progress,
+        parallel=parallel,
+        complete=m.complete,
+        selection=m.selection,
     )
     if len(leaf_hashes) != m.entries:
         raise VerificationError(
             f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
             "(lines deleted or added)"
         )
+    _verify_renderings(d, cp)
     present, erased, foreign = _verify_payloads(d, cp)
     olds = _verify_consistency(d, cp, verifiers)
     if pinned is not None:
@@ -276,7 +284,7 @@ def _check_listing(d: Path) -> None:
 # a bundle file holds at most a few hundred kB (a leaf's 4,096 block ids, a proof's 64 hashes);
 # a file made larger is refused, not read into memory (a sparse file, a line with no end).
 _MAX_NOTE: Final = 16 << 20
-_MAX_LINE: Final = 16 << 20
+_MAX_LINE: Final = offline_full.MAX_LINE
 
 
 def _read_text(path: Path) -> str:
@@ -298,7 +306,13 @@ def _lines(path: Path, stack: ExitStack) -> Iterator[str]:
 
 
 def _bounded(f: IO[AnyStr], name: str) -> Iterator[AnyStr]:
-    while line := f.readline(_MAX_LINE + 1):
+    while True:
+        try:
+            line = f.readline(_MAX_LINE + 1)
+        except UnicodeDecodeError:
+            raise VerificationError(f"{name} is not valid UTF-8") from None
+        if not line:
+            return
         if len(line) > _MAX_LINE:
             raise VerificationError(f"{name}: a line longer than any line of its kind")
         yield line
@@ -312,17 +326,49 @@ def _verify_entries(
     progress: Progress | None,
     parallel: bool = False,
     complete: bool = False,
+    selection: str | None = None,
 ) -> dict[int, bytes]:
-    """Check entries.jsonl (and the renderings). Returns leaf hashes by index."""
+    """Check entries.jsonl (the renderings follow: `_verify_renderings`). Leaf hashes by index."""
     if full:
-        hashes = _verify_full(d, cp, progress, parallel)
-    else:
-        hashes = _verify_proven_lines(d, cp, progress, complete)
+        return _verify_full(d, cp, progress, parallel)
+    return _verify_proven_lines(d, cp, progress, complete, _in_selection(selection))
+
+
+def _in_selection(selection: str | None) -> Callable[[dict[str, Any]], bool] | None:
+    """For a filtered bundle, whether an event is one its signed selection names (the filters
+    `kvguard audit export` writes: `scope_tag`, `kinds`, `since` inclusive, `until` not): an
+    exporter cannot label one tenant's entries as another's. None: nothing to check."""
+    if selection is None or not selection.startswith("filtered "):
+        return None
+    try:
+        filters = json.loads(selection.removeprefix("filtered "))
+        tag, kinds = filters.get("scope_tag"), filters.get("kinds")
+        since, until = (_aware(filters.get(k)) for k in ("since", "until"))
+    except (ValueError, TypeError, AttributeError):
+        raise VerificationError("manifest: a selection this verifier cannot read") from None
+
+    def selected(event: dict[str, Any]) -> bool:
+        try:
+            ts = _aware(str(event.get("ts", "")).replace("Z", "+00:00"))
+            return (
+                (tag is None or event.get("scope_tag") == tag)
+                and (kinds is None or event.get("kind") in kinds)
+                and (since is None or (ts is not None and ts >= since))
+                and (until is None or (ts is not None and ts < until))
+            )
+        except (ValueError, TypeError):
+            return False
+
+    return selected
+
+
+def _verify_renderings(d: Path, cp: Checkpoint) -> None:
+    """The CSV and OCSF renderings against the proven entries: after the entries and their
+    count, so that lines deleted from entries.jsonl are blamed on it, not on a rendering."""
     with ExitStack() as stack:
         renderings = _open_renderings(d, stack)
         if renderings:
             _check_all_renderings(d, stack, renderings, cp.origin)
-    return hashes
 
 
 def _where(number: int, index: int | None = None) -> str:
@@ -358,7 +404,7 @@ def _verify_full(
     path = d / bundle.ENTRIES
     first_half, second_half = _halves(progress, cp.size)
     parts = offline_full.split(path, parallel)
-    tree = offline_full.full_levels(path, parts, _full_where, first_half)
+    tree = offline_full.full_levels(path, parts, _full_where, first_half, cp.size)
     leaf_hashes = tree.levels[0]
     if len(leaf_hashes) != cp.size:
         raise VerificationError(
@@ -373,8 +419,20 @@ def _verify_full(
     return dict(enumerate(leaf_hashes))
 
 
+def _aware(text: object) -> datetime | None:
+    """An ISO 8601 time (UTC when it names no zone); None for None."""
+    if text is None:
+        return None
+    ts = datetime.fromisoformat(str(text))
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+
+
 def _verify_proven_lines(
-    d: Path, cp: Checkpoint, progress: Progress | None, complete: bool = False
+    d: Path,
+    cp: Checkpoint,
+    progress: Progress | None,
+    complete: bool = False,
+    selected: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[int, bytes]:
     """Without `--full`: each line carries its own proof, checked against the signed root; a
     complete bundle must hold entry `i` on line `i + 1`, all `size` of them."""
@@ -401,6 +459,12 @@ def _verify_proven_lines(
                         else "a leaf that is not a kvguard event is carried as one"
                     )
                 )
+            if selected is not None and not foreign:
+                event = bundle.leaf_event(leaf)
+                if event is None or not selected(event):
+                    raise VerificationError(
+                        f"{_where(number, index)}: an entry outside the manifest's selection"
+                    )
             hashes[index] = merkle.leaf_hash(leaf)
             previous = index
             if progress is not None and number % _PROGRESS_EVERY == 0:
@@ -537,6 +601,8 @@ def _consistency_lines(
         where = f"{bundle.CONSISTENCY} line {number}"
         try:
             obj = json.loads(line)
+            if not isinstance(obj, dict) or not isinstance(obj.get("proof"), list):
+                raise VerificationError("not a consistency line (an object with a proof list)")
             old_note, proof_b64 = obj["old_checkpoint"], obj["proof"]
             proof = [b64decode_strict(p, "proof hash") for p in proof_b64]
             if note.signed_by_any(old_note, verifiers):
@@ -575,6 +641,8 @@ def _verify_tlog_proofs(d: Path, cp: Checkpoint, signed: str, hashes: dict[int, 
             proof = parse_tlog_proof(_read_text(folder / bundle.proof_name(index)))
             if proof.leaf_index != index or proof.signed_checkpoint != signed:
                 raise VerificationError("index or checkpoint differs from the bundle's")
+            if proof.extra is not None:  # kvguard writes none, and the manifest digests no proof
+                raise VerificationError("an `extra` line, which kvguard's proofs never carry")
             merkle.verify_inclusion(index, cp.size, h, proof.proof, cp.root)
         except VerificationError as exc:
             raise VerificationError(f"{where}: {exc}") from None

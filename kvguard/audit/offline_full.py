@@ -63,6 +63,10 @@ _is_foreign = methodcaller("startswith", _FOREIGN)
 _LEAF_PREFIX = b"\x00"  # RFC 6962 section 2.1 (as `merkle.leaf_hash`, inlined on the hot path)
 _BLOCK = 256 << 10  # bytes per read + split: larger blocks fall out of the L2 cache (measured)
 _PARALLEL_MIN_BYTES = 8 << 20  # below ~6,000 entries a fork costs more than it saves
+# The longest line of any bundle file (a leaf's 4,096 block ids, a proof's 64 hashes, with room):
+# past it a line is refused, not carried (and re-copied) in memory. The plain verifier's bound too.
+MAX_LINE = 16 << 20
+_OVERLONG = "a line longer than any line of its kind"
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ def split(path: Path, parallel: bool) -> list[Part]:
         return [Part(0, size)]
     with open(path, "rb") as f:
         f.seek(size // 2)
-        f.readline()
+        if not f.readline(MAX_LINE + 1).endswith(b"\n"):
+            return [Part(0, size)]  # no line ends near the middle: one part, which fails
         middle = f.tell()
     return [Part(0, middle), Part(middle, size)]
 
@@ -110,14 +115,17 @@ def _can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods() and (os.cpu_count() or 1) > 1
 
 
-def full_levels(path: Path, parts: list[Part], where: Where, progress: Progress | None) -> Tree:
-    """Pass 1: leaf hashes and lengths of every line, and the tree over them."""
+def full_levels(
+    path: Path, parts: list[Part], where: Where, progress: Progress | None, max_lines: int
+) -> Tree:
+    """Pass 1: leaf hashes and lengths of every line, and the tree over them. A part holding more
+    than `max_lines` lines (the signed size) fails as soon as it does: nothing is kept per line
+    beyond what the signed size allows."""
     hashes: list[bytes] = []
     lengths: array[int] = array("Q")
     numbered: list[Part] = []
-    for part, outcome in zip(
-        parts, _run_parts(_leaf_hashes, path, parts, progress, ()), strict=True
-    ):
+    outcomes = _run_parts(_leaf_hashes, path, parts, progress, (max_lines,))
+    for part, outcome in zip(parts, outcomes, strict=True):
         if isinstance(outcome, _PartError):
             raise VerificationError(f"{where(len(hashes) + outcome.line)}: {outcome.reason}")
         part_hashes, part_lengths, blocks = outcome
@@ -190,7 +198,7 @@ def _line_blocks(path: Path, part: Part) -> Iterator[list[bytes]]:
     one), in blocks of about `_BLOCK` bytes. `BytesIO.readlines` finds newlines with `memchr`:
     0.19 us per 1.4 KB line, where `bytes.split` compares byte by byte (1.1 us) and
     `BufferedReader.readlines` is as slow (measured)."""
-    carry, remaining = b"", part.stop - part.start
+    carry, remaining, seen = b"", part.stop - part.start, 0
     with open(path, "rb") as f:
         f.seek(part.start)
         while remaining > 0:
@@ -200,14 +208,17 @@ def _line_blocks(path: Path, part: Part) -> Iterator[list[bytes]]:
             remaining -= len(data)
             lines = io.BytesIO(carry + data).readlines()
             carry = lines.pop() if not lines[-1].endswith(b"\n") else b""
+            if len(carry) > MAX_LINE:
+                raise _PartError(seen + len(lines), _OVERLONG)
             if lines:
+                seen += len(lines)
                 yield lines
     if carry:
         yield [carry]
 
 
 def _leaf_hashes(
-    path: Path, part: Part, progress: Progress | None
+    path: Path, part: Part, progress: Progress | None, max_lines: int
 ) -> tuple[list[bytes], array[int], list[tuple[int, bytes]]]:
     """Pass 1 over one part: its leaf hashes and leaf lengths, with list comprehensions over
     blocks of lines (about a third less interpreter work per line than one loop body, measured).
@@ -237,6 +248,8 @@ def _leaf_hashes(
                 _foreign_leaf(x) if _is_foreign(x) else y
                 for x, y in zip(lines, leaves, strict=True)
             ]
+        if len(hashes) + len(leaves) > max_lines:
+            raise _PartError(max_lines, f"more lines than the checkpoint's {max_lines} entries")
         hashes += [sha256(_LEAF_PREFIX + leaf).digest() for leaf in leaves]
         lengths.extend(map(len, leaves))
         blocks.append((len(leaves), sha256(b"".join(leaves)).digest()))

@@ -131,6 +131,8 @@ def check_payload_lines(
         index = next(wanted, None)
         try:
             obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise VerificationError("not a payload line (a JSON object)")
             if index is None or obj.get("index") != index:
                 raise VerificationError(
                     "an extra line" if index is None else f"expected the payload of entry {index}"

@@ -294,6 +294,7 @@ def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
     document: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
+        "certificate_id": f"{ORIGIN}/purges/7/certificate@{size}",
         "issuer": {"ledger_origin": ORIGIN},
         "requested_by": {"principal": "key:abc"},
         "job": {"job_id": 7, "status": "done", "engines_expected": 2, "no_live_engines": False},

@@ -137,7 +137,7 @@ def test_a_leaf_swapped_between_the_passes_is_caught(
     """A canonical line for another leaf of the same length, written after pass 1: every line is
     still canonical for its leaf and PATH(i), so only the tie to pass 1's leaves can catch it."""
     entries = _bundle(open_ledger, sqlite_url, tmp_path / "b", 50)
-    tree = offline_full.full_levels(entries, offline_full.split(entries, False), str, None)
+    tree = offline_full.full_levels(entries, offline_full.split(entries, False), str, None, 50)
     lines = entries.read_bytes().splitlines(keepends=True)
     obj = json.loads(lines[17])
     leaf = base64.b64decode(obj["leaf"])
