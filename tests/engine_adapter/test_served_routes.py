@@ -245,3 +245,19 @@ def test_connector_refuses_a_model_vllm_runs_as_a_pooling_model(tmp_path: Path) 
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError, match="governs generative models only"):
             KVGuardConnector(config, role, None)
+
+
+def test_model_list_shows_no_server_paths(server) -> None:
+    """`GET /v1/models` is a read route: vLLM puts the base model's path and each LoRA adapter's
+    directory in the cards' `root`. Tenants see each card's name there instead."""
+    key = server.keys().issue("acme").api_key
+    response = httpx.get(
+        server.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
+    assert response.status_code == 200, response.text[:300]
+    assert int(response.headers["content-length"]) == len(response.content)
+    cards = response.json()["data"]
+    assert {c["id"] for c in cards} >= {server.model, served_mod.LORA_NAME}
+    for card in cards:
+        assert card["root"] == card["id"], card
+    assert str(server.workdir) not in response.text  # the adapter's directory

@@ -146,6 +146,8 @@ class KVGuardMiddleware:
         if tenant is None:
             return
         if route is RouteClass.READ:
+            if route_path(str(scope.get("path", ""))) == "/v1/models":
+                send = _models_without_paths(send)
             await self.app(scope, receive, send)
             return
         if route is RouteClass.REFUSED:
@@ -441,6 +443,48 @@ def _with_length(scope: MutableMapping[str, Any], length: int) -> MutableMapping
     headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in dropped]
     headers.append((b"content-length", str(length).encode()))
     return {**scope, "headers": headers}
+
+
+def _models_without_paths(send: Send) -> Send:
+    """`send` for `GET /v1/models`, with each model card's `root` (vLLM puts the base model's path
+    and each LoRA adapter's directory there: the server's file system, not the tenants' business)
+    replaced by the card's own `id`. The answer is small and sent whole; it is held until its
+    last part, rewritten, and its length set again. A body that is not a model list passes as it
+    is."""
+    start: dict[str, Any] = {}
+    parts: list[bytes] = []
+
+    async def rewritten(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+            return
+        if message["type"] != "http.response.body" or not start:
+            await send(message)
+            return
+        parts.append(bytes(message.get("body", b"")))
+        if message.get("more_body", False):
+            return
+        body = _card_roots_as_ids(b"".join(parts))
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return rewritten
+
+
+def _card_roots_as_ids(body: bytes) -> bytes:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(cards, list):
+        return body
+    for card in cards:
+        if isinstance(card, dict) and "root" in card:
+            card["root"] = card.get("id")
+    return json.dumps(doc).encode()
 
 
 async def _reply(send: Send, status: int, message: str, retry_after: int | None = None) -> None:
