@@ -181,7 +181,7 @@ def payload_lines(
         ):
             stored[int(idx)] = (bytes(salt), bytes(body))
     erasures = _erasures(conn, cp.size)
-    reader = ledger.store.reader(conn)
+    reader = ledger.store.complete_reader(conn)
     out = []
     for index, commitment in committed:
         if index in stored and index in erasures:  # put back after its erasure: never "present"
@@ -317,7 +317,7 @@ def _stored_proof(
 ) -> list[bytes]:
     size, root = cp.size, cp.root
     proof = merkle.hashes_for_ranges(
-        merkle.inclusion_ranges(index, size), ledger.store.reader(conn)
+        merkle.inclusion_ranges(index, size), ledger.store.complete_reader(conn)
     )
     merkle.verify_inclusion(index, size, merkle.leaf_hash(leaf), proof, root)
     return proof
@@ -379,7 +379,7 @@ def consistency_lines(ledger: Ledger, conn: sa.Connection, size: int, root: byte
             continue
         if 0 < row.size < size:
             latest[row.size] = row.note
-    reader = ledger.store.reader(conn)
+    reader = ledger.store.complete_reader(conn)
     out = []
     for old in sorted(latest):
         proof = merkle.hashes_for_ranges(merkle.consistency_ranges(old, size), reader)

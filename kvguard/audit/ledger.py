@@ -405,7 +405,7 @@ class Ledger:
             self._recompute(conn, 0, size, root)
             return
         ranges = merkle.consistency_ranges(old_size, size)
-        proof = merkle.hashes_for_ranges(ranges, self.store.reader(conn))
+        proof = merkle.hashes_for_ranges(ranges, self.store.complete_reader(conn))
         for (lo, hi), kept in zip(ranges, proof, strict=True):
             if lo >= old_size:  # appended since; the older ranges are checked by the old root
                 self._recompute(conn, lo, hi, kept)

@@ -227,8 +227,39 @@ class LedgerStore:
             raise VerificationError(f"entries {lo}..{hi - 1}: {hi - lo - len(out)} are missing")
         return out
 
+    def complete_reader(self, conn: sa.Connection) -> merkle.HashReader:
+        """`reader`, but a stored subtree hash that is missing is computed from the leaf hashes
+        (VerificationError only if a leaf is missing): a row some other writer put at the head
+        completes a subtree without storing its hash, and reads (checkpoints, proofs, exports)
+        must not stop until the next append stores it (`_load_frontier`). The stored hashes are
+        a cache of what the leaves give, so computing one proves the same thing."""
+        strict = self.reader(conn)
+
+        def read(subtrees: Sequence[merkle.Subtree]) -> list[bytes]:
+            try:
+                return list(strict(subtrees))
+            except VerificationError:
+                return [self._stored_or_computed(conn, strict, s) for s in subtrees]
+
+        return read
+
+    def _stored_or_computed(
+        self, conn: sa.Connection, strict: merkle.HashReader, s: merkle.Subtree
+    ) -> bytes:
+        try:
+            (h,) = strict([s])
+        except VerificationError:
+            lo, hi = s.position << s.level, (s.position + 1) << s.level
+            h = merkle.tree_levels(self.leaf_hashes(conn, lo, hi))[s.level][0]
+            _log.warning(
+                "ledger subtree hash missing; computed from the leaf hashes",
+                first_entry=lo,
+                last_entry=hi - 1,
+            )
+        return h
+
     def root(self, size: int, conn: sa.Connection) -> bytes:
-        return merkle.root_from_subtrees(size, self.reader(conn))
+        return merkle.root_from_subtrees(size, self.complete_reader(conn))
 
     def checkpoints(self, conn: sa.Connection) -> list[CheckpointRow]:
         c = t.checkpoints.c

@@ -3,7 +3,7 @@
 Each test builds a real ledger (SQLite), exports it and tampers with one copy. The tests whose
 docstrings begin `FOUND` failed on the code the review ran against (what they describe is what used
 to happen) and pass since the fixes; the others pin down tampers that were already refused, with a
-clear message. One finding is still open (marked xfail, strict: it fails the suite once fixed).
+clear message.
 """
 
 from __future__ import annotations
@@ -373,10 +373,6 @@ def test_certificate_id_must_name_its_job_and_checkpoint(
 # --- FINDING 7 (low): one app-role INSERT at the head stops checkpoints until an append ------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a foreign row completing a subtree at the head stops checkpoint() until an append",
-)
 def test_checkpoint_after_a_row_inserted_at_the_head(
     sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
 ) -> None:
