@@ -68,6 +68,9 @@ class BundleReport:
     foreign: tuple[int, ...] = ()
     # The signed manifest's selection: `complete`, or `filtered` and the export's filters as JSON.
     selection: str = "complete"
+    # The signed note verified, as read (a caller that saves it or checks its cosignatures uses
+    # this text, not the file read again: the file may have changed since).
+    checkpoint_note: str = ""
 
 
 class OriginNotPinnedError(VerificationError):
@@ -194,6 +197,7 @@ def _verify_files(
         pinned.size if pinned is not None else None,
         tuple(foreign),
         m.selection,
+        signed,
     )
 
 

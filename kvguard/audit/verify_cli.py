@@ -16,7 +16,6 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
-from kvguard.audit import bundle
 from kvguard.audit.certificate import get_path, verify_certificate
 from kvguard.audit.certificate import load as load_certificate
 from kvguard.audit.cosign import parse_witness_verifier_key, require_cosignatures
@@ -230,7 +229,7 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
             origin=trust.origin,
             trusted_checkpoint=trust.pinned,
         )
-        checkpoint = (directory / bundle.CHECKPOINT).read_text(encoding="utf-8")
+        checkpoint = report.checkpoint_note  # the note verified, not the file read again
         cosigned = _check_witnesses(checkpoint, trust)
     pinned = (
         f"; extends your trusted checkpoint of size {report.pinned_size}"

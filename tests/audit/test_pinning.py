@@ -287,3 +287,29 @@ def test_verify_db_fails_on_entries_no_checkpoint_covers_past_the_age(
     clock[0] = T0 + timedelta(days=2)
     with pytest.raises(VerificationError, match=r"entries 5\.\.5"):
         ledger.verify(max_unsigned_age=timedelta(days=1))
+
+
+def test_the_checkpoint_saved_is_the_one_verified_even_if_the_file_changes_after(
+    signed: tuple[str, Path, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--save-checkpoint` (and the witness check) use the signed note the verification read, not
+    the bundle's file read again: a bundle changed between the two (a shared directory, another
+    process) must not get an unverified note pinned as the auditor's trusted checkpoint."""
+    from kvguard.audit import verify_cli  # noqa: PLC0415
+
+    url, key_file, vkey = signed
+    _export(url, key_file, tmp_path / "b")
+    verified = (tmp_path / "b" / bundle.CHECKPOINT).read_text()
+    real = verify_cli.verify_bundle
+
+    def then_swapped(directory: Path, *args: object, **kwargs: object) -> object:
+        report = real(directory, *args, **kwargs)  # type: ignore[arg-type]
+        (directory / bundle.CHECKPOINT).write_text("planted after the check\n")
+        return report
+
+    monkeypatch.setattr(verify_cli, "verify_bundle", then_swapped)
+    pin = tmp_path / "pinned.checkpoint"
+    code, out = _run("verify", str(tmp_path / "b"), "--key", vkey, "--origin", ORIGIN,
+                     "--save-checkpoint", str(pin))  # fmt: skip
+    assert code == 0, out
+    assert pin.read_text() == verified
