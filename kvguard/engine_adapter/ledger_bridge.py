@@ -9,10 +9,10 @@ engine's scheduler step pays for a filter and a deque append. When the ledger ca
 to submit again and starts no new request meanwhile (G7) instead of serving it unrecorded
 (`SchedulerGuard._forward`).
 
-Request ids come from clients (vLLM takes them from the `X-Request-Id` header or the request body):
-one that a ledger entry cannot hold as it is (over 128 characters, spaces, non-ASCII) is recorded as
-`rid-sha256:` and the first 32 hex digits of its SHA-256, never as it is and never stopping the
-engine. An event the schema refuses anyway (a bug: custody's vocabulary is fixed) is recorded without
+Request ids come from clients (vLLM takes them from the `X-Request-Id` header or the request body),
+and a ledger entry is never erased: one that is not an identifier (letters, digits, `.`, `_`, `:`,
+`-`, at most 128: an e-mail address, a URL, spaces, non-ASCII) is recorded as `rid-sha256:` and the
+first 32 hex digits of its SHA-256, never as it is and never stopping the engine. An event the schema refuses anyway (a bug: custody's vocabulary is fixed) is recorded without
 its request id and details, marked `redacted`, and logged by kind and error class only.
 """
 
@@ -67,13 +67,17 @@ class Submitter(Protocol):
     def refusing(self) -> bool: ...
 
 
-_LEDGER_RID: Final = re.compile(r"[\x21-\x7e]{1,128}")  # what an entry's request_id may hold
+# What an entry records as it is: identifier characters only (vLLM's own ids, UUIDs, ULIDs, trace
+# ids). Clients choose request ids (`X-Request-Id`, a body `request_id`) and a ledger entry can never
+# be erased, so free text (an e-mail address, a URL, a sentence, JSON) is recorded as a digest.
+_LEDGER_RID: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 RID_DIGEST_PREFIX: Final = "rid-sha256:"
 
 
 def ledger_request_id(request_id: str | None) -> str | None:
-    """The request id as a ledger entry records it: as it is when the schema allows it, else a
-    digest (an auditor holding the engine's id computes the same one)."""
+    """The request id as a ledger entry records it: as it is when it is an identifier (letters,
+    digits, `.`, `_`, `:`, `-`, at most 128), else a digest (an auditor holding the engine's id
+    computes the same one)."""
     if request_id is None or _LEDGER_RID.fullmatch(request_id):
         return request_id
     digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()

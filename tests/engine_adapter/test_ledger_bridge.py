@@ -126,7 +126,19 @@ def test_audit_levels_do_what_docs_policy_md_says() -> None:
 
 @pytest.mark.parametrize(
     "rid",
-    ["r" * 129, "", "an id with spaces", "caf\u00e9", "tab\there", "new\nline", "\ud800x"],
+    [
+        "r" * 129,
+        "",
+        "an id with spaces",
+        "caf\u00e9",
+        "tab\there",
+        "new\nline",
+        "\ud800x",
+        "cmpl-jane.doe@example.com-0-a1b2c3d4",
+        "https://x.example/p?q=1",
+        '{"user":"jane"}',
+        "!~",
+    ],
 )
 def test_request_ids_the_schema_cannot_hold_are_recorded_as_a_digest(rid: str) -> None:
     out = ledger_request_id(rid)
@@ -137,7 +149,17 @@ def test_request_ids_the_schema_cannot_hold_are_recorded_as_a_digest(rid: str) -
     assert to_audit_event(event).request_id == out
 
 
-@pytest.mark.parametrize("rid", [None, "cmpl-1234-0-a1b2", "r" * 128, "!~"])
+@pytest.mark.parametrize(
+    "rid",
+    [
+        None,
+        "cmpl-1234-0-a1b2",
+        "r" * 128,
+        "chatcmpl-550e8400-e29b-41d4-a716-446655440000-0-9f",
+        "01ARZ3NDEKTSV4RRFFQ69G5FAV",
+        "trace:4bf92f3577b34da6a3ce929d0e0e4736.00f067aa0ba902b7_1",
+    ],
+)
 def test_request_ids_the_schema_allows_are_recorded_as_they_are(rid: str | None) -> None:
     assert ledger_request_id(rid) == rid
 
