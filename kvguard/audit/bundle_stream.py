@@ -36,7 +36,7 @@ from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import Checkpoint, parse_checkpoint
 from kvguard.audit.export import consistency_lines, payload_lines
-from kvguard.audit.leaf import format_micros
+from kvguard.audit.leaf import format_micros, ts_micros
 from kvguard.audit.manifest import MANIFEST, Manifest, format_manifest, selection_text
 from kvguard.audit.proof_runs import CHUNK_BITS, ProofRuns
 from kvguard.audit.query import select_indices
@@ -86,6 +86,11 @@ class BundleStream:
         self._ledger, self._query, self._gzip, self._mtime = ledger, query, gzip, mtime
         self._foreign: set[int] = set()  # foreign leaves a complete export carries (`_measure`)
         self._skipped: set[int] = set()  # foreign leaves a filtered export leaves out
+        # The time filter in the columns' microseconds (`since` inclusive, `until` not).
+        self._bounds = (
+            ts_micros(query.since) if query.since is not None else None,
+            ts_micros(query.until) if query.until is not None else None,
+        )
         self.checkpoint = ledger.checkpoint()
         cp = parse_checkpoint(note.split_note(self.checkpoint)[0])
         self.tree_size, self._root = cp.size, cp.root
@@ -166,21 +171,18 @@ class BundleStream:
     def _measure(self, conn: sa.Connection) -> int:
         """Bytes of `entries.jsonl`. Decides, once per leaf, which are foreign (`self._foreign`,
         used by the writing pass) and which filtered rows are left out (foreign ones: no filter
-        selects what is not an event), and checks a filtered export's columns against its
-        events."""
+        selects what is not an event). A filtered export reads every entry below the checkpoint
+        and checks each event's columns against its leaf before selecting on them: a column moved
+        *out* of the filter would otherwise hide its entry from a query on it (found by a
+        review: the entry was left out, the bundle signed and verified)."""
         q = self._query
-        e = t.entries.c
-        stmt = select_indices(**q.filters(self.tree_size))
-        if not q.complete:
-            stmt = stmt.add_columns(e.kind, e.scope_tag, e.ts_us)
         n, line_size, path_length = (
             self.tree_size,
             bundle.entry_line_size,
             merkle.inclusion_path_length,
         )
-        timed = q.since is not None or q.until is not None
         total = 0
-        for index, raw, *columns in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
+        for index, raw, *columns in conn.execute(self._statement()):
             leaf = bytes(raw)
             event = bundle.is_event(leaf)
             if not event:
@@ -191,20 +193,35 @@ class BundleStream:
                     self._skipped.add(int(index))
                     continue
                 self._foreign.add(int(index))
-            elif columns and (
-                (q.kinds and not _holds(leaf, b',"kind":', json.dumps(columns[0]), b',"payload_c'))
-                or (
-                    q.scope_tags is not None
-                    and not _holds(leaf, b',"scope_tag":', json.dumps(columns[1]), b',"ts":')
-                )
-                or (
-                    timed
-                    and not _holds(leaf, b',"ts":', f'"{format_micros(columns[2])}"', b',"v":')
-                )
-            ):
-                raise VerificationError(f"entry {index}: index columns do not match the leaf")
+            elif columns and not self._selected(int(index), leaf, columns):
+                continue
             total += line_size(index, len(leaf), path_length(index, n), foreign=not event)
         return total
+
+    def _statement(self) -> sa.Select[Any]:
+        """Every entry below the checkpoint; with its index columns for a filtered export."""
+        stmt = select_indices(below=self.tree_size)
+        if not self._query.complete:
+            e = t.entries.c
+            stmt = stmt.add_columns(e.kind, e.scope_tag, e.ts_us)
+        return stmt.execution_options(yield_per=_YIELD_PER)
+
+    def _selected(self, index: int, leaf: bytes, columns: Sequence[Any]) -> bool:
+        """Whether a filtered export holds this event, once its columns are the leaf's."""
+        kind, tag, ts_us = columns
+        if not (
+            _holds(leaf, b',"kind":', json.dumps(kind), b',"payload_c')
+            and _holds(leaf, b',"scope_tag":', json.dumps(tag), b',"ts":')
+            and _holds(leaf, b',"ts":', f'"{format_micros(ts_us)}"', b',"v":')
+        ):
+            raise VerificationError(f"entry {index}: index columns do not match the leaf")
+        q, (low, high) = self._query, self._bounds
+        return (
+            (q.scope_tags is None or tag in q.scope_tags)
+            and (not q.kinds or kind in q.kinds)
+            and (low is None or ts_us >= low)
+            and (high is None or ts_us < high)
+        )
 
     def _entries(
         self, conn: sa.Connection, aux: sa.Connection
@@ -225,13 +242,15 @@ class BundleStream:
 
     def _rows(self, conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
         """(index, leaf) of the matching entries, less the foreign ones a filtered export leaves
-        out (`_measure` decided which, and checked the columns)."""
-        stmt = select_indices(**self._query.filters(self.tree_size))
-        skipped = self._skipped
-        for index, leaf in conn.execute(stmt.execution_options(yield_per=_YIELD_PER)):
+        out (`_measure` decided which); a filtered export's columns are checked again, so a row
+        changed between the two passes stops the export instead of changing what it holds."""
+        skipped, complete = self._skipped, self._query.complete
+        for index, raw, *columns in conn.execute(self._statement()):
             if skipped and index in skipped:
                 continue
-            yield int(index), bytes(leaf)
+            leaf = bytes(raw)
+            if complete or self._selected(int(index), leaf, columns):
+                yield int(index), leaf
 
 
 def _holds(leaf: bytes, key: bytes, value: str, following: bytes) -> bool:

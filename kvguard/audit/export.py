@@ -280,7 +280,7 @@ def _selector(filters: dict[str, Any]) -> Callable[[dict[str, Any], int], bool]:
     since, until = filters.get("since"), filters.get("until")
     low = ts_micros(since) if since is not None else None
     high = ts_micros(until) if until is not None else None
-    wanted = frozenset(kinds) if kinds is not None else None
+    wanted = frozenset(kinds) if kinds else None  # an empty list: every kind, as in the query
 
     def selected(event: dict[str, Any], ts: int) -> bool:
         return (

@@ -338,15 +338,21 @@ def _verify_entries(
     return _verify_proven_lines(d, cp, progress, complete, _in_selection(selection))
 
 
+# The filters `kvguard audit export` (`scope_tag`) and the API's export (`scope_tags`) sign.
+_SELECTION_KEYS: Final = frozenset({"scope_tag", "scope_tags", "kinds", "since", "until"})
+
+
 def _in_selection(selection: str | None) -> Callable[[dict[str, Any]], bool] | None:
     """For a filtered bundle, whether an event is one its signed selection names (the filters
-    `kvguard audit export` writes: `scope_tag`, `kinds`, `since` inclusive, `until` not): an
+    the exports write: `scope_tag` or `scope_tags`, `kinds`, `since` inclusive, `until` not): an
     exporter cannot label one tenant's entries as another's. None: nothing to check."""
     if selection is None or not selection.startswith("filtered "):
         return None
     try:
         filters = json.loads(selection.removeprefix("filtered "))
-        tag, kinds = filters.get("scope_tag"), filters.get("kinds")
+        if set(filters) - _SELECTION_KEYS:
+            raise ValueError("unknown filter")
+        tag, tags, kinds = filters.get("scope_tag"), filters.get("scope_tags"), filters.get("kinds")
         since, until = (_aware(filters.get(k)) for k in ("since", "until"))
     except (ValueError, TypeError, AttributeError):
         raise VerificationError("manifest: a selection this verifier cannot read") from None
@@ -356,7 +362,8 @@ def _in_selection(selection: str | None) -> Callable[[dict[str, Any]], bool] | N
             ts = _aware(str(event.get("ts", "")).replace("Z", "+00:00"))
             return (
                 (tag is None or event.get("scope_tag") == tag)
-                and (kinds is None or event.get("kind") in kinds)
+                and (tags is None or event.get("scope_tag") in tags)
+                and (not kinds or event.get("kind") in kinds)
                 and (since is None or (ts is not None and ts >= since))
                 and (until is None or (ts is not None and ts < until))
             )

@@ -395,5 +395,7 @@ def test_checkpoint_after_a_row_inserted_at_the_head(
     raw.close()
     reopened = open_ledger(sqlite_url)
     reopened.checkpoint()
+    # and the proofs the API and witnesses read (a re-test found them still stopped)
+    assert reopened.inclusion_proof(3, 26) and reopened.consistency_proof(12, 26)
     reopened.export(tmp_path / "b")
     assert _verify(tmp_path / "b", key).foreign == (25,)

@@ -5,6 +5,7 @@ documented behaviour it holds the server to."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -159,3 +160,17 @@ def test_two_authorization_headers_are_refused_not_resolved(server, acme_key) ->
         )
         assert response.status_code == 401, response.text[:300]
         assert acme_key not in response.text
+
+
+@pytest.mark.parametrize("state", ["missing", "empty"])
+def test_lora_adapter_error_names_no_server_path(tmp_path: Path, state: str) -> None:
+    """Found by a re-test (F4): the middleware answers the ValueError's text with 400 (seen on the real server:
+    `{"error": {"message": "LoRA adapter at /tmp/.../lora has no files", "code": 400}}`)."""
+    from kvguard.engine_adapter.vllm.adapters import AdapterDigests  # noqa: PLC0415
+
+    directory = tmp_path / "secret-layout" / "lora"
+    if state == "empty":
+        directory.mkdir(parents=True)
+    with pytest.raises(ValueError) as refused:
+        AdapterDigests().ref("tiny-lora", str(directory))
+    assert "secret-layout" not in str(refused.value), str(refused.value)

@@ -20,6 +20,7 @@ What the review found (each test below failed on the code it was written against
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -261,3 +262,16 @@ def test_model_list_shows_no_server_paths(server) -> None:
     for card in cards:
         assert card["root"] == card["id"], card
     assert str(server.workdir) not in response.text  # the adapter's directory
+
+
+def test_engine_serve_refuses_a_model_vllm_would_pool_before_starting() -> None:
+    """Found by a re-test (F6): `--hf-overrides '{"architectures": ["LlamaForSequenceClassification"]}'` resolves to
+    `runner pooling, convert classify` (vLLM 0.32); `kvguard engine serve` starts vLLM, whose
+    engine core dies in the connector with a traceback, instead of exit 2 with the reason."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.launch import refuse_owned_options  # noqa: PLC0415
+
+    overrides = json.dumps({"architectures": ["LlamaForSequenceClassification"]})
+    with pytest.raises(ConfigError, match="governs generative models only"):
+        refuse_owned_options(["--hf-overrides", overrides], str(tiny_llama_dir()))

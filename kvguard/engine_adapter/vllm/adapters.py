@@ -65,7 +65,7 @@ class AdapterDigests:
         if cached is None or cached[0] != listing:
             try:
                 cached = (listing, adapter_digest(root))
-            except OSError:
+            except (OSError, ValueError):  # gone, empty or unreadable: named, its path never shown
                 raise ValueError(f"LoRA adapter {name!r} cannot be read") from None
             self._cache[path] = cached
         return AdapterRef(id=name, revision=cached[1])

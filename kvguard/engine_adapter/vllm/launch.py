@@ -28,6 +28,7 @@ import signal
 from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVarTuple
 
 from kvguard.engine_adapter.vllm.routes import POOLING_REFUSED
@@ -121,7 +122,23 @@ def refuse_owned_options(vllm_argv: list[str], model: str = "model") -> Namespac
         "none",
     ):
         raise ConfigError(POOLING_REFUSED)
+    if Path(model).is_dir() and _runner_type(args) == "pooling":  # e.g. by `--hf-overrides`
+        raise ConfigError(POOLING_REFUSED)
     return args
+
+
+def _runner_type(args: Namespace) -> str | None:
+    """The runner vLLM resolves for a local model with these options (its config read from the
+    directory, milliseconds), so that a model vLLM would pool is refused before it starts rather
+    than by the connector inside the engine core. None when vLLM cannot resolve it: vLLM then
+    reports what is wrong with the model as it starts, and the connector still refuses a pooling
+    model there."""
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+
+    try:
+        return str(EngineArgs.from_cli_args(args).create_model_config().runner_type)
+    except Exception:  # whatever vLLM's config code raises; see the docstring
+        return None
 
 
 def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespace:
