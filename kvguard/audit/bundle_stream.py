@@ -36,10 +36,11 @@ from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import Checkpoint, parse_checkpoint
 from kvguard.audit.export import consistency_lines, payload_lines
-from kvguard.audit.leaf import format_micros, ts_micros
+from kvguard.audit.leaf import format_micros
 from kvguard.audit.manifest import MANIFEST, Manifest, format_manifest, selection_text
 from kvguard.audit.proof_runs import CHUNK_BITS, ProofRuns
 from kvguard.audit.query import select_indices
+from kvguard.audit.selection import Selection
 from kvguard.errors import VerificationError
 from kvguard.logging import get_logger
 
@@ -86,10 +87,8 @@ class BundleStream:
         self._ledger, self._query, self._gzip, self._mtime = ledger, query, gzip, mtime
         self._foreign: set[int] = set()  # foreign leaves a complete export carries (`_measure`)
         self._skipped: set[int] = set()  # foreign leaves a filtered export leaves out
-        # The time filter in the columns' microseconds (`since` inclusive, `until` not).
-        self._bounds = (
-            ts_micros(query.since) if query.since is not None else None,
-            ts_micros(query.until) if query.until is not None else None,
+        self._selection = Selection.of(
+            scope_tags=query.scope_tags, kinds=query.kinds, since=query.since, until=query.until
         )
         self.checkpoint = ledger.checkpoint()
         cp = parse_checkpoint(note.split_note(self.checkpoint)[0])
@@ -215,13 +214,7 @@ class BundleStream:
             and _holds(leaf, b',"ts":', f'"{format_micros(ts_us)}"', b',"v":')
         ):
             raise VerificationError(f"entry {index}: index columns do not match the leaf")
-        q, (low, high) = self._query, self._bounds
-        return (
-            (q.scope_tags is None or tag in q.scope_tags)
-            and (not q.kinds or kind in q.kinds)
-            and (low is None or ts_us >= low)
-            and (high is None or ts_us < high)
-        )
+        return self._selection.holds(tag, kind, ts_us)
 
     def _entries(
         self, conn: sa.Connection, aux: sa.Connection

@@ -37,8 +37,8 @@ from kvguard.audit import schema as t
 from kvguard.audit.certificate import REQUEST_ACTIONS
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.db import read_connection
-from kvguard.audit.leaf import ts_micros
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.selection import ts_micros
 from kvguard.errors import VerificationError
 
 CLOCK_SKEW_S: Final = timedelta(minutes=5)  # engines and the API keep time by NTP

@@ -29,9 +29,10 @@ from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
 from kvguard.audit.bundle import CHECKPOINT
 from kvguard.audit.checkpoint import Checkpoint, format_tlog_proof, parse_checkpoint
-from kvguard.audit.leaf import parse_ts, ts_micros
+from kvguard.audit.leaf import parse_ts
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
+from kvguard.audit.selection import Selection, ts_micros
 from kvguard.audit.store import CheckpointRow, blob
 from kvguard.errors import AuditError, LogRewrittenError, SecretFileError, VerificationError
 from kvguard.logging import get_logger
@@ -269,28 +270,18 @@ def _rows(
         ts = ts_micros(parse_ts(event["ts"]))
         if columns != [event["kind"], event["scope_tag"], event["request_id"], ts]:
             raise VerificationError(f"entry {idx}: index columns do not match the leaf")
-        if selected(event, ts):
+        if selected.holds(event["scope_tag"], event["kind"], ts):
             yield int(idx), leaf, event
 
 
-def _selector(filters: dict[str, Any]) -> Callable[[dict[str, Any], int], bool]:
-    """Whether an event (and its timestamp in microseconds) is in a filtered export: the filters
-    of `kvguard.audit.query.select_indices`, read off the leaf (`since` inclusive, `until` not)."""
-    tag, kinds = filters.get("scope_tag"), filters.get("kinds")
-    since, until = filters.get("since"), filters.get("until")
-    low = ts_micros(since) if since is not None else None
-    high = ts_micros(until) if until is not None else None
-    wanted = frozenset(kinds) if kinds else None  # an empty list: every kind, as in the query
-
-    def selected(event: dict[str, Any], ts: int) -> bool:
-        return (
-            (tag is None or event["scope_tag"] == tag)
-            and (wanted is None or event["kind"] in wanted)
-            and (low is None or ts >= low)
-            and (high is None or ts < high)
-        )
-
-    return selected
+def _selector(filters: dict[str, Any]) -> Selection:
+    """The selection of `kvguard.audit.query.select_indices`'s filters, read off the leaves."""
+    return Selection.of(
+        scope_tag=filters.get("scope_tag"),
+        kinds=filters.get("kinds"),
+        since=filters.get("since"),
+        until=filters.get("until"),
+    )
 
 
 def _complete_proofs(conn: sa.Connection, size: int, root: bytes) -> ProofFn:

@@ -27,6 +27,7 @@ from kvguard.audit import merkle, payloads
 from kvguard.audit.certificate import REQUEST_ACTIONS
 from kvguard.audit.erasure import PURGE_KINDS, SHRED_KIND
 from kvguard.audit.events import AuditEvent, DetailValue, EventKind
+from kvguard.audit.selection import ts_micros
 from kvguard.audit.store import PreparedEntry
 from kvguard.errors import SensitiveFieldError, VerificationError
 
@@ -169,12 +170,6 @@ def encode_leaf_unchecked(event: AuditEvent, commitment: bytes | None) -> bytes:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def ts_micros(ts: datetime) -> int:
-    """Microseconds since the Unix epoch (exact integer arithmetic, no float rounding)."""
-    delta = ts - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def prepare_entry(event: AuditEvent, salt: bytes | None = None) -> PreparedEntry:

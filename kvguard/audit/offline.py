@@ -44,6 +44,7 @@ from kvguard.audit.checkpoint import (
     parse_tlog_proof,
 )
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, parse_manifest
+from kvguard.audit.selection import Selection, ts_micros
 from kvguard.errors import VerificationError
 
 Progress = Callable[[int, int], None]
@@ -344,33 +345,48 @@ _SELECTION_KEYS: Final = frozenset({"scope_tag", "scope_tags", "kinds", "since",
 
 def _in_selection(selection: str | None) -> Callable[[dict[str, Any]], bool] | None:
     """For a filtered bundle, whether an event is one its signed selection names (the filters
-    the exports write: `scope_tag` or `scope_tags`, `kinds`, `since` inclusive, `until` not): an
-    exporter cannot label one tenant's entries as another's. None: nothing to check."""
+    the exports write, `kvguard.audit.selection`): an exporter cannot label one tenant's entries
+    as another's. None: nothing to check."""
     if selection is None or not selection.startswith("filtered "):
         return None
     try:
         filters = json.loads(selection.removeprefix("filtered "))
         if set(filters) - _SELECTION_KEYS:
             raise ValueError("unknown filter")
-        tag, tags, kinds = filters.get("scope_tag"), filters.get("scope_tags"), filters.get("kinds")
-        since, until = (_aware(filters.get(k)) for k in ("since", "until"))
+        chosen = Selection.of(
+            scope_tag=_text(filters.get("scope_tag")),
+            scope_tags=_texts(filters.get("scope_tags")),
+            kinds=_texts(filters.get("kinds")),
+            since=_aware(filters.get("since")),
+            until=_aware(filters.get("until")),
+        )
     except (ValueError, TypeError, AttributeError):
         raise VerificationError("manifest: a selection this verifier cannot read") from None
 
     def selected(event: dict[str, Any]) -> bool:
         try:
             ts = _aware(str(event.get("ts", "")).replace("Z", "+00:00"))
-            return (
-                (tag is None or event.get("scope_tag") == tag)
-                and (tags is None or event.get("scope_tag") in tags)
-                and (not kinds or event.get("kind") in kinds)
-                and (since is None or (ts is not None and ts >= since))
-                and (until is None or (ts is not None and ts < until))
+            return ts is not None and chosen.holds(
+                event.get("scope_tag"), event.get("kind"), ts_micros(ts)
             )
         except (ValueError, TypeError):
             return False
 
     return selected
+
+
+def _text(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("not a string")
+    return value
+
+
+def _texts(value: object) -> list[str] | None:
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)
+    ):
+        raise TypeError("not a list of strings")
+    return value
 
 
 def _verify_renderings(d: Path, cp: Checkpoint) -> None:

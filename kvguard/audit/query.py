@@ -21,7 +21,8 @@ import sqlalchemy as sa
 from kvguard.audit import bundle
 from kvguard.audit import schema as t
 from kvguard.audit.events import AuditEvent, DetailValue
-from kvguard.audit.leaf import decode_leaf, ts_micros
+from kvguard.audit.leaf import decode_leaf
+from kvguard.audit.selection import ts_micros
 from kvguard.audit.store import CheckpointRow
 from kvguard.audit.timemarks import TimeMarks
 from kvguard.errors import VerificationError

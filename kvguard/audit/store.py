@@ -201,19 +201,16 @@ class LedgerStore:
             (int(kind), int(k)): blob(v, f"stored hash {k}") for kind, k, v in rows if kind != 2
         }
 
-        def read(subtrees: Sequence[merkle.Subtree]) -> list[bytes]:
-            out = []
-            for s in subtrees:
-                h = found.get(
-                    (0, s.position) if s.level == 0 else (1, t.hash_key(s.level, s.position))
-                )
-                if h is None:  # e.g. completed by a row another writer put at the head
-                    with self.engine.connect() as again:
-                        h = self._stored_or_computed(again, self.reader(again), s)
-                out.append(h)
-            return out
+        def key(s: merkle.Subtree) -> tuple[int, int]:
+            return (0, s.position) if s.level == 0 else (1, t.hash_key(s.level, s.position))
 
-        return merkle.hashes_for_ranges(ranges, read)
+        missing = [s for s in wanted if key(s) not in found]
+        if missing:  # e.g. completed by a row another writer put at the head: one more connection
+            with self.engine.connect() as again:
+                found.update(
+                    zip(map(key, missing), self.complete_reader(again)(missing), strict=True)
+                )
+        return merkle.hashes_for_ranges(ranges, lambda subtrees: [found[key(s)] for s in subtrees])
 
     def leaf_hashes(self, conn: sa.Connection, lo: int, hi: int) -> list[bytes]:
         """The stored leaf hashes of entries [lo, hi) in order (VerificationError if any is

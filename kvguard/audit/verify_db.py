@@ -28,8 +28,9 @@ from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.events import EventKind
-from kvguard.audit.leaf import command_links, decode_leaf, format_micros, ts_micros
+from kvguard.audit.leaf import command_links, decode_leaf, format_micros
 from kvguard.audit.payloads import check_commitment
+from kvguard.audit.selection import ts_micros
 from kvguard.audit.store import blob
 from kvguard.errors import VerificationError
 
