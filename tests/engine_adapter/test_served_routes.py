@@ -275,3 +275,16 @@ def test_engine_serve_refuses_a_model_vllm_would_pool_before_starting() -> None:
     overrides = json.dumps({"architectures": ["LlamaForSequenceClassification"]})
     with pytest.raises(ConfigError, match="governs generative models only"):
         refuse_owned_options(["--hf-overrides", overrides], str(tiny_llama_dir()))
+
+
+@pytest.mark.parametrize("kwargs", [{"runner": "pooling"}, {"convert": "embed"}])
+def test_guarded_llm_refuses_a_pooling_model_with_the_reason(tmp_path: Path, kwargs) -> None:
+    """`GuardedLLM(runner="pooling")` failed deep in engine start-up with a bare RuntimeError; it
+    now says why before an engine starts."""
+    from kvguard.engine_adapter.vllm.guarded import GuardedLLM, tiny_llama_dir  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import write_secrets  # noqa: PLC0415
+
+    options = GuardOptions(**write_secrets(tmp_path))
+    with pytest.raises(ConfigError, match="governs generative models only"):
+        GuardedLLM(str(tiny_llama_dir()), options=options, **kwargs)

@@ -21,6 +21,7 @@ from vllm.inputs import TokensPrompt
 
 from kvguard.engine_adapter.records import PurgeSelector
 from kvguard.engine_adapter.vllm.connector import KVGuardConnector
+from kvguard.engine_adapter.vllm.routes import POOLING_REFUSED
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.transport import Envelope
 from kvguard.errors import AdmissionError, ConfigError
@@ -72,6 +73,12 @@ class GuardedLLM:
                     "the device unencrypted and outside purges; use kvguard's governed tier "
                     "instead (GuardOptions.offload_bytes, docs/offload.md)"
                 )
+        if llm_kwargs.get("runner") == "pooling" or llm_kwargs.get("convert") not in (
+            None,
+            "auto",
+            "none",
+        ):
+            raise ConfigError(POOLING_REFUSED)
         self.options = options
         self._deriver = options.deriver()
         transfer = KVTransferConfig(
