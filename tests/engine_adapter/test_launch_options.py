@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.vllm]
 
 from kvguard.audit.signing import SigningKey  # noqa: E402
 from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir  # noqa: E402
-from kvguard.engine_adapter.vllm.launch import ServeConfig, vllm_args  # noqa: E402
+from kvguard.engine_adapter.vllm.launch import SHUTDOWN_TIMEOUT_S, ServeConfig, vllm_args  # noqa: E402
 from kvguard.engine_adapter.vllm.runtime import GuardOptions  # noqa: E402
 from kvguard.errors import ConfigError  # noqa: E402
 from kvguard.isolation import Keyring  # noqa: E402
@@ -31,6 +31,11 @@ def test_owned_vllm_options_are_refused_however_they_are_spelled(tmp_path: Path,
     """docs/vllm.md: kvguard refuses `--enable-log-requests` (prompts and salts in vLLM's log, G6),
     `--api-key` and `--kv-offloading-size` (an ungoverned tier). Spelled
     with underscores or abbreviated, vLLM's own parser takes them and the server starts with them."""
+    with pytest.raises(ConfigError):
+        vllm_args(str(tiny_llama_dir()), ["--load-format", "dummy", *argv], _config(tmp_path))
+
+
+def _config(tmp_path: Path) -> ServeConfig:
     Keyring.generate().save(tmp_path / "salt.keys")
     SigningKey.generate("kvguard.test/ledger").save(tmp_path / "sign.key")
     db_url = f"sqlite:///{tmp_path / 'kvguard.db'}"
@@ -39,7 +44,21 @@ def test_owned_vllm_options_are_refused_however_they_are_spelled(tmp_path: Path,
         ledger_url=db_url,
         signing_key_file=tmp_path / "sign.key",
     )
-    with pytest.raises(ConfigError):
-        vllm_args(
-            str(tiny_llama_dir()), ["--load-format", "dummy", *argv], ServeConfig(options, db_url)
-        )
+    return ServeConfig(options, db_url)
+
+
+@pytest.mark.parametrize(
+    ("argv", "timeout"),
+    [
+        ([], SHUTDOWN_TIMEOUT_S),
+        (["--shutdown-timeout", "0"], SHUTDOWN_TIMEOUT_S),
+        (["--shutdown-timeout", "20"], 20),
+    ],
+)
+def test_engine_serve_gives_requests_and_its_close_time_to_finish(
+    tmp_path: Path, argv, timeout
+) -> None:
+    """vLLM's `--shutdown-timeout 0` kills the engine core the instant it is asked to stop, before
+    kvguard's close (test_serve_shutdown.py); kvguard serves with a positive one."""
+    args = vllm_args(str(tiny_llama_dir()), ["--load-format", "dummy", *argv], _config(tmp_path))
+    assert args.shutdown_timeout == timeout > 0

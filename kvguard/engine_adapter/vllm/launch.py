@@ -39,6 +39,7 @@ from kvguard.settings import Settings, load_settings
 CONNECTOR_MODULE = "kvguard.engine_adapter.vllm.connector"
 MIDDLEWARE = "kvguard.engine_adapter.vllm.serve.KVGuardMiddleware"
 DEFAULT_ORIGIN = "kvguard.local/ledger"
+SHUTDOWN_TIMEOUT_S = 5  # `--shutdown-timeout` when vLLM's option is left at 0
 _NO_OFFLOAD = (
     "vLLM's KV offloading would move KV state off the device unencrypted and outside purges and "
     "certificates; use kvguard's governed tier instead (KVGUARD_OFFLOAD_BYTES, docs/offload.md)"
@@ -158,6 +159,12 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
     args.middleware = [*(args.middleware or []), MIDDLEWARE]
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
+    if not args.shutdown_timeout:
+        # vLLM's 0 sends its engine core SIGTERM and SIGKILL in the same instant: kvguard's close
+        # (the ledger writer's queue, the last heartbeat, the engine's stop) never ran, and a
+        # stream in flight hung the server until it was killed (tests/engine_adapter/
+        # test_serve_shutdown.py). Requests in flight get this long to finish (docs/vllm.md).
+        args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
     validate_parsed_serve_args(args)
     return args
 
