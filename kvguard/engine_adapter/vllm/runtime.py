@@ -21,6 +21,11 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `offload_prefill_us_per_token` | prefill cost per token for that decision | measured from the engine's steps |
 | `canary` | test-only: check every block entering a new scope is all-zero before the forward, and the custody invariant (G4) after every step | false |
 
+Database URLs reach the engine without their passwords (vLLM logs this configuration at start):
+`GuardOptions.to_extra_config` puts them in the environment variable `KVGUARD_ENGINE_DB_PASSWORDS`,
+which vLLM's engine processes inherit. A configuration written by hand can leave the password out of
+the URL and let libpq find it (`PGPASSWORD`, `~/.pgpass`).
+
 With `policy_url`, the store's current version wins over `policy_file`; the file (or the defaults) is
 used only while the store holds no version yet, and the log says which was loaded. A store that cannot
 be read refuses start (G7).
@@ -28,9 +33,14 @@ be read refuses start (G7).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, overload
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
@@ -46,6 +56,44 @@ DEFAULT_ORIGIN = "kvguard.local/ledger"
 _log = get_logger("vllm.runtime")
 DEFAULT_COMMIT_INTERVAL_S: Final = 0.05
 MAX_COMMIT_INTERVAL_S: Final = 5.0
+
+
+# Database passwords of the URLs in `kv_connector_extra_config`, by URL without its password (JSON).
+DB_PASSWORDS_ENV: Final = "KVGUARD_ENGINE_DB_PASSWORDS"
+
+
+def _keep_password(url: str, passwords: dict[str, str]) -> str:
+    """`url` without its password, which goes into `passwords` under the URL it leaves."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url  # not a URL: the connector names it when it fails to open it
+    if parsed.password is None:
+        return url
+    bare = parsed._replace(password=None).render_as_string(hide_password=False)  # (set() keeps it)
+    passwords[bare] = str(parsed.password)
+    return bare
+
+
+def _passwords() -> dict[str, str]:
+    try:
+        found = json.loads(os.environ.get(DB_PASSWORDS_ENV) or "{}")
+    except ValueError:
+        raise ConfigError(f"{DB_PASSWORDS_ENV} is not the JSON kvguard writes") from None
+    if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+        raise ConfigError(f"{DB_PASSWORDS_ENV} is not the JSON kvguard writes")
+    return found
+
+
+@overload
+def _with_password(url: str, passwords: dict[str, str]) -> str: ...
+@overload
+def _with_password(url: str | None, passwords: dict[str, str]) -> str | None: ...
+def _with_password(url: str | None, passwords: dict[str, str]) -> str | None:
+    """`url` with the password `to_extra_config` took out of it, if it took one."""
+    if url is None or url not in passwords:
+        return url
+    return make_url(url).set(password=passwords[url]).render_as_string(hide_password=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +132,10 @@ class GuardOptions:
             raise ConfigError(
                 f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}"
             )
+        passwords = _passwords()
         return cls(
             salt_keyring_file=Path(extra["salt_keyring_file"]),
-            ledger_url=str(extra["ledger_url"]),
+            ledger_url=_with_password(str(extra["ledger_url"]), passwords),
             signing_key_file=Path(extra["signing_key_file"]),
             more_signing_key_files=_paths(extra, "more_signing_key_files"),
             policy_file=Path(extra["policy_file"]) if extra.get("policy_file") else None,
@@ -95,8 +144,8 @@ class GuardOptions:
             ledger_commit_interval_s=_commit_interval(extra),
             verify_override=extra.get("verify_override"),
             canary=bool(extra.get("canary", False)),
-            commands_url=extra.get("commands_url"),
-            policy_url=extra.get("policy_url"),
+            commands_url=_with_password(extra.get("commands_url"), passwords),
+            policy_url=_with_password(extra.get("policy_url"), passwords),
             offload_bytes=_non_negative_int(extra, "offload_bytes"),
             offload_dir=str(extra["offload_dir"]) if extra.get("offload_dir") else None,
             offload_restore_us_per_block=_positive_float(extra, "offload_restore_us_per_block"),
@@ -104,9 +153,14 @@ class GuardOptions:
         )
 
     def to_extra_config(self) -> dict[str, Any]:
+        """The connector's `kv_connector_extra_config`. vLLM logs it (`vllm serve` prints its
+        non-default arguments at start), so database URLs go without their passwords: those are
+        put in this process's environment (`DB_PASSWORDS_ENV`), which vLLM's engine processes
+        inherit and `from_extra_config` reads back."""
+        passwords: dict[str, str] = {}
         out: dict[str, Any] = {
             "salt_keyring_file": str(self.salt_keyring_file),
-            "ledger_url": self.ledger_url,
+            "ledger_url": _keep_password(self.ledger_url, passwords),
             "signing_key_file": str(self.signing_key_file),
             "ledger_origin": self.ledger_origin,
             "more_signing_key_files": [str(p) for p in self.more_signing_key_files],
@@ -119,9 +173,11 @@ class GuardOptions:
         if self.verify_override is not None:
             out["verify_override"] = self.verify_override
         if self.commands_url is not None:
-            out["commands_url"] = self.commands_url
+            out["commands_url"] = _keep_password(self.commands_url, passwords)
         if self.policy_url is not None:
-            out["policy_url"] = self.policy_url
+            out["policy_url"] = _keep_password(self.policy_url, passwords)
+        if passwords:
+            os.environ[DB_PASSWORDS_ENV] = json.dumps(passwords)
         for name in (
             "offload_bytes",
             "offload_dir",
