@@ -159,7 +159,7 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
     args.middleware = [*(args.middleware or []), MIDDLEWARE]
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
-    if not args.shutdown_timeout:
+    if getattr(args, "shutdown_timeout", None) == 0:
         # vLLM's 0 sends its engine core SIGTERM and SIGKILL in the same instant: kvguard's close
         # (the ledger writer's queue, the last heartbeat, the engine's stop) never ran, and a
         # stream in flight hung the server until it was killed (tests/engine_adapter/
