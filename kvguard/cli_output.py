@@ -122,6 +122,11 @@ def reporting(
     expected: tuple[type[Exception], ...] = (KvguardError, OSError, *usage)
     try:
         yield
+    except (
+        UnicodeEncodeError
+    ):  # a lone surrogate: a byte of an argument that is not UTF-8 (Python's
+        # stand-in for it), which no database driver can send
+        raise fail(_NOT_TEXT, EXIT_USAGE, json_output) from None
     except expected as exc:
         code = exit_code_for(exc)
         label = "INVALID" if isinstance(exc, VerificationError) else "error"
@@ -131,6 +136,9 @@ def reporting(
         if not _is_database_error(exc):
             raise
         raise fail(_database_problem(exc, db_url), EXIT_USAGE, json_output) from None
+
+
+_NOT_TEXT = "an argument or option is not valid UTF-8 text"
 
 
 def safe_url(url: str) -> str:

@@ -57,6 +57,7 @@ from kvguard.isolation.salts import SaltDeriver
 from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
 from kvguard.logging import get_logger
 from kvguard.policy import NO_USAGE, PolicySet, QuotaFull, admit, load_policy_file
+from kvguard.policy.decisions import Reason
 from kvguard.policy.store import PolicyStore
 
 Message = MutableMapping[str, Any]
@@ -146,9 +147,7 @@ class KVGuardMiddleware:
         if tenant is None:
             return
         if route is RouteClass.READ:
-            if route_path(str(scope.get("path", ""))) == "/v1/models":
-                send = _models_without_paths(send)
-            await self.app(scope, receive, send)
+            await self._read(scope, receive, send, tenant)
             return
         if route is RouteClass.REFUSED:
             await _reply(
@@ -156,6 +155,21 @@ class KVGuardMiddleware:
             )
             return
         await self._governed(scope, receive, send, tenant, headers)
+
+    async def _read(
+        self, scope: MutableMapping[str, Any], receive: Receive, send: Send, tenant: str
+    ) -> None:
+        """A route that reads no KV cache (model list, tokenizer): still refused to a tenant whose
+        policy is disabled, as every route with a key is."""
+        if not await anyio.to_thread.run_sync(self._refresh_policy):
+            await _reply(send, 503, "policy unavailable")
+            return
+        if not self.policies.policy_for(tenant).enabled:
+            await _reply(send, 403, f"refused by policy: {Reason.TENANT_DISABLED.value}")
+            return
+        if route_path(str(scope.get("path", ""))) == "/v1/models":
+            send = _models_without_paths(send)
+        await self.app(scope, receive, send)
 
     async def _tenant(
         self, scope: MutableMapping[str, Any], send: Send, headers: dict[bytes, bytes]
