@@ -65,6 +65,28 @@ class TierIndex:
     def domains(self) -> list[bytes]:
         return list(self._domain_count)
 
+    def tenants(self) -> list[str]:
+        """The tenants holding entries."""
+        return list(self._tenant_bytes)
+
+    def on_disk(self, domain: bytes) -> bool:
+        """Whether any of the domain's entries is stored on disk."""
+        return self.has_domain(domain) and any(
+            e.to_disk for k, e in self._entries.items() if k.domain == domain
+        )
+
+    def trim(self, tenant: str, cap: int | None) -> list[IndexEntry]:
+        """Remove the tenant's least recently used entries until it holds at most `cap` bytes
+        (a cap lowered by a new policy version); returns them. None: no cap."""
+        if cap is None or self._tenant_bytes.get(tenant, 0) <= cap:
+            return []
+        out: list[IndexEntry] = []
+        for key in [k for k, e in self._entries.items() if e.tenant == tenant]:
+            if self._tenant_bytes.get(tenant, 0) <= cap:
+                break
+            out.append(self._pop(key))
+        return out
+
     def domain_usage(self, domain: bytes) -> tuple[int, int]:
         """(entries, ciphertext bytes) the domain holds."""
         held = [e.size for k, e in self._entries.items() if k.domain == domain]

@@ -212,7 +212,7 @@ class SchedulerGuard:
                 ),
                 block_size=block_size,
                 engine_id=self.engine_id,
-                policy_for=self._policy_for,
+                policies=lambda: self.policies,
                 tag_for=self._tag,
                 clock=clock,
                 stats=self.stats,

@@ -16,9 +16,11 @@ holds the ciphertexts and carries the orders out (tier_worker.py). Per step:
   Both decisions are counted and recorded (`block.restore` with `decision`).
 - **Budget, retention, purges.** The index is authoritative (`kvguard.offload.index`): over the
   engine's budget or a tenant's `offload.max_bytes`, the oldest entries are dropped; entries older
-  than the tenant's `offload.ttl_s` are dropped and a domain left empty is shredded (`expiry`); a
-  purge shreds every matching domain (`purge`, with the job's command id); a tenant that is disabled
-  or loses `offload.allowed` is shredded at the policy change (`disable` / `policy`).
+  than the tenant's `offload.ttl_s` are dropped; a domain left empty is shredded (`expiry`, or
+  `emptied` by the budget, a cap or failed loads); a purge shreds every matching domain (`purge`,
+  with the job's command id); a policy change shreds a domain a tenant of it is disabled in
+  (`disable`), may no longer offload, may no longer reuse (new epoch, share withdrawn) or may no
+  longer keep on disk (`policy`), and trims tenants over a lowered cap.
 
 Ledger events (G5, G6: scope tags, block ids and counts only): `block.spill` per scope tag and step,
 `block.restore` per request, `tier.auth_failure` when an entry fails authentication (recomputed),
@@ -38,8 +40,8 @@ from kvguard.engine_adapter.vllm.metadata import ShredOrder, TierOrder, TierRepo
 from kvguard.isolation.scope import Scope
 from kvguard.logging import get_logger
 from kvguard.offload.index import IndexEntry, TierIndex, TierKey
-from kvguard.policy import TenantPolicy
-from kvguard.policy.decisions import expired_at
+from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy.decisions import expired_at, may_reuse
 
 _log = get_logger("vllm.tier")
 _EWMA: Final = 0.2
@@ -80,7 +82,7 @@ class SchedulerTier:
         *,
         block_size: int,
         engine_id: str,
-        policy_for: Callable[[str], TenantPolicy],
+        policies: Callable[[], PolicySet],
         tag_for: Callable[[Scope], str],
         clock: Callable[[], float] = time.time,
         stats: MutableMapping[str, int] | None = None,
@@ -90,7 +92,7 @@ class SchedulerTier:
         self.index = TierIndex(settings.budget_bytes)
         self._bs = block_size
         self._engine_id = engine_id
-        self._policy_for = policy_for
+        self._policies = policies  # the policy set in force (swapped by policy commands)
         self._tag_for = tag_for
         self._clock = clock
         self._candidates: dict[int, _Candidate] = {}
@@ -126,6 +128,9 @@ class SchedulerTier:
         self._tenant_figure = tenant_figure or (lambda _tenant, _figure, _amount: None)
 
     # --- spill ----------------------------------------------------------------------------------
+
+    def _policy_for(self, tenant: str) -> TenantPolicy:
+        return self._policies().policy_for(tenant)
 
     def allowed(self, tenant: str) -> bool:
         policy = self._policy_for(tenant)
@@ -201,6 +206,8 @@ class SchedulerTier:
         if share_tokens is not None:
             stop = min(stop, share_tokens // self._bs)
         keys = self.index.run(scope.domain_key, hashes, start, stop)
+        if keys and not self._may_serve(scope.domain_key, scope):
+            return 0
         now = self._clock()
         for n, key in enumerate(keys):  # a prefix past its owner's retention is not served
             entry = self.index.get(key)
@@ -353,6 +360,7 @@ class SchedulerTier:
 
     def _spilled(self, report: TierReport, now: float) -> None:
         per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
+        evicted: list[IndexEntry] = []  # over the budget or a tenant's cap
         for order, size in report.spilled:
             tenant = self._spilling.pop(order.key, None)
             if order.generation != self._generation[order.key.domain] or tenant is None:
@@ -368,9 +376,7 @@ class SchedulerTier:
                 order.last_used_at,
             )
             cap = self._policy_for(tenant).offload.max_bytes
-            for gone in self.index.add(entry, tenant_cap=cap):
-                self._drop.append(TierOrder(-1, gone.key, gone.scope_tag))
-                self.stats["tier_evicted_entries"] += 1
+            evicted.extend(self.index.add(entry, tenant_cap=cap))
             per_tag[order.scope_tag].append((order, size))
             self._tenant_figure(tenant, "tier_spilled_blocks", 1)
             self._tenant_figure(tenant, "tier_spilled_bytes", size)
@@ -400,6 +406,7 @@ class SchedulerTier:
         # step is built and carried out before its forward): one not reported failed in the worker
         # (logged there) and is not kept. Forgotten here, so failures cannot grow the map.
         self._spilling.clear()
+        self._leave(evicted, "emptied", "tier_evicted_entries")
 
     def _restored(self, report: TierReport, now: float) -> None:
         per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
@@ -429,9 +436,12 @@ class SchedulerTier:
                     },
                 )
             )
+        unreadable: list[IndexEntry] = []
         for order, reason in report.failed:
             rid, _tenant = self._loading.pop(order.block_id, ("", ""))
-            self.index.remove(order.key)
+            failed = self.index.remove(order.key)
+            if failed is not None:
+                unreadable.append(failed)
             if reason == "missing":  # dropped or shredded after the match: recomputed, no harm
                 self.stats["tier_load_misses"] += 1
                 continue
@@ -450,6 +460,7 @@ class SchedulerTier:
                 )
             )
         self.stats["tier_restore_us"] += int(report.restore_s * 1e6)
+        self._leave(unreadable, "emptied", None)
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -479,25 +490,62 @@ class SchedulerTier:
         return expired_at(policy, entry.created_at, entry.last_used_at, now)
 
     def sweep(self, now: float) -> None:
-        gone = self.index.expire(now, self._expired)
-        emptied: set[bytes] = set()
+        self._leave(self.index.expire(now, self._expired), "expiry", "tier_expired_entries")
+
+    def _leave(self, gone: list[IndexEntry], reason: str, stat: str | None) -> None:
+        """Entries the index let go (expired, over a budget or cap, unreadable): a domain they
+        leave empty is shredded (`reason`), its ciphertexts deleted with its key, so that the
+        `key.shred` entry counts them and no key outlives its last entry (a tenant with `reuse:
+        session` names new domains at will); the others are dropped one by one."""
+        by_domain: dict[bytes, list[IndexEntry]] = defaultdict(list)
         for entry in gone:
-            self._drop.append(TierOrder(-1, entry.key, entry.scope_tag))
-            self.stats["tier_expired_entries"] += 1
-            emptied.add(entry.key.domain)
-        for domain in emptied:
-            if domain in self._scopes and not self.index.has_domain(domain):
-                self._shred_domain(domain, "expiry", None)
+            by_domain[entry.key.domain].append(entry)
+            if stat is not None:
+                self.stats[stat] += 1
+        for domain, entries in by_domain.items():
+            if domain in self._scopes and self._emptied(domain):
+                self._shred_domain(domain, reason, None)
+                continue
+            self._drop.extend(TierOrder(-1, e.key, e.scope_tag) for e in entries)
+
+    def _emptied(self, domain: bytes) -> bool:
+        """The index holds nothing of `domain` and no spill into it awaits its report."""
+        return not self.index.has_domain(domain) and not any(
+            key.domain == domain for key in self._spilling
+        )
+
+    def _may_serve(self, domain: bytes, scope: Scope) -> bool:
+        """Whether every tenant that spilled into `domain` still lets `scope` reuse its blocks
+        (`may_reuse`, as for a prefix hit on the device): `on_policy` shreds a domain a policy
+        change withdrew, and this holds the tier to it if anything is left."""
+        policies = self._policies()
+        return all(
+            may_reuse(policies, owner, scope) for owner in self._scopes.get(domain, {}).values()
+        )
 
     def on_policy(self) -> None:
-        """A new policy is in force: a tenant disabled, or no longer allowed to offload, loses its
-        tier entries and keys now (a domain it shares with other tenants, whole)."""
+        """A new policy is in force. What it no longer allows leaves the tier now, as it leaves
+        the device (`SchedulerGuard.use_policy`): a domain (a shared one whole) is shredded when a
+        tenant that spilled into it is disabled (`disable`), may no longer offload, or may no
+        longer reuse the domain's blocks even itself (the epoch moved on, a share withdrawn: a
+        tenant that left its group or narrowed `public`), or when the domain holds files on disk
+        and a tenant's `offload.disk` was revoked (`policy`). A lowered `offload.max_bytes` drops
+        the tenant's oldest entries until it is within it."""
+        policies = self._policies()
         for domain, owners in list(self._scopes.items()):
-            policies = [self._policy_for(tenant) for tenant in owners]
-            if not all(p.enabled for p in policies):
+            tenants = [policies.policy_for(tenant) for tenant in owners]
+            if not all(p.enabled for p in tenants):
                 self._shred_domain(domain, "disable", None)
-            elif not all(p.offload.allowed for p in policies):
+            elif (
+                not all(p.offload.allowed for p in tenants)
+                or not all(may_reuse(policies, owner, owner) for owner in owners.values())
+                or (not all(p.offload.disk for p in tenants) and self.index.on_disk(domain))
+            ):
                 self._shred_domain(domain, "policy", None)
+        over: list[IndexEntry] = []
+        for tenant in self.index.tenants():
+            over.extend(self.index.trim(tenant, policies.policy_for(tenant).offload.max_bytes))
+        self._leave(over, "emptied", "tier_evicted_entries")
 
     def _domain_tag(self, domain: bytes) -> str:
         """The domain's scope tag (a tag names the reuse domain, the same for each of its owners)."""
