@@ -19,12 +19,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import json
 import logging
+import os
 import re
 import sys
 import threading
 from collections.abc import Iterable, MutableMapping
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 import structlog
 
@@ -258,6 +260,29 @@ def capture_stdlib_logging(names: Iterable[str] = STDLIB_LOGGERS) -> None:
         logger.handlers = [handler]
         logger.propagate = False
         logger.setLevel(max(level, logging.WARNING) if name in _QUIET else level)
+
+
+# How a server process logs, for the worker processes it spawns (`kvguard serve --workers N`):
+# they start from nothing and would otherwise log at WARNING, without the access lines.
+SERVER_LOGGING_ENV: Final = "KVGUARD_SERVER_LOGGING"
+
+
+def export_server_logging() -> None:
+    """Put this server process's logging choice (after `capture_stdlib_logging`) in the
+    environment its worker processes inherit."""
+    setup = {"level": _configured["level"], "json_output": _configured["json_output"]}
+    os.environ[SERVER_LOGGING_ENV] = json.dumps(setup)
+
+
+def adopt_server_logging() -> None:
+    """In a server's worker process: log as the parent server does (`export_server_logging`);
+    nothing when it exported nothing."""
+    raw = os.environ.get(SERVER_LOGGING_ENV)
+    if not raw:
+        return
+    setup = json.loads(raw)
+    configure_logging(str(setup["level"]), json_output=bool(setup["json_output"]))
+    capture_stdlib_logging()
 
 
 def _component_from_logger(

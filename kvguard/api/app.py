@@ -31,7 +31,7 @@ from kvguard.api.limits import PRINCIPAL_STATE, RequestGate
 from kvguard.api.routes import audit, cache, health, inference_keys, policies, purges, tenants
 from kvguard.api.services import CONFIG_ENV, ApiConfig, Services
 from kvguard.errors import KvguardError
-from kvguard.logging import get_logger
+from kvguard.logging import adopt_server_logging, get_logger
 
 _log = get_logger("kvguard.api.access")
 
@@ -79,6 +79,7 @@ class AccessLog:
 def app_from_environment() -> FastAPI:
     """The app of one `kvguard serve --workers N` worker process: opens its own `Services` from the
     settings the parent checked (`KVGUARD_API_CONFIG`) and closes them at shutdown."""
+    adopt_server_logging()
     config = ApiConfig.from_json(os.environ[CONFIG_ENV])
     try:
         services = Services.open(config)

@@ -22,7 +22,7 @@ import typer
 
 from kvguard.cli_output import EXIT_FAILED, EXIT_USAGE, JsonOpt, emit, fail, reporting, safe_url
 from kvguard.errors import ConfigError, VerificationError
-from kvguard.logging import capture_stdlib_logging
+from kvguard.logging import capture_stdlib_logging, export_server_logging
 
 if TYPE_CHECKING:
     from kvguard.api.auth import ApiKeys
@@ -133,6 +133,7 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         # own services from the same settings.
         services.close()
         os.environ[CONFIG_ENV] = config.to_json()
+        export_server_logging()  # the workers log as this process does (access lines at INFO)
         run_uvicorn(
             "kvguard.api.app:app_from_environment",
             factory=True,

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from kvguard.control.keys import ApiKeys, Role
@@ -16,9 +17,15 @@ from kvguard.control.keys import ApiKeys, Role
 from .test_crash_consistency import Api
 
 
-def test_server_log_lines_are_json_redacted_with_uvicorns_and_access_lines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_server_log_lines_are_json_redacted_with_uvicorns_and_access_lines(
+    tmp_path: Path, workers: int
+) -> None:
+    """With `--workers 2` the worker processes wrote no access line (they logged at WARNING: the
+    parent's logging did not reach them; found by a review)."""
     db_url = f"sqlite:///{tmp_path / 'kvguard.db'}"
     api = Api(db_url, tmp_path)
+    api.extra_args = ["--workers", str(workers)]
     engine = sa.create_engine(db_url)
     api.start()  # migrates the database
     try:
