@@ -208,7 +208,10 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        # One write per line (message and newline together): `print` writes them separately, and
+        # the worker processes of `kvguard serve --workers N` share one stderr, so their lines
+        # interleaved mid-line and broke the one-JSON-object-per-line format.
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
 
@@ -282,7 +285,9 @@ def adopt_server_logging() -> None:
         return
     setup = json.loads(raw)
     configure_logging(str(setup["level"]), json_output=bool(setup["json_output"]))
-    capture_stdlib_logging()
+    # uvicorn has configured the worker's loggers by now, its access logger off (`access_log`:
+    # kvguard's own access line replaces it): capturing it again would log every request twice.
+    capture_stdlib_logging(name for name in STDLIB_LOGGERS if name != "uvicorn.access")
 
 
 def _component_from_logger(
