@@ -69,11 +69,11 @@ class TierIndex:
         """The tenants holding entries."""
         return list(self._tenant_bytes)
 
-    def on_disk(self, domain: bytes) -> bool:
-        """Whether any of the domain's entries is stored on disk."""
-        return self.has_domain(domain) and any(
-            e.to_disk for k, e in self._entries.items() if k.domain == domain
-        )
+    def disk_tenants(self, domain: bytes) -> set[str]:
+        """The tenants whose entries of the domain are stored on disk."""
+        if not self.has_domain(domain):
+            return set()
+        return {e.tenant for k, e in self._entries.items() if k.domain == domain and e.to_disk}
 
     def trim(self, tenant: str, cap: int | None) -> list[IndexEntry]:
         """Remove the tenant's least recently used entries until it holds at most `cap` bytes

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, overload
@@ -58,20 +59,27 @@ DEFAULT_COMMIT_INTERVAL_S: Final = 0.05
 MAX_COMMIT_INTERVAL_S: Final = 5.0
 
 
-# Database passwords of the URLs in `kv_connector_extra_config`, by URL without its password (JSON).
+# The URLs in `kv_connector_extra_config` as given, by URL without its password (JSON).
 DB_PASSWORDS_ENV: Final = "KVGUARD_ENGINE_DB_PASSWORDS"
 
 
+# Query parameters libpq reads secrets from (`password`, `sslpassword`, ...), as `safe_url` masks.
+_SECRET_QUERY: Final = re.compile(r"passw|secret|token|credential", re.IGNORECASE)
+
+
 def _keep_password(url: str, passwords: dict[str, str]) -> str:
-    """`url` without its password, which goes into `passwords` under the URL it leaves."""
+    """`url` without its password (user information and secret query parameters); the whole URL
+    goes into `passwords` under the URL it leaves."""
     try:
         parsed = make_url(url)
     except ArgumentError:
         return url  # not a URL: the connector names it when it fails to open it
-    if parsed.password is None:
+    secret = [name for name in parsed.query if _SECRET_QUERY.search(name)]
+    if parsed.password is None and not secret:
         return url
-    bare = parsed._replace(password=None).render_as_string(hide_password=False)  # (set() keeps it)
-    passwords[bare] = str(parsed.password)
+    bare_url = parsed._replace(password=None).difference_update_query(secret)  # (set() keeps it)
+    bare = bare_url.render_as_string(hide_password=False)
+    passwords[bare] = parsed.render_as_string(hide_password=False)
     return bare
 
 
@@ -90,10 +98,10 @@ def _with_password(url: str, passwords: dict[str, str]) -> str: ...
 @overload
 def _with_password(url: str | None, passwords: dict[str, str]) -> str | None: ...
 def _with_password(url: str | None, passwords: dict[str, str]) -> str | None:
-    """`url` with the password `to_extra_config` took out of it, if it took one."""
+    """`url` as it was before `to_extra_config` took its password out, if it took one."""
     if url is None or url not in passwords:
         return url
-    return make_url(url).set(password=passwords[url]).render_as_string(hide_password=False)
+    return passwords[url]
 
 
 @dataclass(frozen=True, slots=True)

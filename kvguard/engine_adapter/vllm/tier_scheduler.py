@@ -529,7 +529,7 @@ class SchedulerTier:
         tenant that spilled into it is disabled (`disable`), may no longer offload, or may no
         longer reuse the domain's blocks even itself (the epoch moved on, a share withdrawn: a
         tenant that left its group or narrowed `public`), or when the domain holds files on disk
-        and a tenant's `offload.disk` was revoked (`policy`). A lowered `offload.max_bytes` drops
+        and `offload.disk` was revoked for a tenant whose entries they are (`policy`). A lowered `offload.max_bytes` drops
         the tenant's oldest entries until it is within it."""
         policies = self._policies()
         for domain, owners in list(self._scopes.items()):
@@ -539,7 +539,9 @@ class SchedulerTier:
             elif (
                 not all(p.offload.allowed for p in tenants)
                 or not all(may_reuse(policies, owner, owner) for owner in owners.values())
-                or (not all(p.offload.disk for p in tenants) and self.index.on_disk(domain))
+                or any(
+                    not policies.policy_for(t).offload.disk for t in self.index.disk_tenants(domain)
+                )
             ):
                 self._shred_domain(domain, "policy", None)
         over: list[IndexEntry] = []
