@@ -53,6 +53,7 @@ def test_no_command_reads_a_retired_or_second_variable() -> None:
     for retired in ("KVGUARD_LEDGER_URL", "KVGUARD_POLICY_URL"):
         assert retired not in code and retired not in docs
     used = set(re.findall(r"KVGUARD_[A-Z_]+[A-Z]", code))
-    internal = {"KVGUARD_API_CONFIG"}  # parent -> worker processes of `kvguard serve --workers`
+    # parent -> worker processes of `kvguard serve --workers`: its settings and its logging
+    internal = {"KVGUARD_API_CONFIG", "KVGUARD_SERVER_LOGGING"}
     undocumented = sorted(v for v in used - internal if v not in docs)
     assert undocumented == [], undocumented
