@@ -65,7 +65,7 @@ _PLACEHOLDER: Final = "kvguardmaskedsecret"
 # Query parameters of a database URL whose value is a secret: libpq's `password` and `sslpassword`,
 # and any driver's `*passwd*`, `*secret*` or `*token*` (a cloud IAM token, say). Masking a
 # parameter that was not secret only costs a line of diagnosis.
-_SECRET_PARAMETER: Final = re.compile(r"passw|secret|token|credential", re.IGNORECASE)
+SECRET_PARAMETER: Final = re.compile(r"passw|secret|token|credential", re.IGNORECASE)
 
 # The errors that mean "the answer is no" (exit 1); every other expected error is a usage or
 # environment problem (exit 2).
@@ -151,7 +151,7 @@ def safe_url(url: str) -> str:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
         return "(malformed URL)"
-    masked = [name for name in parsed.query if _SECRET_PARAMETER.search(name)]
+    masked = [name for name in parsed.query if SECRET_PARAMETER.search(name)]
     rendered = parsed.update_query_dict(dict.fromkeys(masked, _PLACEHOLDER))
     # The placeholder survives SQLAlchemy's quoting as it is, and reads as a mask once replaced.
     return rendered.render_as_string(hide_password=True).replace(_PLACEHOLDER, _MASK)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, overload
@@ -45,6 +44,7 @@ from sqlalchemy.exc import ArgumentError
 
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.cli_output import SECRET_PARAMETER
 from kvguard.control.policy_seed import seed_from_file
 from kvguard.errors import ConfigError, FailClosedError
 from kvguard.isolation.keyring import Keyring
@@ -63,10 +63,6 @@ MAX_COMMIT_INTERVAL_S: Final = 5.0
 DB_PASSWORDS_ENV: Final = "KVGUARD_ENGINE_DB_PASSWORDS"
 
 
-# Query parameters libpq reads secrets from (`password`, `sslpassword`, ...), as `safe_url` masks.
-_SECRET_QUERY: Final = re.compile(r"passw|secret|token|credential", re.IGNORECASE)
-
-
 def _keep_password(url: str, passwords: dict[str, str]) -> str:
     """`url` without its password (user information and secret query parameters); the whole URL
     goes into `passwords` under the URL it leaves."""
@@ -74,7 +70,7 @@ def _keep_password(url: str, passwords: dict[str, str]) -> str:
         parsed = make_url(url)
     except ArgumentError:
         return url  # not a URL: the connector names it when it fails to open it
-    secret = [name for name in parsed.query if _SECRET_QUERY.search(name)]
+    secret = [name for name in parsed.query if SECRET_PARAMETER.search(name)]  # as safe_url masks
     if parsed.password is None and not secret:
         return url
     bare_url = parsed._replace(password=None).difference_update_query(secret)  # (set() keeps it)
