@@ -129,6 +129,10 @@ def create_app(
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        # Starlette would answer `/v1/tenants/` with a redirect built from the request's `Host`
+        # header (a poisoned `Location` behind a proxy that passes `Host` through): an unknown
+        # path is a 404 with the documented error body; `/dashboard` redirects by a path.
+        redirect_slashes=False,
     )
     app.state.services = services
     errors.install(app)

@@ -22,6 +22,7 @@ from kvguard.audit import bundle
 from kvguard.audit import schema as t
 from kvguard.audit.events import AuditEvent, DetailValue
 from kvguard.audit.leaf import decode_leaf
+from kvguard.audit.request_ids import recorded_forms
 from kvguard.audit.selection import ts_micros
 from kvguard.audit.store import CheckpointRow
 from kvguard.audit.timemarks import TimeMarks
@@ -118,7 +119,7 @@ def _filter_values(
         "kinds": [str(k) for k in kinds] if kinds else None,
         "since": None if since is None else ts_micros(since),
         "until": None if until is None else ts_micros(until),
-        "request_id": request_id,
+        "request_id": None if request_id is None else recorded_forms(request_id),
         "block_id": block_id,
         "after": after,
         "below": below,
@@ -148,7 +149,8 @@ def _indices_query(shape: tuple[bool, ...], ts_index: bool, *, limited: bool) ->
     if has["until"]:
         stmt = stmt.where(ts < sa.bindparam("until", type_=sa.BigInteger))
     if has["request_id"]:
-        stmt = stmt.where(e.request_id == sa.bindparam("request_id", type_=sa.String))
+        # The id as given and in its recorded form (`kvguard.audit.request_ids`).
+        stmt = stmt.where(e.request_id.in_(sa.bindparam("request_id", expanding=True)))
     if has["block_id"]:
         blocks = t.entry_blocks.c
         links = sa.select(blocks.idx).where(

@@ -9,23 +9,22 @@ engine's scheduler step pays for a filter and a deque append. When the ledger ca
 to submit again and starts no new request meanwhile (G7) instead of serving it unrecorded
 (`SchedulerGuard._forward`).
 
-Request ids come from clients (vLLM takes them from the `X-Request-Id` header or the request body),
-and a ledger entry is never erased: one that is not an identifier (letters, digits, `.`, `_`, `:`,
-`-`, at most 128: an e-mail address, a URL, spaces, non-ASCII) is recorded as `rid-sha256:` and the
-first 32 hex digits of its SHA-256, never as it is and never stopping the engine. An event the schema refuses anyway (a bug: custody's vocabulary is fixed) is recorded without
-its request id and details, marked `redacted`, and logged by kind and error class only.
+Request ids come from clients, and a ledger entry is never erased: only ids of the shape vLLM
+generates are recorded as they are, anything else (`jane.doe`, an e-mail address, a URL) as a
+digest, never stopping the engine (`kvguard.audit.request_ids`). An event the schema refuses anyway
+(a bug: custody's vocabulary is fixed) is recorded without its request id and details, marked
+`redacted`, and logged by kind and error class only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Final, Protocol
 
 from kvguard.audit.events import MAX_BLOCK_IDS, AuditEvent
+from kvguard.audit.request_ids import ledger_request_id
 from kvguard.audit.writer import Entry
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
 from kvguard.errors import AuditError, LedgerUnavailableError
@@ -65,23 +64,6 @@ class Submitter(Protocol):
     def submit_many(self, events: Sequence[Entry]) -> None: ...
 
     def refusing(self) -> bool: ...
-
-
-# What an entry records as it is: identifier characters only (vLLM's own ids, UUIDs, ULIDs, trace
-# ids). Clients choose request ids (`X-Request-Id`, a body `request_id`) and a ledger entry can never
-# be erased, so free text (an e-mail address, a URL, a sentence, JSON) is recorded as a digest.
-_LEDGER_RID: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-RID_DIGEST_PREFIX: Final = "rid-sha256:"
-
-
-def ledger_request_id(request_id: str | None) -> str | None:
-    """The request id as a ledger entry records it: as it is when it is an identifier (letters,
-    digits, `.`, `_`, `:`, `-`, at most 128), else a digest (an auditor holding the engine's id
-    computes the same one)."""
-    if request_id is None or _LEDGER_RID.fullmatch(request_id):
-        return request_id
-    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
-    return RID_DIGEST_PREFIX + digest[:32]
 
 
 def to_audit_event(event: CustodyEvent) -> AuditEvent:

@@ -665,3 +665,12 @@ def test_tenant_page_says_when_it_shows_only_the_newest_keys(
     )
     page = client.get("/dashboard/tenants/acme").text
     assert "The newest 2 keys" in page and page.count("<code>") >= 2
+
+
+def test_the_bare_prefix_leads_to_the_overview_by_a_path(env: ApiEnv) -> None:
+    """The app has Starlette's trailing-slash redirects off (they built `Location` from the `Host`
+    header); `/dashboard` still reaches the overview, by a path."""
+    browser = signed_in(env, "admin")
+    r = browser.client.get("/dashboard", headers={"Host": "evil.example"})
+    assert (r.status_code, r.headers["location"]) == (307, "/dashboard/"), r.headers
+    assert browser.get("/dashboard/").status_code == 200

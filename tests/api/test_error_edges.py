@@ -45,3 +45,21 @@ def test_a_404_never_echoes_the_id_sent(env: ApiEnv) -> None:
     ):
         r = env.call("admin", method, path, json=body)
         assert r.status_code == 404 and probe not in r.text, (path, r.text)
+
+
+def test_a_trailing_slash_is_a_404_never_a_redirect_built_from_the_host_header(env: ApiEnv) -> None:
+    """Starlette answered `/v1/tenants/` with a 307 whose `Location` came from the request's `Host`
+    header (`http://evil.example/v1/tenants`): behind a proxy that passes `Host` through, a cached
+    redirect could send users elsewhere. Now such a path is an unknown route (the documented error
+    body), and the dashboard's bare prefix redirects by a path."""
+    hostile = {"Host": "evil.example"}
+    for path in ("/v1/tenants/", "/v1/policies/current/", "/healthz/"):
+        r = env.call("admin", "GET", path, headers=hostile, follow_redirects=False)
+        assert r.status_code == 404, (path, r.status_code, r.headers)
+        assert "location" not in r.headers and r.json()["error"] == "not_found", (path, r.text)
+    r = env.call(None, "GET", "/v1/tenants/", headers=hostile, follow_redirects=False)
+    assert r.status_code == 401 and "location" not in r.headers, r.headers  # no key: no route
+    for path in ("/dashboard", "/dashboard/tenants/"):
+        r = env.client.get(path, headers=hostile, follow_redirects=False)
+        assert r.headers.get("location", "/").startswith("/dashboard"), (path, r.headers)
+    assert env.client.get("/dashboard", follow_redirects=True).status_code == 200

@@ -66,6 +66,17 @@ def test_engine_serve_gives_requests_and_its_close_time_to_finish(
     assert args.shutdown_timeout == timeout > 0
 
 
+def test_a_negative_shutdown_timeout_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """vLLM's option parser takes `-1` and its config refuses it only inside engine start-up, with a
+    validation traceback; kvguard names the option at once (exit 2 from the CLI)."""
+    with pytest.raises(ConfigError, match="--shutdown-timeout must be 0 or more seconds"):
+        vllm_args(
+            str(tiny_llama_dir()),
+            ["--load-format", "dummy", "--shutdown-timeout", "-1"],
+            _config(tmp_path),
+        )
+
+
 def test_database_passwords_stay_out_of_the_configuration_vllm_logs(tmp_path: Path) -> None:
     """vLLM prints its non-default arguments at start, `kv_connector_extra_config` included: a
     PostgreSQL URL's password went to the server's log. The engine process gets it back from the

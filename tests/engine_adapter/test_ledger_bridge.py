@@ -5,19 +5,26 @@ from __future__ import annotations
 import pytest
 
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.request_ids import RID_DIGEST_PREFIX, ledger_request_id, recorded_forms
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.writer import expand
 from kvguard.engine_adapter.ledger_bridge import (
     AUDITED,
-    RID_DIGEST_PREFIX,
     LedgerBridge,
     PendingEvent,
-    ledger_request_id,
     to_audit_event,
     to_audit_events,
 )
 from kvguard.engine_adapter.records import CustodyEvent, EventKind
 from kvguard.policy import AuditLevel
+
+
+def _ledger(tmp_path) -> Ledger:
+    return Ledger.open(
+        f"sqlite:///{tmp_path / 'l.db'}",
+        origin="log.kvguard.test/bridge",
+        signing_key=SigningKey.generate("log.kvguard.test/bridge"),
+    )
 
 
 @pytest.mark.parametrize("kind", list(EventKind))
@@ -138,13 +145,25 @@ def test_audit_levels_do_what_docs_policy_md_says() -> None:
         "https://x.example/p?q=1",
         '{"user":"jane"}',
         "!~",
+        # Identifier-shaped, still chosen by a person: a user name, a ticket, a phone number.
+        "jane.doe",
+        "cmpl-jane.doe-0-a1b2c3d4",
+        "chatcmpl-jane_doe-a1b2c3d4",
+        "cmpl-4155550123-0-a1b2c3d4",
+        "r" * 128,
+        "01ARZ3NDEKTSV4RRFFQ69G5FAV",
+        "trace:4bf92f3577b34da6a3ce929d0e0e4736.00f067aa0ba902b7_1",
+        "1234567890",
+        "rid-sha256:" + "0" * 31,
     ],
 )
-def test_request_ids_the_schema_cannot_hold_are_recorded_as_a_digest(rid: str) -> None:
+def test_request_ids_a_client_chose_are_recorded_as_a_digest(rid: str) -> None:
     out = ledger_request_id(rid)
     assert out is not None and out.startswith(RID_DIGEST_PREFIX) and len(out) <= 128
     assert out == ledger_request_id(rid)  # deterministic: an auditor with the id finds it
     assert ledger_request_id(rid + "x") != out
+    assert ledger_request_id(out) == out  # the recorded form is kept as it is
+    assert recorded_forms(rid) == sorted({rid, out})
     event = CustodyEvent(EventKind.ALLOC, 1.0, "st_a", rid, (1,), {})
     assert to_audit_event(event).request_id == out
 
@@ -153,14 +172,17 @@ def test_request_ids_the_schema_cannot_hold_are_recorded_as_a_digest(rid: str) -
     "rid",
     [
         None,
-        "cmpl-1234-0-a1b2",
-        "r" * 128,
-        "chatcmpl-550e8400-e29b-41d4-a716-446655440000-0-9f",
-        "01ARZ3NDEKTSV4RRFFQ69G5FAV",
-        "trace:4bf92f3577b34da6a3ce929d0e0e4736.00f067aa0ba902b7_1",
+        "cmpl-9f86d081884c7d65-0-a1b2c3d4",  # vLLM's completion id: random 16 hex, prompt, suffix
+        "chatcmpl-9f86d081884c7d65-a1b2c3d4",
+        "chatcmpl-9f86d081884c7d65-a1b2c3d4_2",
+        "chatcmpl-550e8400-e29b-41d4-a716-446655440000-9f0a1b2c",
+        "cmpl-4bf92f3577b34da6a3ce929d0e0e4736-0-a1b2c3d4",  # a W3C trace id as X-Request-Id
+        "tokenize-9f86d081884c7d65",
+        "17-a1b2c3d4",  # the offline LLM's counter
+        "4bf92f3577b34da6a3ce929d0e0e4736",
     ],
 )
-def test_request_ids_the_schema_allows_are_recorded_as_they_are(rid: str | None) -> None:
+def test_request_ids_vllm_generated_are_recorded_as_they_are(rid: str | None) -> None:
     assert ledger_request_id(rid) == rid
 
 
@@ -181,11 +203,7 @@ def test_the_bridge_queues_sources_and_counts_the_entries_they_become() -> None:
 def test_an_event_the_schema_refuses_is_recorded_redacted_and_the_writer_goes_on(
     tmp_path, caplog
 ) -> None:
-    ledger = Ledger.open(
-        f"sqlite:///{tmp_path / 'l.db'}",
-        origin="log.kvguard.test/bridge",
-        signing_key=SigningKey.generate("log.kvguard.test/bridge"),
-    )
+    ledger = _ledger(tmp_path)
     try:
         bridge = LedgerBridge(ledger, lambda _tag: AuditLevel.STANDARD)
         secret = "hunter2-prompt-text"
@@ -199,6 +217,30 @@ def test_an_event_the_schema_refuses_is_recorded_redacted_and_the_writer_goes_on
         ledger.close()
     assert kinds == [
         ("block.release", None, {"redacted": True}),
-        ("block.alloc", "r2", {"handover_zeroize": 0}),
+        ("block.alloc", ledger_request_id("r2"), {"handover_zeroize": 0}),
     ]
     assert secret not in caplog.text
+
+
+def test_an_auditor_finds_a_digested_request_id_by_the_id_itself(tmp_path) -> None:
+    ledger = _ledger(tmp_path)
+    try:
+        bridge = LedgerBridge(ledger, lambda _tag: AuditLevel.STANDARD)
+        bridge.forward(
+            [
+                CustodyEvent(EventKind.ALLOC, 1.0, "st_a", "cmpl-jane.doe-0-a1b2c3d4", (5,), {}),
+                CustodyEvent(EventKind.ALLOC, 2.0, "st_a", "17-a1b2c3d4", (6,), {}),
+            ]
+        )
+        ledger.flush(10)
+        stored = [r.event.request_id for r in ledger.query(limit=10).records]
+        by_id = ledger.query(request_id="cmpl-jane.doe-0-a1b2c3d4", limit=10).records
+        by_digest = ledger.query(request_id=stored[0], limit=10).records
+        plain = ledger.query(request_id="17-a1b2c3d4", limit=10).records
+    finally:
+        ledger.close()
+    assert stored == [ledger_request_id("cmpl-jane.doe-0-a1b2c3d4"), "17-a1b2c3d4"]
+    assert not any("jane" in (rid or "") for rid in stored)
+    assert [r.event.block_ids for r in by_id] == [[5]]
+    assert [r.event.block_ids for r in by_digest] == [[5]]
+    assert [r.event.block_ids for r in plain] == [[6]]

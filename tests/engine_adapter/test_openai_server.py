@@ -345,10 +345,11 @@ def test_client_chosen_request_ids_never_stop_the_engine_nor_reach_the_ledger_un
     server, keys
 ) -> None:
     """vLLM takes a request's id from the client (the `X-Request-Id` header, `request_id` in a chat
-    body). Ids a ledger entry cannot hold as they are (too long, spaces, non-ASCII) are recorded as
-    a digest; the engine serves them like any other request."""
+    body). Only ids of the shape vLLM generates are recorded as they are; anything a person chose
+    (too long, spaces, non-ASCII, or a user name shaped like an identifier) is recorded as a digest,
+    and the engine serves them like any other request."""
     c = _client(server, keys["acme"])
-    for rid in ("r" * 300, "an id with spaces"):  # HTTP headers are ASCII
+    for rid in ("r" * 300, "an id with spaces", "jane.doe"):  # HTTP headers are ASCII
         out = c.completions.create(
             model=server.model, prompt=SHORT, max_tokens=1, extra_headers={"X-Request-Id": rid}
         )
@@ -374,11 +375,12 @@ def test_client_chosen_request_ids_never_stop_the_engine_nor_reach_the_ledger_un
                 )
             }
             digested = {r for r in ids if r.startswith("rid-sha256:")}
-            if len(digested) >= 4 or time.monotonic() > deadline:
+            if len(digested) >= 5 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     engine.dispose()
-    assert len(digested) >= 4, sorted(ids)[:20]
+    assert len(digested) >= 5, sorted(ids)[:20]
     for rid in ids:
         assert len(rid) <= 128 and " " not in rid and rid.isascii()
         assert "rrrrrrrr" not in rid and "qqqqqqqq" not in rid and "spaces" not in rid
+        assert "jane" not in rid

@@ -12,7 +12,7 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 
 from kvguard.api import certificates
 from kvguard.api import purge_jobs as jobs
@@ -39,6 +39,13 @@ def _latest_checkpoint(page: Page) -> CheckpointPublic | None:
         return audit.latest_checkpoint(page.access)
     except NotFoundError:
         return None
+
+
+@router.get("")
+def bare_prefix() -> RedirectResponse:
+    """`/dashboard` -> `/dashboard/` by a path, never built from the `Host` header (the app has
+    Starlette's trailing-slash redirects off)."""
+    return RedirectResponse(f"{PREFIX}/", status_code=307)
 
 
 @router.get("/")

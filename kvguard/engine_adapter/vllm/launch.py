@@ -159,7 +159,10 @@ def vllm_args(model: str, vllm_argv: list[str], config: ServeConfig) -> Namespac
     args.middleware = [*(args.middleware or []), MIDDLEWARE]
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True
-    if getattr(args, "shutdown_timeout", None) == 0:
+    timeout = getattr(args, "shutdown_timeout", None)
+    if timeout is not None and timeout < 0:  # vLLM's config refuses it only once the engine starts
+        raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, not {timeout}")
+    if timeout == 0:
         # vLLM's 0 sends its engine core SIGTERM and SIGKILL in the same instant: kvguard's close
         # (the ledger writer's queue, the last heartbeat, the engine's stop) never ran, and a
         # stream in flight hung the server until it was killed (tests/engine_adapter/
