@@ -147,10 +147,14 @@ def safe_url(url: str) -> str:
     from sqlalchemy.engine import make_url  # noqa: PLC0415 - `kvguard verify` must not load SQL
     from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
 
+    from kvguard.audit.db import unescaped_at  # noqa: PLC0415
+
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
         return "(malformed URL)"
+    if unescaped_at(parsed):  # the password's tail would print as the host
+        return "(malformed URL: an unescaped '@' in its user information)"
     masked = [name for name in parsed.query if SECRET_PARAMETER.search(name)]
     rendered = parsed.update_query_dict(dict.fromkeys(masked, _PLACEHOLDER))
     # The placeholder survives SQLAlchemy's quoting as it is, and reads as a mask once replaced.

@@ -118,13 +118,15 @@ def _require_ledger(url: str, json_output: bool) -> None:
     import sqlalchemy as sa  # noqa: PLC0415 - `kvguard verify` must not load SQL
 
     from kvguard.audit import schema as t  # noqa: PLC0415
+    from kvguard.audit.db import UNESCAPED_AT, missing_sqlite_file, unescaped_at  # noqa: PLC0415
     from kvguard.cli_output import safe_url  # noqa: PLC0415
 
     try:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         raise fail("--db: not a database URL", EXIT_USAGE, json_output) from None
-    from kvguard.audit.db import missing_sqlite_file  # noqa: PLC0415
+    if unescaped_at(parsed):
+        raise fail(f"--db: {UNESCAPED_AT}", EXIT_USAGE, json_output)
 
     where = safe_url(url)
     if missing_sqlite_file(parsed):

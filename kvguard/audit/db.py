@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import sqlalchemy as sa
 
@@ -49,15 +49,30 @@ PG_LOCK_TIMEOUT_MS = 15_000
 _WRITE = "kvguard_ledger_write"
 
 
+UNESCAPED_AT: Final = (
+    "the database URL's user information holds an unescaped '@' (write it as %40 in the password)"
+)
+
+
 def parse_url(url: str) -> sa.engine.URL:
     """`url` parsed; ConfigError (never the URL: it may hold a password) when it is not one."""
     try:
-        return sa.engine.make_url(url)
+        parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         raise ConfigError(
             "the database URL is malformed (expected dialect+driver://user@host:port/name, "
             "with a numeric port)"
         ) from None
+    if unescaped_at(parsed):
+        raise ConfigError(UNESCAPED_AT)
+    return parsed
+
+
+def unescaped_at(url: sa.engine.URL) -> bool:
+    """Whether a password held an `@` that was not percent-encoded: the URL parser ends the
+    password at the first `@` and takes the rest of it for the host, where a printed URL (masking
+    only the password) and the driver's "could not translate host name" would show it."""
+    return "@" in (url.host or "")
 
 
 def missing_sqlite_file(url: sa.engine.URL) -> bool:

@@ -3,10 +3,11 @@
 Clients choose request ids (vLLM's OpenAI server takes them from the `X-Request-Id` header and from
 a body `request_id`) and a ledger entry is never erased, so a client's id may be anything a person
 types: an e-mail address, a user name (`jane.doe`), a ticket title. An id is recorded as it is only
-when it has the shape of an id vLLM generates: a serving prefix (`cmpl-`, `chatcmpl-`, ...) and 16 or
-32 lowercase hex digits or a UUID (vLLM's random ids, W3C trace ids), or the offline `LLM`'s counter;
-then vLLM's prompt index and its 8-hex-digit suffix. Anything else is recorded as `rid-sha256:` and
-the first 32 hex digits of its SHA-256. An auditor holding the engine's id finds its entries either
+when it has the shape of an id vLLM generates: an optional serving prefix (`cmpl-`, `chatcmpl-`, ...)
+and 16 or 32 lowercase hex digits or a UUID (vLLM's random ids, W3C trace ids), then vLLM's prompt
+index and its 8-hex-digit suffix. Anything else is recorded as `rid-sha256:` and the first 32 hex
+digits of its SHA-256, the offline `LLM`'s counter ids (`17-a1b2c3d4`) too: the Responses API takes
+a body `request_id` with no prefix, so a client's digits (a phone or account number) look the same. An auditor holding the engine's id finds its entries either
 way: `run_query(request_id=...)` matches an id as given and in its recorded form.
 """
 
@@ -20,7 +21,7 @@ RID_DIGEST_PREFIX: Final = "rid-sha256:"
 
 _RANDOM = r"(?:[0-9a-f]{16}|[0-9a-f]{32}|[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})"
 _GENERATED: Final = re.compile(
-    rf"(?:[a-z]{{1,16}}[-_]{_RANDOM}|{_RANDOM}|[0-9]{{1,9}})"  # serving prefix + random id, or counter
+    rf"(?:[a-z]{{1,16}}[-_])?{_RANDOM}"  # a serving prefix, vLLM's random id
     r"(?:-[0-9]{1,6})?"  # a completion's prompt index
     r"(?:-[0-9a-f]{8})?"  # the engine's suffix (input processor)
     r"(?:_[0-9]{1,6})?"  # a sub-request

@@ -113,3 +113,28 @@ def test_database_passwords_stay_out_of_the_configuration_vllm_logs(tmp_path: Pa
         os.environ.pop(DB_PASSWORDS_ENV, None)
         if saved is not None:
             os.environ[DB_PASSWORDS_ENV] = saved
+
+
+@pytest.mark.parametrize("which", ["ledger_url", "commands_url", "policy_url"])
+def test_a_password_with_a_bare_at_sign_is_refused_not_logged_as_a_host(
+    tmp_path: Path, which: str
+) -> None:
+    """`user:pa@ss@host`: the URL parser ends the password at the first `@` and takes `ss@host` for
+    the host, which the URL vLLM logs kept (only the password is taken out). Refused, naming the
+    fix and nothing of the URL."""
+    from kvguard.cli_output import safe_url  # noqa: PLC0415
+
+    bad = "postgresql+psycopg://kvguard_app:Tr0ub4dor@SECRETTAIL9@db.example:5432/kvguard"
+    base = _config(tmp_path)
+    fields = {"ledger_url": base.options.ledger_url, which: bad}
+    options = GuardOptions(
+        salt_keyring_file=base.options.salt_keyring_file,
+        signing_key_file=base.options.signing_key_file,
+        **fields,
+    )
+    with pytest.raises(ConfigError, match="unescaped '@'") as err:
+        options.to_extra_config()
+    assert "Tr0ub4dor" not in str(err.value) and "SECRETTAIL9" not in str(err.value)
+    assert "SECRETTAIL9" not in safe_url(bad) and "Tr0ub4dor" not in safe_url(bad)
+    good = bad.replace("Tr0ub4dor@SECRETTAIL9", "Tr0ub4dor%40SECRETTAIL9")
+    assert "SECRETTAIL9" not in safe_url(good)

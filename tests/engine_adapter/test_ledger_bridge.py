@@ -155,6 +155,10 @@ def test_audit_levels_do_what_docs_policy_md_says() -> None:
         "trace:4bf92f3577b34da6a3ce929d0e0e4736.00f067aa0ba902b7_1",
         "1234567890",
         "rid-sha256:" + "0" * 31,
+        # The Responses API takes a body `request_id` with no prefix: digits a person typed.
+        "555-0142-a1b2c3d4",
+        "078051120-a1b2c3d4",
+        "17-a1b2c3d4",  # the offline LLM's counter looks the same
     ],
 )
 def test_request_ids_a_client_chose_are_recorded_as_a_digest(rid: str) -> None:
@@ -178,8 +182,8 @@ def test_request_ids_a_client_chose_are_recorded_as_a_digest(rid: str) -> None:
         "chatcmpl-550e8400-e29b-41d4-a716-446655440000-9f0a1b2c",
         "cmpl-4bf92f3577b34da6a3ce929d0e0e4736-0-a1b2c3d4",  # a W3C trace id as X-Request-Id
         "tokenize-9f86d081884c7d65",
-        "17-a1b2c3d4",  # the offline LLM's counter
         "4bf92f3577b34da6a3ce929d0e0e4736",
+        "9f86d081884c7d65-a1b2c3d4",
     ],
 )
 def test_request_ids_vllm_generated_are_recorded_as_they_are(rid: str | None) -> None:
@@ -229,17 +233,22 @@ def test_an_auditor_finds_a_digested_request_id_by_the_id_itself(tmp_path) -> No
         bridge.forward(
             [
                 CustodyEvent(EventKind.ALLOC, 1.0, "st_a", "cmpl-jane.doe-0-a1b2c3d4", (5,), {}),
-                CustodyEvent(EventKind.ALLOC, 2.0, "st_a", "17-a1b2c3d4", (6,), {}),
+                CustodyEvent(
+                    EventKind.ALLOC, 2.0, "st_a", "cmpl-9f86d081884c7d65-0-a1b2c3d4", (6,), {}
+                ),
             ]
         )
         ledger.flush(10)
         stored = [r.event.request_id for r in ledger.query(limit=10).records]
         by_id = ledger.query(request_id="cmpl-jane.doe-0-a1b2c3d4", limit=10).records
         by_digest = ledger.query(request_id=stored[0], limit=10).records
-        plain = ledger.query(request_id="17-a1b2c3d4", limit=10).records
+        plain = ledger.query(request_id="cmpl-9f86d081884c7d65-0-a1b2c3d4", limit=10).records
     finally:
         ledger.close()
-    assert stored == [ledger_request_id("cmpl-jane.doe-0-a1b2c3d4"), "17-a1b2c3d4"]
+    assert stored == [
+        ledger_request_id("cmpl-jane.doe-0-a1b2c3d4"),
+        "cmpl-9f86d081884c7d65-0-a1b2c3d4",
+    ]
     assert not any("jane" in (rid or "") for rid in stored)
     assert [r.event.block_ids for r in by_id] == [[5]]
     assert [r.event.block_ids for r in by_digest] == [[5]]

@@ -39,9 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, overload
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
+from kvguard.audit.db import parse_url
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
 from kvguard.cli_output import SECRET_PARAMETER
@@ -65,11 +63,9 @@ DB_PASSWORDS_ENV: Final = "KVGUARD_ENGINE_DB_PASSWORDS"
 
 def _keep_password(url: str, passwords: dict[str, str]) -> str:
     """`url` without its password (user information and secret query parameters); the whole URL
-    goes into `passwords` under the URL it leaves."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return url  # not a URL: the connector names it when it fails to open it
+    goes into `passwords` under the URL it leaves. ConfigError for what is not a URL (or hides part
+    of its password in the host): vLLM would print it whole."""
+    parsed = parse_url(url)
     secret = [name for name in parsed.query if SECRET_PARAMETER.search(name)]  # as safe_url masks
     if parsed.password is None and not secret:
         return url
