@@ -176,6 +176,16 @@ class TenantRegistry:
             raise ConflictError("the tenant is already disabled")
         return tenant
 
+    def enable(self, tenant_id: str) -> None:
+        """End a disable (a policy version re-enabled the tenant): the registry says enabled again
+        and a later disable is not refused as "already disabled". A no-op for an enabled one."""
+        with write_transaction(self._engine) as conn:
+            conn.execute(
+                sa.update(TenantRow)
+                .where(TenantRow.tenant_id == tenant_id, TenantRow.disabled_at.is_not(None))
+                .values(disabled_at=None, disabled_by=None, disable_reason=None)
+            )
+
 
 def _tenant(row: sa.Row[tuple[TenantRow]] | sa.Row[object]) -> Tenant:
     m = row._mapping

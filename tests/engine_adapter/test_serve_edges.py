@@ -174,3 +174,26 @@ def test_lora_adapter_error_names_no_server_path(tmp_path: Path, state: str) -> 
     with pytest.raises(ValueError) as refused:
         AdapterDigests().ref("tiny-lora", str(directory))
     assert "secret-layout" not in str(refused.value), str(refused.value)
+
+
+def test_an_adapter_whose_files_changed_gets_a_scope_of_its_own_per_request(tmp_path: Path) -> None:
+    """An independent review: the digest is of the files, but vLLM runs the weights it loaded until
+    its LoRA cache evicts them, so blocks cached under the new digest right after a rewrite held the
+    old weights' KV, and the new weights hit them after the reload (256 stale tokens). Once the
+    files differ from what the server first saw, every request is its own scope: no reuse."""
+    from kvguard.engine_adapter.vllm.adapters import AdapterDigests  # noqa: PLC0415
+
+    directory = tmp_path / "lora"
+    directory.mkdir()
+    (directory / "adapter_model.bin").write_bytes(b"weights one")
+    digests = AdapterDigests()
+    first = digests.ref("tiny-lora", str(directory))
+    assert first == digests.ref("tiny-lora", str(directory))  # unchanged: one scope, reuse
+    assert first.revision.startswith("sha256:")
+    (directory / "adapter_model.bin").write_bytes(b"weights two, longer")
+    later = [digests.ref("tiny-lora", str(directory)) for _ in range(3)]
+    assert len({ref.revision for ref in later} | {first.revision}) == 4
+    assert all(ref.revision.startswith("changed:") and ref.id == "tiny-lora" for ref in later)
+    (directory / "adapter_model.bin").write_bytes(b"weights one")  # back to the first files:
+    again = digests.ref("tiny-lora", str(directory))  # vLLM may have loaded the second meanwhile
+    assert again.revision.startswith("changed:") and again != first

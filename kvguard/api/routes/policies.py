@@ -228,11 +228,50 @@ async def put_policy(
 ) -> PolicyChangePublic:
     """Store a new version of the whole policy set (admin)."""
     expected = if_match(match, body.expected_version)
-    change = await publish_policy(
-        action, lambda _base: body.policy, reason=body.reason, expected_version=expected
-    )
+    reenabled: set[str] = set()
+
+    def edit(base: PolicyBase) -> PolicySet:
+        reenabled.clear()  # the edit is drafted again over a newer version after a conflict
+        return keep_disabled(body.policy, base.current, reenabled)
+
+    change = await publish_policy(action, edit, reason=body.reason, expected_version=expected)
+    for tenant_id in sorted(reenabled):
+        await anyio.to_thread.run_sync(action.access.services.tenants.enable, tenant_id)
     response.headers.update(_etag(change.version))
     return PolicyChangePublic.model_validate(change)
+
+
+def keep_disabled(new: PolicySet, current: PolicyVersion | None, reenabled: set[str]) -> PolicySet:
+    """`new` with every tenant that `current` disables still disabled, unless `new` names the
+    tenant with an explicit `enabled` (then it is added to `reenabled` when that re-enables it): a
+    whole-set PUT whose document leaves a disabled tenant out (or gives it an entry without
+    `enabled`) would otherwise serve it again, its old inference keys included, while
+    `GET /v1/tenants/{id}` still said disabled."""
+    if current is None:
+        return new
+    kept: dict[str, TenantPolicy] = {}
+    for tenant_id, old in current.policy.tenants.items():
+        if old.enabled:
+            continue
+        entry = new.tenants.get(tenant_id)
+        if entry is not None and "enabled" in entry.model_fields_set:
+            if entry.enabled:
+                reenabled.add(tenant_id)
+            continue
+        wanted = new.policy_for(tenant_id)
+        if wanted.enabled:
+            kept[tenant_id] = wanted.model_copy(update={"enabled": False})
+    if not kept:
+        return new
+    return PolicySet.model_validate(
+        {
+            "version": new.version,
+            "epoch": new.epoch,
+            "default": new.default,
+            "tenants": {**new.tenants, **kept},
+            "share_groups": new.share_groups,
+        }
+    )
 
 
 async def publish_policy(
@@ -364,10 +403,13 @@ async def put_tenant_policy(
     role = access.principal.role
     expected = if_match(match, body.expected_version)
 
+    reenabled: list[bool] = [False]
+
     def edit(base: PolicyBase) -> PolicySet:
         def change(old: TenantPolicy) -> TenantPolicy:
             if role is Role.TENANT_ADMIN:
                 _check_tenant_admin(base.limit_for(tenant_id), old, body.policy)
+            reenabled[0] = body.policy.enabled and not old.enabled
             return body.policy
 
         return edit_tenant(tenant_id, change)(base.current)
@@ -375,6 +417,8 @@ async def put_tenant_policy(
     stored = await publish_policy(
         action, edit, reason=body.reason, expected_version=expected, limits_of=tenant_id
     )
+    if reenabled[0]:  # the registry's disable ends with it (a later disable is not "already")
+        await anyio.to_thread.run_sync(services.tenants.enable, tenant_id)
     response.headers.update(_etag(stored.version))
     return PolicyChangePublic.model_validate(stored)
 

@@ -110,6 +110,14 @@ def disable_tenant(
         # Only a registered id is recorded: a refusal's entry never carries an arbitrary string
         # from the URL (one over 200 characters would not pass the ledger's G6 check: a 400).
         action.tenant_id = tenant_id
+        # The purge's command goes first: engines run commands in order, and the policy's
+        # `enabled: false` shreds the tenant's offload-tier domains and quarantines its blocks as a
+        # policy change, leaving the purge nothing to find, so the disable's erasure certificate
+        # proved no offloaded copy destroyed. Both commit together; front ends refuse the tenant
+        # from the commit on.
+        job = services.commands.submit_purge(
+            PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn
+        )
         version = store_policy(
             services,
             conn,
@@ -118,9 +126,6 @@ def disable_tenant(
             reason=f"tenant disabled: {body.reason}",
             limits_of=tenant_id,
         ).version
-        job = services.commands.submit_purge(
-            PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn
-        )
         action.done(conn, policy_version=version, purge_job_id=job)
     return DisableResult(
         tenant=TenantPublic.model_validate(tenant), policy_version=version, purge_job_id=job

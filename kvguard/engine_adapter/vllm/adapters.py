@@ -8,12 +8,21 @@ adapter's files into the scope: new weights, new scope, new salt, no reuse (G1).
 The digest is SHA-256 over the sorted relative file names, sizes and contents under the adapter
 directory. It is recomputed only when a file's size or modification time changes, so a request costs
 one `stat` per file.
+
+The digest describes the files, not the weights vLLM runs: vLLM keeps an adapter it loaded until its
+LoRA cache evicts it (`--max-cpu-loras`), so right after the files change, requests under the new
+digest still run the old weights, and blocks they cache would later be hit by the new ones (found
+by an independent review: 256 stale tokens reused after the reload). So once an adapter's files
+differ from what this server first saw, each of its requests gets a scope of its own (a random
+revision, `changed:<hex>`): served, never reusing or leaving blocks anyone reuses, until the server
+restarts. New weights meant to be cached are loaded under a new adapter name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from pathlib import Path
 
 from kvguard.isolation.scope import AdapterRef
@@ -54,6 +63,8 @@ class AdapterDigests:
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+        self._first: dict[str, str] = {}  # path -> the digest this server first served it with
+        self._changed: set[str] = set()  # paths whose files changed since: never reused again
 
     def ref(self, name: str, path: str) -> AdapterRef:
         root = Path(path)
@@ -68,4 +79,8 @@ class AdapterDigests:
             except (OSError, ValueError):  # gone, empty or unreadable: named, its path never shown
                 raise ValueError(f"LoRA adapter {name!r} cannot be read") from None
             self._cache[path] = cached
+        if self._first.setdefault(path, cached[1]) != cached[1]:
+            self._changed.add(path)  # even if the files go back: vLLM may run either version
+        if path in self._changed:  # which weights vLLM runs is unknown: no reuse either way
+            return AdapterRef(id=name, revision="changed:" + secrets.token_hex(16))
         return AdapterRef(id=name, revision=cached[1])
