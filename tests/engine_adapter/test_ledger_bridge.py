@@ -159,6 +159,8 @@ def test_audit_levels_do_what_docs_policy_md_says() -> None:
         "555-0142-a1b2c3d4",
         "078051120-a1b2c3d4",
         "17-a1b2c3d4",  # the offline LLM's counter looks the same
+        "cmpl-4111111111111111-0-a0a3dc02",  # 16 digits: a card number, not vLLM's random id
+        "4111111111111111-a0a3dc02",
     ],
 )
 def test_request_ids_a_client_chose_are_recorded_as_a_digest(rid: str) -> None:
