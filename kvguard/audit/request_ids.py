@@ -2,13 +2,14 @@
 
 Clients choose request ids (vLLM's OpenAI server takes them from the `X-Request-Id` header and from
 a body `request_id`) and a ledger entry is never erased, so a client's id may be anything a person
-types: an e-mail address, a user name (`jane.doe`), a ticket title. An id is recorded as it is only
-when it has the shape of an id vLLM generates: an optional serving prefix (`cmpl-`, `chatcmpl-`, ...)
-and 16 or 32 lowercase hex digits or a UUID (vLLM's random ids, W3C trace ids), then vLLM's prompt
-index and its 8-hex-digit suffix. Anything else is recorded as `rid-sha256:` and the first 32 hex
-digits of its SHA-256, the offline `LLM`'s counter ids (`17-a1b2c3d4`) too: the Responses API takes
-a body `request_id` with no prefix, so a client's digits (a phone or account number) look the same. An auditor holding the engine's id finds its entries either
-way: `run_query(request_id=...)` matches an id as given and in its recorded form.
+types: an e-mail address, a user name (`jane.doe`), a ticket title, a card number. An id is recorded
+as it is only when it has the shape of an id vLLM generates: an optional serving prefix (`cmpl-`,
+`chatcmpl-`, ...) and 16 or 32 lowercase hex digits with at least one letter, or a UUID (vLLM's
+random ids, W3C trace ids), then vLLM's prompt index and its 8-hex-digit suffix. Anything else is
+recorded as `rid-sha256:` and the first 32 hex digits of its SHA-256, the offline `LLM`'s counter
+ids (`17-a1b2c3d4`) too: the Responses API takes a body `request_id` with no prefix, so a client's
+digits (a phone or account number) look the same. An auditor holding the engine's id finds its
+entries either way: `run_query(request_id=...)` matches an id as given and in its recorded form.
 """
 
 from __future__ import annotations
