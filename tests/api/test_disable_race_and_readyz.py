@@ -85,3 +85,29 @@ def test_readyz_outage_answer_carries_retry_after(make_env: MakeEnv, pg_db: str)
     assert ready.status_code == 503
     assert "retry-after" in ready.headers, "/readyz 503 without Retry-After"
     assert int(ready.headers["retry-after"]) >= 1
+
+
+def test_a_whole_set_put_keeps_a_disabled_tenant_disabled_unless_it_says_enabled(
+    env: ApiEnv,
+) -> None:
+    """An entry for the disabled tenant without `enabled` keeps it disabled; an explicit
+    `"enabled": true` re-enables it and ends the registry's disable (it can be disabled again)."""
+    assert (
+        env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "x"}).status_code
+        == 200
+    )
+
+    def put(entry: dict[str, Any]) -> bool:
+        r = env.call(
+            "admin", "PUT", "/v1/policies",
+            json={"policy": {"tenants": {"acme": entry}}, "reason": "routine"},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        return bool(env.call("admin", "GET", "/v1/tenants/acme/policy").json()["policy"]["enabled"])
+
+    assert put({"reuse": "tenant"}) is False
+    assert env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"] is False
+    assert put({"reuse": "tenant", "enabled": True}) is True
+    assert env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"] is True
+    again = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "again"})
+    assert again.status_code == 200, again.text
