@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,13 +38,12 @@ tenants:
 """
 
 
-def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
-    pg_db: str, make_env: Callable[..., ApiEnv], tmp_path: Path
-) -> None:
-    env = make_env(pg_db)
+def offload_child_spec(env: ApiEnv, pg_db: str, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    """The engine child's spec (`vllm_support.start_commands_child`): acme's prompt spilled to the
+    offload tier by a flood, on the API's PostgreSQL database, keys and ledger."""
     config = env.services.config
     (tmp_path / "policy.yaml").write_text(POLICY)
-    spec = {
+    return {
         "control_url": pg_db,
         "prompt": PROMPT,
         "tenants": ["acme", "globex"],
@@ -51,6 +51,7 @@ def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
         "ready_file": str(tmp_path / "ready.json"),
         "stop_file": str(tmp_path / "stop"),
         "timeout_s": 240,
+        **extra,
         "options": {
             "ledger_url": pg_db,
             "ledger_origin": config.origin,
@@ -62,6 +63,13 @@ def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
             "offload_prefill_us_per_token": 1000.0,
         },
     }
+
+
+def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
+    pg_db: str, make_env: Callable[..., ApiEnv], tmp_path: Path
+) -> None:
+    env = make_env(pg_db)
+    spec = offload_child_spec(env, pg_db, tmp_path)
     proc = start_commands_child(tmp_path, spec)
     try:
         wait_for(lambda: child_ready(spec), 400, [proc])
@@ -82,7 +90,9 @@ def test_purge_through_the_api_shreds_the_tier_and_the_certificate_covers_it(
     assert engine["state"] == "done"
     document = cert.json()
     assert env.signing_key is not None
-    report = verify_certificate(document, [env.signing_key.verifier_key()], origin=config.origin)
+    report = verify_certificate(
+        document, [env.signing_key.verifier_key()], origin=env.services.config.origin
+    )
     assert report.engines == 1
     offload = document["media"]["offload"]
     # The flood evicted acme's two cached blocks into the tier; the purge destroyed their key.

