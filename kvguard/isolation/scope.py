@@ -23,7 +23,7 @@ TenantId = NewType("TenantId", str)
 SessionId = NewType("SessionId", str)
 GroupId = NewType("GroupId", str)
 
-_ID_MAX = 256
+ID_MAX = 256  # characters in a tenant, session or group id, a model id or a revision
 
 
 class Share(StrEnum):
@@ -42,23 +42,23 @@ class _Frozen(BaseModel):
 class ModelRef(_Frozen):
     """The model whose weights produced the KV state."""
 
-    id: str = Field(min_length=1, max_length=_ID_MAX)
-    revision: str = Field(min_length=1, max_length=_ID_MAX)
-    weights_digest: str | None = Field(default=None, max_length=_ID_MAX)
+    id: str = Field(min_length=1, max_length=ID_MAX)
+    revision: str = Field(min_length=1, max_length=ID_MAX)
+    weights_digest: str | None = Field(default=None, max_length=ID_MAX)
 
 
 class TokenizerRef(_Frozen):
     """The tokenizer that turned text into the token ids the blocks are keyed by."""
 
-    id: str = Field(min_length=1, max_length=_ID_MAX)
-    revision: str = Field(min_length=1, max_length=_ID_MAX)
+    id: str = Field(min_length=1, max_length=ID_MAX)
+    revision: str = Field(min_length=1, max_length=ID_MAX)
 
 
 class AdapterRef(_Frozen):
     """A LoRA (or similar) adapter active for the request."""
 
-    id: str = Field(min_length=1, max_length=_ID_MAX)
-    revision: str = Field(min_length=1, max_length=_ID_MAX)
+    id: str = Field(min_length=1, max_length=ID_MAX)
+    revision: str = Field(min_length=1, max_length=ID_MAX)
 
 
 class CacheConfig(_Frozen):
@@ -72,10 +72,10 @@ class CacheConfig(_Frozen):
 class Scope(_Frozen):
     """Who asks, and inside which reuse domain their KV state may be shared."""
 
-    tenant_id: str = Field(min_length=1, max_length=_ID_MAX)
+    tenant_id: str = Field(min_length=1, max_length=ID_MAX)
     share: Share = Share.TENANT
-    session_id: str | None = Field(default=None, min_length=1, max_length=_ID_MAX)
-    group_id: str | None = Field(default=None, min_length=1, max_length=_ID_MAX)
+    session_id: str | None = Field(default=None, min_length=1, max_length=ID_MAX)
+    group_id: str | None = Field(default=None, min_length=1, max_length=ID_MAX)
     model: ModelRef
     tokenizer: TokenizerRef
     adapter: AdapterRef | None = None

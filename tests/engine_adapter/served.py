@@ -23,6 +23,7 @@ from kvguard.control.keys import TenantKeys
 from kvguard.control.tenants import TenantRegistry
 from kvguard.engine_adapter.vllm.guarded import tiny_llama_dir
 from kvguard.isolation import Keyring
+from kvguard.policy import prefix_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = """\
@@ -38,8 +39,35 @@ tenants:
       when_full: reject
   offl:
     offload: {allowed: true, ttl_s: 3600}
+  shr-a: {reuse: group, groups: [docs]}
+  shr-b: {reuse: group, groups: [docs]}
+share_groups:
+  docs:
+    prefixes: [{id: docs/system, digest: "%(digest)s", tokens: %(tokens)d}]
+    min_shared_tokens: 128
 """
-TENANTS = ("acme", "globex", "disabled-co", "rev", "initech", "tight", "offl")
+TENANTS = (
+    "acme", "globex", "disabled-co", "rev", "initech", "tight", "offl", "shr-a", "shr-b", "shr-x",
+)  # fmt: skip
+# The `docs` share group's one listed prefix (300 words of the tiny tokenizer, one token each, no
+# BOS): shr-a and shr-b may share its whole blocks, and nothing else, with X-KVGuard-Share.
+GROUP_PREFIX = " ".join(["ka ke ki ko ku"] * 60)
+
+
+def group_prefix_ids() -> list[int]:
+    """GROUP_PREFIX as vLLM tokenizes it (the packaged tokenizer.json; `tokenizers` loads in
+    milliseconds, transformers in seconds)."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    tokenizer = Tokenizer.from_file(str(tiny_llama_dir() / "tokenizer.json"))
+    return list(tokenizer.encode(GROUP_PREFIX).ids)
+
+
+def policy_text() -> str:
+    ids = group_prefix_ids()
+    return POLICY % {"digest": prefix_digest(ids), "tokens": len(ids)}
+
+
 OFFLOAD_BYTES = 32 << 20  # kvguard's encrypted tier: only `offl` may use it
 
 
@@ -59,6 +87,9 @@ class Served:
 
 
 LORA_NAME = "tiny-lora"
+# A second adapter that no test rewrites, for tests that need an adapter's own repeat hits after
+# another test on the shared server changed LORA_NAME's files (a changed adapter reuses nothing).
+EDGE_LORA_NAME = "edge-lora"
 
 
 def write_lora(directory: Path, seed: int) -> None:
@@ -100,7 +131,7 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
     workdir.mkdir(parents=True, exist_ok=True)
     Keyring.generate().save(workdir / "salt.keys")
     SigningKey.generate("kvguard.test/ledger").save(workdir / "sign.key")
-    (workdir / "policy.yaml").write_text(POLICY)
+    (workdir / "policy.yaml").write_text(policy_text())
     db_url = f"sqlite:///{workdir / 'kvguard.db'}"
     registry = TenantRegistry(sa.create_engine(db_url))
     for tenant in TENANTS:
@@ -108,13 +139,15 @@ def start(workdir: Path, *extra: str, timeout_s: float = 300.0) -> Served:
     port = _free_port()
     model = str(tiny_llama_dir())
     write_lora(workdir / "lora", seed=1)
+    write_lora(workdir / "edge-lora", seed=1)
     argv = [
         sys.executable, "-m", "kvguard.cli", "engine", "serve", model,
         "--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048",
         "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8",
         "--enable-prompt-tokens-details", "--port", str(port), "--host", "127.0.0.1",
         "--seed", "0", "--enable-lora", "--max-lora-rank", "8",
-        "--lora-modules", f"{LORA_NAME}={workdir / 'lora'}", *extra,
+        "--lora-modules", f"{LORA_NAME}={workdir / 'lora'}",
+        f"{EDGE_LORA_NAME}={workdir / 'edge-lora'}", *extra,
     ]  # fmt: skip
     return _launch(workdir, db_url, model, argv, port, "serve.log", timeout_s)
 

@@ -387,3 +387,41 @@ def test_client_chosen_request_ids_never_stop_the_engine_nor_reach_the_ledger_un
         assert len(rid) <= 128 and " " not in rid and rid.isascii()
         assert "rrrrrrrr" not in rid and "qqqqqqqq" not in rid and "spaces" not in rid
         assert "jane" not in rid
+
+
+def test_share_group_members_share_the_listed_prefix_through_the_served_path(server) -> None:
+    """Issue 10, item 7, through vLLM's server: `X-KVGuard-Share: group:docs` puts a member's request
+    in the group's scope; a member reuses another member's blocks of the listed prefix, and only
+    those (not the blocks past it, not a shorter start of it, not an unlisted prompt); a tenant
+    outside the group and a member's own tenant scope see none of them (served.py's policy)."""
+    tk = server.keys()
+
+    def client(tenant: str, share: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=server.base_url + "/v1",
+            api_key=tk.issue(tenant).api_key,
+            max_retries=0,
+            timeout=120,
+            default_headers={"X-KVGuard-Share": share} if share else None,
+        )
+
+    def cached(c: openai.OpenAI, prompt: str) -> int:
+        return _cached(c.completions.create(model=server.model, prompt=prompt, max_tokens=1).usage)
+
+    a, b = client("shr-a", "group:docs"), client("shr-b", "group:docs")
+    listed = served_mod.GROUP_PREFIX  # 300 tokens
+    tail = " ".join(["la le li lo lu"] * 60)
+    assert cached(a, f"{listed} {tail}") == 0
+    hit = cached(b, f"{listed} {tail}")
+    assert 128 <= hit <= len(served_mod.group_prefix_ids()), hit  # the prefix's whole blocks only
+    assert cached(b, f"{listed} {' '.join(['ma me mi mo mu'] * 60)}") == hit
+    assert (
+        cached(b, " ".join(listed.split()[:200])) == 0
+    )  # a shorter start is not the listed prefix
+    assert cached(a, tail) == 0  # unlisted: runs under shr-a's own scope...
+    assert cached(b, tail) == 0  # ...so shr-b does not hit it
+    assert cached(b, tail) > 0  # and shr-b's own repeat does (narrowed to its tenant, still cached)
+    assert cached(client("shr-x", "group:docs"), f"{listed} {tail}") == 0  # not a member
+    assert (
+        cached(client("shr-a"), f"{listed} {tail}") == 0
+    )  # the group's blocks are not shr-a's own

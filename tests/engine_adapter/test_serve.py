@@ -15,10 +15,10 @@ import sqlalchemy as sa
 
 from kvguard.control.keys import TenantKeys
 from kvguard.control.tenants import TenantRegistry
-from kvguard.engine_adapter.vllm.serve import KVGuardMiddleware
+from kvguard.engine_adapter.vllm.serve import TENANT_UNIT, KVGuardMiddleware
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.isolation import CacheConfig, Keyring, ModelRef, SaltDeriver, Share
-from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy import PolicySet, TenantPolicy, prefix_digest
 
 
 class Downstream:
@@ -265,7 +265,7 @@ def test_envelope_survives_vllms_openai_protocol(setup) -> None:
         model=ModelRef(id="tiny", revision="1"),
         cache=CacheConfig(kv_dtype="auto", block_size=32),
     )
-    scope = app._scope("acme", None)
+    scope = app._scope("acme", TENANT_UNIT)
     body = json.loads(app._rewrite({"model": "tiny", "prompt": [1, 2]}, Envelope(scope, True)))
     request = protocol.CompletionRequest.model_validate(body)
     params = request.to_sampling_params(max_tokens=4)
@@ -386,3 +386,68 @@ async def test_key_store_outage_is_503_and_key_reads_do_not_block_the_loop(
     response = await _post(client, issued.api_key, {"prompt": [1]})
     assert response.status_code == 503 and "retry" in response.text
     assert len(downstream.bodies) == 1
+
+
+@pytest.mark.anyio
+async def test_share_header_asks_for_a_group_or_public_scope_and_policy_narrows_it(
+    tenant_keys,
+) -> None:
+    """docs/vllm.md "Sharing": `X-KVGuard-Share: group:<id>` or `public` asks for a wider scope on
+    the served path; `admit` keeps it only where the tenant's policy allows it (a member of the
+    group with `reuse: group`), and narrows it to the tenant otherwise."""
+    digest = prefix_digest(list(range(1, 65)))
+    policies = PolicySet.model_validate(
+        {
+            "share_groups": {"docs": {"prefixes": [{"id": "sys/v1", "digest": digest}]}},
+            "tenants": {"acme": {"reuse": "group", "groups": ["docs"]}},
+        }
+    )
+    downstream = Downstream()
+    app = KVGuardMiddleware(
+        downstream,
+        keys=tenant_keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=policies,
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
+    acme, off = tenant_keys.issue("acme").api_key, tenant_keys.issue("off").api_key
+
+    async def scope_of(key: str, headers: dict[str, str]):
+        response = await _post(client, key, {"prompt": [1]}, headers)
+        assert response.status_code == 200, response.text
+        return read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope
+
+    grouped = await scope_of(acme, {"x-kvguard-share": "group:docs"})
+    assert (grouped.share, grouped.group_id) == (Share.GROUP, "docs")
+    for asked in ("group:other", "public", "tenant"):  # not a member / wider than `reuse: group`
+        narrowed = await scope_of(acme, {"x-kvguard-share": asked})
+        assert (narrowed.share, narrowed.group_id) == (Share.TENANT, None), asked
+    session = await scope_of(acme, {"x-kvguard-share": "session", "x-kvguard-session": "s1"})
+    assert (session.share, session.session_id) == (Share.SESSION, "s1")
+    # `off` is disabled by no policy here: a tenant outside the group asking for it gets its own.
+    assert (await scope_of(off, {"x-kvguard-share": "group:docs"})).share is Share.TENANT
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("headers", "names"),
+    [
+        ({"x-kvguard-share": "everyone-secret-prompt"}, "X-KVGuard-Share"),
+        ({"x-kvguard-share": "group:"}, "X-KVGuard-Share"),
+        ({"x-kvguard-share": "group:" + "g" * 257}, "X-KVGuard-Share"),
+        ({"x-kvguard-share": "session"}, "X-KVGuard-Session"),
+        ({"x-kvguard-share": "group:docs", "x-kvguard-session": "s1"}, "X-KVGuard-Share"),
+        ({"x-kvguard-session": "s" * 257}, "X-KVGuard-Session"),
+    ],
+)
+async def test_a_malformed_or_contradictory_share_header_is_400_without_engine_work(
+    setup, headers, names
+) -> None:
+    keys, _, downstream, client = setup
+    response = await _post(client, keys.issue("acme").api_key, {"prompt": [1]}, headers)
+    assert response.status_code == 400
+    assert names in response.text
+    assert "secret-prompt" not in response.text and "ggggg" not in response.text
+    assert downstream.bodies == []

@@ -54,7 +54,7 @@ def test_sagemaker_adapter_header_on_invocations_keeps_the_adapter_digest_in_the
     the adapter, but its scope and salt are the base model's, without the adapter digest, so the
     reloaded adapter hits KV computed with the old weights."""
     prompt = " ".join(["ha he hi ho hu"] * 60)  # 300 tokens, sent by no other test
-    header = {"X-Amzn-SageMaker-Adapter-Identifier": served_mod.LORA_NAME}
+    header = {"X-Amzn-SageMaker-Adapter-Identifier": served_mod.EDGE_LORA_NAME}
     body = {"model": server.model, "prompt": prompt, "max_tokens": 1}
 
     def via_header() -> int:
@@ -63,9 +63,10 @@ def test_sagemaker_adapter_header_on_invocations_keeps_the_adapter_digest_in_the
     assert _cached(_post(server, "/invocations", acme_key, body)) == 0  # base model, cold
     assert via_header() == 0  # no hit on the base model's blocks: the header did select the adapter
     assert via_header() > 0  # the adapter's own repeat hits
-    # Same name and path, new weights (seed 3: test_openai_server's reload on the shared server
-    # writes seed 2, so this is a change whichever module runs first).
-    served_mod.write_lora(server.workdir / "lora", seed=3)
+    # Same name and path, new weights. The adapter is served_mod's EDGE_LORA_NAME, which no other
+    # test rewrites: test_openai_server changes LORA_NAME on the shared server, and a changed
+    # adapter has no repeat hits, so the step above would fail whichever module ran first.
+    served_mod.write_lora(server.workdir / "edge-lora", seed=3)
     assert via_header() == 0, "a reloaded adapter reused KV computed with its old weights"
 
 

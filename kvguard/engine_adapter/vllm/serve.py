@@ -6,7 +6,8 @@
 2. maps `Authorization: Bearer <key>` to a tenant through the tenant registry (`TenantKeys`); a
    missing, unknown or revoked key gets 401 before the body is read, so no engine work happens;
 3. asks policy (`admit`) for the tenant's scope (optional `X-KVGuard-Session` header for session
-   scope); a refused request (a disabled tenant, say) gets 403;
+   scope, `X-KVGuard-Share: group:<id>` or `public` to ask for wider sharing, which policy narrows
+   to the tenant where it does not allow it); a refused request (a disabled tenant, say) gets 403;
 4. on governed routes, drops any client `cache_salt` from the JSON body, sets the salt derived by the
    server, and adds the scope envelope to `vllm_xargs`, which vLLM turns into the request's
    `extra_args` for the connector to check (G1).
@@ -35,6 +36,7 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio.to_thread
@@ -54,7 +56,15 @@ from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
 from kvguard.errors import ConfigError, KvguardError, PolicyError
 from kvguard.isolation.keyring import Keyring
 from kvguard.isolation.salts import SaltDeriver
-from kvguard.isolation.scope import AdapterRef, CacheConfig, ModelRef, Scope, Share, TokenizerRef
+from kvguard.isolation.scope import (
+    ID_MAX,
+    AdapterRef,
+    CacheConfig,
+    ModelRef,
+    Scope,
+    Share,
+    TokenizerRef,
+)
 from kvguard.logging import get_logger
 from kvguard.policy import NO_USAGE, PolicySet, QuotaFull, admit, load_policy_file
 from kvguard.policy.decisions import Reason
@@ -67,6 +77,8 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 _log = get_logger("vllm.serve")
 SESSION_HEADER: Final = b"x-kvguard-session"
+SHARE_HEADER: Final = b"x-kvguard-share"
+_SHARE_VALUES: Final = "tenant, session, group:<group id> or public"
 # vLLM's /invocations copies this header into the body's `model` (SageMaker's LoRA convention)
 # after the middleware has built the scope from the body: the middleware applies it itself, so the
 # scope names the adapter that runs, and the engine never sees the header.
@@ -244,13 +256,7 @@ class KVGuardMiddleware:
             adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
             raise _RefusedError(400, str(exc)) from None
-        session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
-        try:
-            request_scope = self._scope(tenant, session, engine, adapter)
-        except ValueError:
-            raise _RefusedError(
-                400, "invalid X-KVGuard-Session header (1-256 characters)"
-            ) from None
+        request_scope = self._scope(tenant, _requested_share(headers), engine, adapter)
         decision = admit(self.policies, request_scope, NO_USAGE)
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
@@ -325,7 +331,7 @@ class KVGuardMiddleware:
     def _scope(
         self,
         tenant: str,
-        session: str | None,
+        share: SharedUnit,
         engine: EngineView | None = None,
         adapter: AdapterRef | None = None,
     ) -> Scope:
@@ -334,8 +340,9 @@ class KVGuardMiddleware:
             raise KvguardError("the engine configuration is not known yet")
         return Scope(
             tenant_id=tenant,
-            share=Share.SESSION if session else Share.TENANT,
-            session_id=session,
+            share=share.share,
+            session_id=share.session,
+            group_id=share.group,
             model=view.model,
             tokenizer=view.tokenizer,
             adapter=adapter,
@@ -384,6 +391,46 @@ def _required_env(name: str) -> str:
 # `extra_args` keys vLLM reads itself. kvguard's own envelope is overwritten, never refused.
 _ENGINE_FIELDS: Final = ("kv_transfer_params", "ec_transfer_params")
 _ENGINE_XARGS: Final = frozenset({*_ENGINE_FIELDS, "kv_cache_report_mode"})
+
+
+@dataclass(frozen=True, slots=True)
+class SharedUnit:
+    """The sharing unit a request asks for; `admit` narrows it to what the tenant's policy allows."""
+
+    share: Share
+    session: str | None = None
+    group: str | None = None
+
+
+TENANT_UNIT: Final = SharedUnit(Share.TENANT)
+
+
+def _requested_share(headers: dict[bytes, bytes]) -> SharedUnit:
+    """`X-KVGuard-Session` and `X-KVGuard-Share` as a sharing unit; `_RefusedError` (400) naming
+    the header when they are malformed or contradict each other. Values are never echoed: a header
+    is no place for a prompt, but a client may put one there."""
+    session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
+    asked = headers.get(SHARE_HEADER, b"").decode("latin-1").strip()
+    if session is not None and not 1 <= len(session) <= ID_MAX:
+        raise _RefusedError(400, f"invalid X-KVGuard-Session header (1-{ID_MAX} characters)")
+    if asked in ("", "session") and session is not None:
+        return SharedUnit(Share.SESSION, session=session)
+    if asked == "session":
+        raise _RefusedError(400, "X-KVGuard-Share: session needs an X-KVGuard-Session header")
+    if session is not None:
+        raise _RefusedError(
+            400, "X-KVGuard-Session names a session: X-KVGuard-Share may only be 'session' with it"
+        )
+    if asked in ("", "tenant"):
+        return TENANT_UNIT
+    if asked == "public":
+        return SharedUnit(Share.PUBLIC)
+    group = asked.removeprefix("group:")
+    if group != asked and 1 <= len(group) <= ID_MAX:
+        return SharedUnit(Share.GROUP, group=group)
+    raise _RefusedError(
+        400, f"invalid X-KVGuard-Share header: expected {_SHARE_VALUES} (ids 1-{ID_MAX} characters)"
+    )
 
 
 def _refuse_engine_controls(doc: dict[str, Any]) -> None:
