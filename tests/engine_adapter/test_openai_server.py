@@ -425,3 +425,71 @@ def test_share_group_members_share_the_listed_prefix_through_the_served_path(ser
     assert (
         cached(client("shr-a"), f"{listed} {tail}") == 0
     )  # the group's blocks are not shr-a's own
+
+
+def test_streams_run_to_their_end_while_their_tenants_policy_changes_under_them(server) -> None:
+    """Policy versions stored (as the admin API stores them: version, engine command and events in
+    one transaction) while six of a tenant's responses stream, each version changing that tenant's
+    retention and quota: every stream ends with all its tokens, nothing in the server log says the
+    engine failed, and the server serves afterwards. The last version restores the file's entry."""
+    from kvguard.control.commands import CommandQueue  # noqa: PLC0415
+    from kvguard.control.db import open_engine  # noqa: PLC0415
+    from kvguard.control.outbox import Outbox  # noqa: PLC0415
+    from kvguard.control.publish import PolicyBase, PolicyPublisher  # noqa: PLC0415
+    from kvguard.policy import PolicySet  # noqa: PLC0415
+    from kvguard.policy.store import PolicyStore  # noqa: PLC0415
+
+    db = open_engine(server.db_url)
+    publisher = PolicyPublisher(PolicyStore(db), Outbox(db), CommandQueue(db))
+    log_from = len((server.workdir / "serve.log").read_text(errors="replace"))
+    c = _client(server, server.keys().issue("shr-x").api_key)
+
+    def entry(n: int | None):  # type: ignore[no-untyped-def]
+        def edit(base: PolicyBase) -> PolicySet:
+            current = base.current.policy if base.current else PolicySet()
+            tenants = {k: v for k, v in current.tenants.items() if k != "shr-x"}
+            if n is not None:
+                tenants["shr-x"] = {
+                    "retention": {"ttl_s": 600 + n, "idle_s": 60 + n},
+                    "quota": {"max_blocks": 400 - n},
+                }
+            return PolicySet.model_validate({**current.model_dump(mode="json"), "tenants": tenants})
+
+        return edit
+
+    def stream(i: int) -> int:
+        chunks = c.completions.create(
+            model=server.model,
+            prompt=f"{SHORT} {' '.join(['fa fe fi fo fu'] * (10 + i))}",
+            max_tokens=320,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        return max((ch.usage.completion_tokens for ch in chunks if ch.usage), default=0)
+
+    with ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(stream, i) for i in range(6)]
+        n = 0
+        while not all(f.done() for f in running) or n < 5:
+            publisher.publish(entry(n), author="test", reason="live", author_role="admin",
+                              events=lambda change: [])  # fmt: skip
+            n += 1
+            time.sleep(0.2)
+        assert [f.result() for f in running] == [320] * 6
+    last = publisher.publish(entry(None), author="test", reason="restore", author_role="admin",
+                             events=lambda change: [])  # fmt: skip
+    with db.connect() as conn:  # the engine runs every version's command, the restore's last
+        command = conn.execute(
+            sa.text("SELECT id FROM engine_commands WHERE kind = 'policy' AND selector_value = :v"),
+            {"v": str(last.version)},
+        ).scalar_one()
+    deadline = time.monotonic() + 60
+    while not CommandQueue(db).acks(command):  # the engine polls commands as it steps
+        assert time.monotonic() < deadline, "the engine never ran the restoring version's command"
+        c.completions.create(model=server.model, prompt=SHORT, max_tokens=1)
+        time.sleep(0.5)
+    db.dispose()
+    log = (server.workdir / "serve.log").read_text(errors="replace")[log_from:]
+    for sign in ("EngineDeadError", "CustodyError", "Traceback", "custody.repair"):
+        assert sign not in log, f"{sign} in the server log while policies changed"
