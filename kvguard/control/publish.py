@@ -26,7 +26,8 @@ Policy versions (`PolicyPublisher.publish`), a compare-and-set on the head:
 3. PostgreSQL: one statement steps `policy_head` from `base` to `base + 1` only if it still is at
    `base` (`UPDATE ... WHERE version = :base`; READ COMMITTED re-checks the condition after a
    concurrent writer commits), inserts the version, the outbox rows, steps `command_head`, inserts
-   the engine command and notifies engines; all of it or, if the head has moved, none of it. A
+   the engine command, ends the registry disables of tenants the version re-enables (`reenabled`)
+   and notifies engines; all of it or, if the head has moved, none of it. A
    write that finds the head moved starts again from a fresh base, at most `OPTIMISTIC_TRIES`
    times; then it locks the head first (`SELECT ... FOR UPDATE` in a transaction), so it cannot
    be overtaken again. The admin API runs its policy writes on one thread per process
@@ -80,6 +81,7 @@ from kvguard.control.schema import (
     PolicyHead,
     PolicyVersionRow,
 )
+from kvguard.control.tenants import END_DISABLES
 from kvguard.errors import ConfigError, PolicyStoreError, PolicyVersionConflictError
 from kvguard.logging import get_logger
 from kvguard.policy.models import PolicySet, TenantPolicy
@@ -187,6 +189,21 @@ class _Draft:
     author_role: str
     limits_of: str
     events: Sequence[AuditEvent]
+    reenabled: list[str]  # tenants the version enables that its base disabled (`reenabled`)
+
+
+def reenabled(base: PolicyVersion | None, new: PolicySet) -> list[str]:
+    """The tenants with an entry in `base` or `new` that `base` disables (by the entry or the
+    default) and `new` enables. Storing `new` ends their registry disables in the same transaction
+    (`tenants.END_DISABLES`): a crash between two transactions would leave the registry saying
+    disabled, its next disable refused as "already disabled", while engines serve the tenant. (A
+    registry disable always has an entry: `POST /v1/tenants/{id}/disable` writes one and the admin
+    API's whole-set PUT keeps it, `routes.policies.keep_disabled`.)"""
+    if base is None:
+        return []
+    old = base.policy
+    named = old.tenants.keys() | new.tenants.keys()
+    return sorted(t for t in named if not old.policy_for(t).enabled and new.policy_for(t).enabled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +346,8 @@ class PolicyPublisher:
             raise PolicyVersionConflictError(
                 f"the policy store is at version {base.version}, not {write.expected_version}"
             )
-        document, digest = self._store.validated_document(write.edit(base), base=base.current)
+        edited = write.edit(base)
+        document, digest = self._store.validated_document(edited, base=base.current)
         change = PolicyChange(
             version=base.version + 1,
             author=write.author,
@@ -338,7 +356,10 @@ class PolicyPublisher:
             at=self._clock(),
         )
         limits_of = limits_for_role(write.author_role, write.limits_of)
-        return _Draft(change, document, write.author_role, limits_of, list(write.events(change)))
+        events = list(write.events(change))
+        return _Draft(
+            change, document, write.author_role, limits_of, events, reenabled(base.current, edited)
+        )
 
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
         if batch.drafts:
@@ -395,6 +416,7 @@ class PolicyPublisher:
             "selector_value": str(change.version),
             "requested_by": change.author,
             "events": [event_json(e) for e in draft.events],
+            "reenabled": draft.reenabled,
             "channel": NOTIFY_CHANNEL,
         }
 
@@ -417,6 +439,8 @@ class PolicyPublisher:
             conn.execute(sa.insert(PolicyVersionRow).values(**_version_row(draft)))
             self._outbox.add(conn, draft.events)
             self._commands.submit_policy(change.version, requested_by=change.author, conn=conn)
+            if draft.reenabled:
+                conn.execute(END_DISABLES, {"ids": draft.reenabled})
         return True
 
 

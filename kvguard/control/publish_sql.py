@@ -30,6 +30,10 @@ WITH head AS (
     SELECT :now, e.event
     FROM stored CROSS JOIN unnest(CAST(:events AS text[])) WITH ORDINALITY AS e(event, n)
     ORDER BY e.n
+), reenabled AS (
+    UPDATE tenants SET disabled_at = NULL, disabled_by = NULL, disable_reason = NULL
+    WHERE tenant_id = ANY(CAST(:reenabled AS text[])) AND disabled_at IS NOT NULL
+        AND EXISTS (SELECT 1 FROM stored)
 ), seq AS (
     UPDATE command_head SET seq = seq + 1
     WHERE id = :head_id AND EXISTS (SELECT 1 FROM stored)

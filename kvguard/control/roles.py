@@ -24,7 +24,7 @@ _RESERVED: Final = frozenset({"public", "none", "current_user", "session_user", 
 
 # What each serving process does to each control table.
 PRIVILEGES: Final = {
-    "tenants": "SELECT, INSERT, UPDATE",  # create, disable
+    "tenants": "SELECT, INSERT, UPDATE",  # create, disable, re-enable (a policy version)
     "admin_api_keys": "SELECT, INSERT, UPDATE",  # create, revoke, 0.1.0 hash upgrade
     "tenant_api_keys": "SELECT, INSERT, UPDATE",  # issue, revoke
     "policy_head": "SELECT, UPDATE",  # step by one (trigger-checked)

@@ -176,15 +176,18 @@ class TenantRegistry:
             raise ConflictError("the tenant is already disabled")
         return tenant
 
-    def enable(self, tenant_id: str) -> None:
-        """End a disable (a policy version re-enabled the tenant): the registry says enabled again
-        and a later disable is not refused as "already disabled". A no-op for an enabled one."""
-        with write_transaction(self._engine) as conn:
-            conn.execute(
-                sa.update(TenantRow)
-                .where(TenantRow.tenant_id == tenant_id, TenantRow.disabled_at.is_not(None))
-                .values(disabled_at=None, disabled_by=None, disable_reason=None)
-            )
+
+# Ends the disables of tenants a policy version re-enables, in that version's transaction
+# (`kvguard.control.publish`): the registry says enabled again and a later disable is not refused
+# as "already disabled". Bind parameter `ids` (a list); a no-op for enabled or unknown ids.
+END_DISABLES: Final = (
+    sa.update(TenantRow)
+    .where(
+        TenantRow.tenant_id.in_(sa.bindparam("ids", expanding=True)),
+        TenantRow.disabled_at.is_not(None),
+    )
+    .values(disabled_at=None, disabled_by=None, disable_reason=None)
+)
 
 
 def _tenant(row: sa.Row[tuple[TenantRow]] | sa.Row[object]) -> Tenant:

@@ -111,3 +111,42 @@ def test_a_whole_set_put_keeps_a_disabled_tenant_disabled_unless_it_says_enabled
     assert env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"] is True
     again = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "again"})
     assert again.status_code == 200, again.text
+
+
+def test_a_disabled_tenant_stays_disabled_while_the_default_is_switched_off_and_on(
+    env: ApiEnv,
+) -> None:
+    """A whole-set PUT whose default disables everyone, then one whose default enables everyone,
+    neither naming the tenant: the first dropped the tenant's `enabled: false` entry (the default
+    covered it), so the second re-enabled it silently while the registry said disabled and its
+    next disable was refused 409 (found by a review). Then an explicit re-enable through the
+    tenant's own entry ends the registry's disable."""
+    assert (
+        env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "x"}).status_code
+        == 200
+    )
+
+    def put_default(enabled: bool) -> None:
+        r = env.call(
+            "admin", "PUT", "/v1/policies",
+            json={"policy": {"default": {"enabled": enabled}}, "reason": "routine"},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+
+    def acme() -> tuple[bool, bool]:
+        policy = env.call("admin", "GET", "/v1/tenants/acme/policy").json()["policy"]
+        return bool(policy["enabled"]), bool(
+            env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"]
+        )
+
+    put_default(False)
+    put_default(True)
+    assert acme() == (False, False)
+    r = env.call(
+        "admin", "PUT", "/v1/tenants/acme/policy",
+        json={"policy": {"enabled": True}, "reason": "back"},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert acme() == (True, True)
+    again = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "again"})
+    assert again.status_code == 200, again.text

@@ -20,6 +20,7 @@ from kvguard.control.outbox import Outbox
 from kvguard.control.policy_seed import policy_change_event
 from kvguard.control.publish import PolicyBase, PolicyPublisher, PolicyWrite, submit_purge
 from kvguard.control.schema import EngineCommand, OutboxRow, PolicyVersionRow
+from kvguard.control.tenants import TenantRegistry
 from kvguard.errors import PermissionDeniedError, PolicyVersionConflictError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyChange, PolicyStore
@@ -391,3 +392,67 @@ def test_a_contended_tenant_admin_write_reads_no_limits_of_its_own(db_url: str) 
     # `tenant_limit`'s query: the latest version whose `limits_of` is the tenant, `LIMIT 1`
     per_tenant = [s for s in statements if "limits_of =" in s and re.search(r"\bLIMIT\b", s)]
     assert per_tenant == []
+
+
+def _set_enabled(tenant: str, enabled: bool):  # type: ignore[no-untyped-def]
+    def edit(base: PolicyBase) -> PolicySet:
+        policy_set = base.current.policy if base.current else PolicySet()
+        entry = TenantPolicy(enabled=enabled)
+        return PolicySet.model_validate(
+            {**policy_set.model_dump(mode="json"), "tenants": {**policy_set.tenants, tenant: entry}}
+        )
+
+    return edit
+
+
+def _write(edit, **kw: object) -> PolicyWrite:  # type: ignore[no-untyped-def]
+    return PolicyWrite(edit, "key:a", "r", "admin", _events, **kw)  # type: ignore[arg-type]
+
+
+def test_a_version_that_re_enables_a_tenant_ends_its_registry_disable_in_its_transaction(
+    db_url: str,
+) -> None:
+    """A re-enable's registry update commits with the version (`publish.reenabled`): as a second
+    transaction after it, a crash in between left the registry saying disabled (the next disable
+    refused as "already disabled") while engines served the tenant. A version that is not stored
+    ends no disable. One version alone (PostgreSQL: one autocommit statement) and a group of
+    several (one pipelined transaction)."""
+    publisher = _publisher(db_url)
+    registry = TenantRegistry(open_engine(db_url))
+    tenants = ("acme", "globex", "initech")
+    for tenant in tenants:
+        registry.create(tenant, display_name=tenant, created_by="test")
+        registry.disable(tenant, by="key:a", reason="test")
+    outcomes = publisher.publish_group([_write(_set_enabled(t, False)) for t in tenants])
+    assert all(isinstance(o, PolicyChange) for o in outcomes)
+    latest = outcomes[-1].version  # type: ignore[union-attr]
+
+    refused = publisher.publish_group([_write(_set_enabled("acme", True), expected_version=1)])
+    assert isinstance(refused[0], PolicyVersionConflictError)
+    assert not registry.get("acme").enabled  # nothing stored, nothing ended
+
+    publisher.publish_group([_write(_set_enabled("acme", True), expected_version=latest)])
+    assert registry.get("acme").enabled
+    assert not registry.get("globex").enabled and not registry.get("initech").enabled
+    group = [_write(_set_enabled("globex", True)), _write(_set_ttl("x", 50))]
+    group.append(_write(_set_enabled("initech", True)))
+    stored = publisher.publish_group(group)
+    assert all(isinstance(o, PolicyChange) for o in stored), stored
+    assert registry.get("globex").enabled and registry.get("initech").enabled
+    registry.disable("globex", by="key:a", reason="again")  # not refused as "already disabled"
+
+
+def test_a_re_enable_over_a_version_whose_default_disables_the_tenant_ends_its_disable(
+    db_url: str,
+) -> None:
+    """The base disables the tenant through its default, not an entry of its own: the version that
+    enables it by an entry still ends the registry's disable (`reenabled` reads `policy_for`)."""
+    publisher = _publisher(db_url)
+    registry = TenantRegistry(open_engine(db_url))
+    registry.create("acme", display_name="acme", created_by="test")
+    registry.disable("acme", by="key:a", reason="test")
+    off = PolicySet.model_validate({"default": {"enabled": False}})
+    publisher.publish_group([_write(lambda base: off)])
+    publisher.publish_group([_write(_set_enabled("acme", True))])
+    assert registry.get("acme").enabled
+    registry.disable("acme", by="key:a", reason="again")  # not refused as "already disabled"

@@ -228,25 +228,22 @@ async def put_policy(
 ) -> PolicyChangePublic:
     """Store a new version of the whole policy set (admin)."""
     expected = if_match(match, body.expected_version)
-    reenabled: set[str] = set()
 
     def edit(base: PolicyBase) -> PolicySet:
-        reenabled.clear()  # the edit is drafted again over a newer version after a conflict
-        return keep_disabled(body.policy, base.current, reenabled)
+        return keep_disabled(body.policy, base.current)
 
     change = await publish_policy(action, edit, reason=body.reason, expected_version=expected)
-    for tenant_id in sorted(reenabled):
-        await anyio.to_thread.run_sync(action.access.services.tenants.enable, tenant_id)
     response.headers.update(_etag(change.version))
     return PolicyChangePublic.model_validate(change)
 
 
-def keep_disabled(new: PolicySet, current: PolicyVersion | None, reenabled: set[str]) -> PolicySet:
+def keep_disabled(new: PolicySet, current: PolicyVersion | None) -> PolicySet:
     """`new` with every tenant that `current` disables still disabled, unless `new` names the
-    tenant with an explicit `enabled` (then it is added to `reenabled` when that re-enables it): a
-    whole-set PUT whose document leaves a disabled tenant out (or gives it an entry without
-    `enabled`) would otherwise serve it again, its old inference keys included, while
-    `GET /v1/tenants/{id}` still said disabled."""
+    tenant with an explicit `enabled` (an explicit re-enable, which ends the registry's disable in
+    the version's own transaction: `kvguard.control.publish.reenabled`): a whole-set PUT whose
+    document leaves a disabled tenant out (or gives it an entry without `enabled`) would otherwise
+    serve it again, its old inference keys included, while `GET /v1/tenants/{id}` still said
+    disabled."""
     if current is None:
         return new
     kept: dict[str, TenantPolicy] = {}
@@ -255,11 +252,11 @@ def keep_disabled(new: PolicySet, current: PolicyVersion | None, reenabled: set[
             continue
         entry = new.tenants.get(tenant_id)
         if entry is not None and "enabled" in entry.model_fields_set:
-            if entry.enabled:
-                reenabled.add(tenant_id)
             continue
+        # An entry even when the new default disables the tenant too: without one, a later
+        # version's enabled default would re-enable it silently (found by a review).
         wanted = new.policy_for(tenant_id)
-        if wanted.enabled:
+        if wanted.enabled or entry is None:
             kept[tenant_id] = wanted.model_copy(update={"enabled": False})
     if not kept:
         return new
@@ -403,13 +400,10 @@ async def put_tenant_policy(
     role = access.principal.role
     expected = if_match(match, body.expected_version)
 
-    reenabled: list[bool] = [False]
-
     def edit(base: PolicyBase) -> PolicySet:
         def change(old: TenantPolicy) -> TenantPolicy:
             if role is Role.TENANT_ADMIN:
                 _check_tenant_admin(base.limit_for(tenant_id), old, body.policy)
-            reenabled[0] = body.policy.enabled and not old.enabled
             return body.policy
 
         return edit_tenant(tenant_id, change)(base.current)
@@ -417,8 +411,6 @@ async def put_tenant_policy(
     stored = await publish_policy(
         action, edit, reason=body.reason, expected_version=expected, limits_of=tenant_id
     )
-    if reenabled[0]:  # the registry's disable ends with it (a later disable is not "already")
-        await anyio.to_thread.run_sync(services.tenants.enable, tenant_id)
     response.headers.update(_etag(stored.version))
     return PolicyChangePublic.model_validate(stored)
 
