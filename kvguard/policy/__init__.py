@@ -22,6 +22,7 @@ from kvguard.policy.decisions import (
     may_share_prefix,
     must_zeroize,
     over_quota,
+    private_scope,
     shared_prefix_tokens,
 )
 from kvguard.policy.enums import (
@@ -83,5 +84,6 @@ __all__ = [
     "over_quota",
     "parse_policy",
     "prefix_digest",
+    "private_scope",
     "shared_prefix_tokens",
 ]

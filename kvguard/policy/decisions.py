@@ -162,14 +162,17 @@ def _cache_decision(
     return _without_cache(Reason.SHARE_NOT_ALLOWED, scope)
 
 
+def private_scope(scope: Scope) -> Scope:
+    """The owner scope for the blocks of a request that may not use the cache: private to the
+    tenant. Under zeroize 'cross_scope', a block owned by a group or public scope would be handed to
+    another tenant of that domain without zeroization."""
+    if scope.share in (Share.SESSION, Share.TENANT):
+        return scope
+    return scope.with_share(Share.TENANT)
+
+
 def _without_cache(reason: Reason, scope: Scope) -> Decision:
-    # The request's blocks still get an owner scope. It must be private to the tenant: under
-    # zeroize 'cross_scope', a block owned by a group or public scope would be handed to another
-    # tenant of that domain without zeroization.
-    private = (
-        scope if scope.share in (Share.SESSION, Share.TENANT) else scope.with_share(Share.TENANT)
-    )
-    return Decision(Verdict.ADMIT_WITHOUT_CACHE, reason, private)
+    return Decision(Verdict.ADMIT_WITHOUT_CACHE, reason, private_scope(scope))
 
 
 def _allowed(

@@ -27,7 +27,8 @@ from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.scheduler_side import SchedulerGuard
 from kvguard.engine_adapter.vllm.transport import Envelope
-from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.isolation import Share
+from kvguard.policy import PolicySet, TenantPolicy, prefix_digest
 from kvguard.policy.models import Quota
 from tests.engine_adapter.conftest import DERIVER, scope_for
 
@@ -172,8 +173,10 @@ class Clock:
 _rids = itertools.count()
 
 
-def request(tenant: str, tokens: int, *, max_tokens: int = 1, cache: bool = True) -> Any:
-    scope = scope_for(tenant)
+def request(
+    tenant: str, tokens: int, *, max_tokens: int = 1, cache: bool = True, scope: Any = None
+) -> Any:
+    scope = scope or scope_for(tenant)
     envelope = Envelope(scope=scope, use_cache=cache)
     r = SimpleNamespace(
         request_id=f"r{next(_rids)}",
@@ -472,3 +475,79 @@ def test_prefix_hits_and_purges_feed_the_cache_age_histogram(make_guard: Any) ->
     guard.build_step(schedule())
     purged = guard.reporter.histograms["cache_block_age_seconds.purged"]
     assert (purged.count, purged.sum) == (1, 10.0)
+
+
+# --- the engine's policy narrows what a front end admitted -----------------------------------------
+
+
+def _sharing(*, b_reuse: str = "group", b_member: bool = True) -> PolicySet:
+    """Group g lists the 32-token prefix 0..31; a is a member with `reuse: public`, b as given (a
+    member of group h instead when not of g)."""
+    listed = {"prefixes": [{"id": "p", "digest": prefix_digest(list(range(32)))}]}
+    b: dict[str, Any] = {"reuse": b_reuse}
+    if b_reuse in ("group", "public"):
+        b["groups"] = ["g"] if b_member else ["h"]
+    return PolicySet.model_validate(
+        {
+            "share_groups": {
+                "g": {**listed, "min_shared_tokens": BLOCK},
+                "h": {**listed, "min_shared_tokens": BLOCK},
+            },
+            "tenants": {"a": {"reuse": "public", "groups": ["g"]}, "b": b},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("share", "v2"),
+    [
+        ("group", {"b_member": False}),  # b left the group
+        ("group", {"b_reuse": "tenant"}),  # b's reuse no longer reaches the group
+        ("public", {"b_reuse": "tenant"}),  # b's reuse no longer public
+    ],
+)
+def test_a_share_the_engines_newer_policy_narrows_runs_under_the_narrowed_scope(
+    make_guard: Any, share: str, v2: dict[str, Any]
+) -> None:
+    """The served front end re-reads policy up to a second after the engine applies a version, so a
+    request can arrive asking for a share the engine's policy no longer allows. `admit` narrows it
+    to the tenant; the engine must then run it under that scope (salt and block hashes recomputed),
+    not the one it asked for: with the old scope and its matching salt, b read a's group (or
+    public) blocks after leaving (found by a review)."""
+    v1 = _sharing(b_reuse="public" if share == "public" else "group")
+    guard, f = make_guard(v1)
+    asked = {
+        "group": lambda t: scope_for(t, group="g"),
+        "public": lambda t: scope_for(t).with_share(Share.PUBLIC),
+    }[share]
+    a = request("a", 2 * BLOCK, scope=asked("a"))
+    guard.on_new_request(a)
+    assert guard._envelopes[a.request_id].scope == asked("a")  # v1 allows it
+    guard.build_step(schedule(new=[(a, [1, 2], 0)]))
+    f.pool.blocks[1].block_hash, f.pool.blocks[2].block_hash = "h1", "h2"
+    guard.request_finished(a)
+
+    guard.use_policy(_sharing(**v2), 2)
+    b = request("b", 2 * BLOCK, scope=asked("b"))  # admitted by a front end still on v1
+    narrowed_before = guard.stats["share_narrowed"]
+    guard.on_new_request(b)
+    envelope = guard._envelopes[b.request_id]
+    assert envelope.scope == scope_for("b") and envelope.use_cache
+    assert b.cache_salt == DERIVER.salt(scope_for("b")) != DERIVER.salt(asked("b"))
+    assert guard.stats["share_narrowed"] == narrowed_before + 1
+
+
+def test_a_request_that_may_not_use_the_cache_owns_its_blocks_privately(make_guard: Any) -> None:
+    """`admit` without cache (b's reuse is now `none`) and a queued request a new version stops
+    from sharing: the blocks' owner is b's own scope, never the group (under `cross_scope` a block
+    owned by the group would be handed to another member without zeroization)."""
+    guard, _ = make_guard(_sharing())
+    queued = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))
+    guard.on_new_request(queued)
+    assert guard._envelopes[queued.request_id].scope.share is Share.GROUP
+    guard.use_policy(_sharing(b_member=False), 2)
+    assert guard._envelopes[queued.request_id] == Envelope(scope=scope_for("b"), use_cache=False)
+    guard.use_policy(_sharing(b_reuse="none", b_member=False), 3)
+    late = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))
+    guard.on_new_request(late)
+    assert guard._envelopes[late.request_id] == Envelope(scope=scope_for("b"), use_cache=False)

@@ -85,6 +85,21 @@ def setup(tenant_keys):
     return keys, deriver, downstream, client
 
 
+def _served(keys: TenantKeys, policies: PolicySet) -> tuple[Downstream, httpx.AsyncClient]:
+    """The middleware in front of a recording app, under `policies`."""
+    downstream = Downstream()
+    app = KVGuardMiddleware(
+        downstream,
+        keys=keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=policies,
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
+    return downstream, client
+
+
 async def _post(client, key, body, headers=None):
     h = {"authorization": f"Bearer {key}"} if key else {}
     return await client.post("/v1/completions", json=body, headers={**h, **(headers or {})})
@@ -402,16 +417,7 @@ async def test_share_header_asks_for_a_group_or_public_scope_and_policy_narrows_
             "tenants": {"acme": {"reuse": "group", "groups": ["docs"]}},
         }
     )
-    downstream = Downstream()
-    app = KVGuardMiddleware(
-        downstream,
-        keys=tenant_keys,
-        deriver=SaltDeriver(Keyring.generate()),
-        policies=policies,
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
-    )
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
+    downstream, client = _served(tenant_keys, policies)
     acme, off = tenant_keys.issue("acme").api_key, tenant_keys.issue("off").api_key
 
     async def scope_of(key: str, headers: dict[str, str]):
@@ -451,3 +457,38 @@ async def test_a_malformed_or_contradictory_share_header_is_400_without_engine_w
     assert names in response.text
     assert "secret-prompt" not in response.text and "ggggg" not in response.text
     assert downstream.bodies == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["x-kvguard-share", "x-kvguard-session"])
+async def test_a_repeated_sharing_header_is_400_not_the_last_one_wins(setup, name) -> None:
+    """A proxy that sets `X-KVGuard-Share: tenant` must not be overridden by a client's own header
+    after it (ASGI keeps both; a dict of them keeps the last)."""
+    keys, _, downstream, client = setup
+    key = keys.issue("acme").api_key
+    value = "tenant" if name == "x-kvguard-share" else "s1"
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": [1]},
+        headers=[("authorization", f"Bearer {key}"), (name, value), (name, value)],
+    )
+    assert response.status_code == 400
+    assert "not several" in response.text
+    assert downstream.bodies == []
+
+
+@pytest.mark.anyio
+async def test_the_share_keyword_is_read_case_insensitively_ids_as_sent(tenant_keys) -> None:
+    policies = PolicySet.model_validate(
+        {
+            "share_groups": {"Docs": {"prefixes": [{"id": "p", "digest": prefix_digest([1])}]}},
+            "tenants": {"acme": {"reuse": "group", "groups": ["Docs"]}},
+        }
+    )
+    downstream, client = _served(tenant_keys, policies)
+    key = tenant_keys.issue("acme").api_key
+    for asked, group in (("GROUP:Docs", "Docs"), (" Group:Docs ", "Docs"), ("group:docs", None)):
+        response = await _post(client, key, {"prompt": [1]}, {"x-kvguard-share": asked})
+        assert response.status_code == 200, response.text
+        scope = read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope
+        assert scope.group_id == group, asked  # `docs` is no group of acme's: narrowed

@@ -66,6 +66,7 @@ from kvguard.policy import (
     Verify,
     admit,
     may_reuse,
+    private_scope,
     shared_prefix_tokens,
 )
 
@@ -280,8 +281,14 @@ class SchedulerGuard:
             )
             envelope = Envelope(scope=envelope.scope, use_cache=False)
         decision = self._admit_quota(request, envelope.scope)
-        if envelope.use_cache and not decision.use_cache:
-            envelope = Envelope(scope=envelope.scope, use_cache=False)
+        if not (envelope.use_cache and decision.use_cache):
+            # No cache: the blocks' owner is private to the tenant (`private_scope`).
+            envelope = Envelope(scope=private_scope(envelope.scope), use_cache=False)
+        elif decision.scope not in (None, envelope.scope):
+            # This engine's policy narrows what the front end admitted (the front end follows
+            # policy versions up to a second later): run under the narrowed scope, whose salt
+            # and block hashes are recomputed here, never under the one the request asked for.
+            envelope = self._narrowed(request, decision.scope)
         if envelope.use_cache and envelope.scope.share is Share.GROUP:
             envelope = self._group_prefix(request, envelope)
         if not envelope.use_cache:
@@ -300,8 +307,12 @@ class SchedulerGuard:
         shared = shared_prefix_tokens(self.policies, scope.group_id or "", ids, self._block_size)
         if shared >= self._block_size:
             return Envelope(scope=scope, use_cache=True, share_tokens=shared)
+        return self._narrowed(request, scope.with_share(Share.TENANT))
+
+    def _narrowed(self, request: Any, own: Scope) -> Envelope:
+        """The request under `own`, a narrower scope than it asked for: the salt and block hashes
+        it arrived with were derived for the wider one."""
         self.stats["share_narrowed"] += 1
-        own = scope.with_share(Share.TENANT)
         request.cache_salt = self.deriver.salt(own)
         request.block_hashes = []
         request.update_block_hashes()
@@ -732,7 +743,7 @@ class SchedulerGuard:
             request = self._live.get(rid)
             if request is not None:
                 make_private(request, skip_reading=rid not in self._quota_wait)
-            self._envelopes[rid] = Envelope(scope=env.scope, use_cache=False)
+            self._envelopes[rid] = Envelope(scope=private_scope(env.scope), use_cache=False)
         self._hold_quarantined()
         self._forward(self._c.take_events())
 

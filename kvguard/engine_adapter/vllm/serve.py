@@ -35,7 +35,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -79,6 +79,7 @@ _log = get_logger("vllm.serve")
 SESSION_HEADER: Final = b"x-kvguard-session"
 SHARE_HEADER: Final = b"x-kvguard-share"
 _SHARE_VALUES: Final = "tenant, session, group:<group id> or public"
+_SHARING_HEADERS: Final = {SESSION_HEADER: "X-KVGuard-Session", SHARE_HEADER: "X-KVGuard-Share"}
 # vLLM's /invocations copies this header into the body's `model` (SageMaker's LoRA convention)
 # after the middleware has built the scope from the body: the middleware applies it itself, so the
 # scope names the adapter that runs, and the engine never sees the header.
@@ -256,7 +257,8 @@ class KVGuardMiddleware:
             adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
             raise _RefusedError(400, str(exc)) from None
-        request_scope = self._scope(tenant, _requested_share(headers), engine, adapter)
+        sharing = _requested_share(scope.get("headers") or [])
+        request_scope = self._scope(tenant, sharing, engine, adapter)
         decision = admit(self.policies, request_scope, NO_USAGE)
         if not decision.admitted or decision.scope is None:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
@@ -405,28 +407,37 @@ class SharedUnit:
 TENANT_UNIT: Final = SharedUnit(Share.TENANT)
 
 
-def _requested_share(headers: dict[bytes, bytes]) -> SharedUnit:
-    """`X-KVGuard-Session` and `X-KVGuard-Share` as a sharing unit; `_RefusedError` (400) naming
-    the header when they are malformed or contradict each other. Values are never echoed: a header
-    is no place for a prompt, but a client may put one there."""
-    session = headers.get(SESSION_HEADER, b"").decode("latin-1") or None
-    asked = headers.get(SHARE_HEADER, b"").decode("latin-1").strip()
+def _requested_share(raw: Iterable[tuple[bytes, bytes]]) -> SharedUnit:
+    """`X-KVGuard-Session` and `X-KVGuard-Share` (from the request's raw header list) as a sharing
+    unit; `_RefusedError` (400) naming the header when one is repeated, malformed or contradicts the
+    other. A repeated header is not resolved by picking one: a proxy that sets `X-KVGuard-Share:
+    tenant` must not be overridden by a client's header after it. The share keyword is read
+    case-insensitively, ids as sent. Values are never echoed: a header is no place for a prompt,
+    but a client may put one there."""
+    found: dict[bytes, str] = {}
+    for name, value in raw:
+        if name in _SHARING_HEADERS:
+            if name in found:
+                raise _RefusedError(400, f"send one {_SHARING_HEADERS[name]} header, not several")
+            found[name] = value.decode("latin-1")
+    session = found.get(SESSION_HEADER) or None
+    keyword, colon, group = found.get(SHARE_HEADER, "").strip().partition(":")
+    keyword = keyword.lower()
     if session is not None and not 1 <= len(session) <= ID_MAX:
         raise _RefusedError(400, f"invalid X-KVGuard-Session header (1-{ID_MAX} characters)")
-    if asked in ("", "session") and session is not None:
+    if keyword in ("", "session") and not colon and session is not None:
         return SharedUnit(Share.SESSION, session=session)
-    if asked == "session":
+    if keyword == "session" and not colon:
         raise _RefusedError(400, "X-KVGuard-Share: session needs an X-KVGuard-Session header")
     if session is not None:
         raise _RefusedError(
             400, "X-KVGuard-Session names a session: X-KVGuard-Share may only be 'session' with it"
         )
-    if asked in ("", "tenant"):
+    if keyword in ("", "tenant") and not colon:
         return TENANT_UNIT
-    if asked == "public":
+    if keyword == "public" and not colon:
         return SharedUnit(Share.PUBLIC)
-    group = asked.removeprefix("group:")
-    if group != asked and 1 <= len(group) <= ID_MAX:
+    if keyword == "group" and colon and 1 <= len(group) <= ID_MAX:
         return SharedUnit(Share.GROUP, group=group)
     raise _RefusedError(
         400, f"invalid X-KVGuard-Share header: expected {_SHARE_VALUES} (ids 1-{ID_MAX} characters)"
