@@ -150,3 +150,20 @@ def test_a_disabled_tenant_stays_disabled_while_the_default_is_switched_off_and_
     assert acme() == (True, True)
     again = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "again"})
     assert again.status_code == 200, again.text
+
+
+def test_a_tenant_put_without_enabled_keeps_a_disabled_tenant_disabled(env: ApiEnv) -> None:
+    """docs/api.md: only an entry that says `"enabled": true` re-enables. `TenantPolicy.enabled`
+    defaults to true, so an admin's `PUT /v1/tenants/{id}/policy` that left it out re-enabled the
+    tenant (and ended its registry disable; found by a review)."""
+    assert (
+        env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "x"}).status_code
+        == 200
+    )
+    r = env.call(
+        "admin", "PUT", "/v1/tenants/acme/policy",
+        json={"policy": {"reuse": "tenant"}, "reason": "edit"},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert env.call("admin", "GET", "/v1/tenants/acme/policy").json()["policy"]["enabled"] is False
+    assert env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"] is False

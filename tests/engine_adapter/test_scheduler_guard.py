@@ -551,3 +551,52 @@ def test_a_request_that_may_not_use_the_cache_owns_its_blocks_privately(make_gua
     late = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))
     guard.on_new_request(late)
     assert guard._envelopes[late.request_id] == Envelope(scope=scope_for("b"), use_cache=False)
+
+
+def test_a_running_request_preempted_after_a_policy_change_resumes_under_the_new_policy(
+    make_guard: Any,
+) -> None:
+    """b was running under group g when a version withdrew it: preempted, it must not resume with
+    the group's scope and salt (it would read a's group blocks on resuming; found by a review)."""
+    guard, _ = make_guard(_sharing())
+    b = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))
+    guard.on_new_request(b)
+    guard.build_step(schedule(new=[(b, [3, 4], 0)]))
+    guard.use_policy(_sharing(b_member=False), 2)
+    assert guard._envelopes[b.request_id].use_cache  # running: left alone until it stops
+    guard.build_step(schedule(preempted=(b.request_id,)))
+    assert guard._envelopes[b.request_id] == Envelope(scope=scope_for("b"), use_cache=False)
+    assert b.skip_reading_prefix_cache and b.cache_salt != DERIVER.salt(scope_for("b", group="g"))
+
+
+def test_a_queued_group_request_whose_prefix_is_delisted_reads_nothing_cached(
+    make_guard: Any,
+) -> None:
+    guard, _ = make_guard(_sharing())
+    b = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))
+    guard.on_new_request(b)
+    assert guard._envelopes[b.request_id].share_tokens == 2 * BLOCK
+    delisted = _sharing().model_dump(mode="json")
+    other = prefix_digest(list(range(100, 132)))
+    delisted["share_groups"]["g"]["prefixes"] = [{"id": "q", "digest": other}]
+    guard.use_policy(PolicySet.model_validate(delisted), 2)
+    assert guard._envelopes[b.request_id] == Envelope(scope=scope_for("b"), use_cache=False)
+
+
+def test_a_quota_deferral_names_the_scope_the_request_runs_under(make_guard: Any) -> None:
+    """The `quota.defer` entry's scope tag is that of the narrowed scope, not the one asked for."""
+    v1 = _sharing().model_dump(mode="json")
+    v1["tenants"]["b"]["quota"] = {"max_blocks": 2}
+    guard, f = make_guard(PolicySet.model_validate(v1))
+    first = request("b", 2 * BLOCK - 1)
+    guard.on_new_request(first)
+    guard.build_step(schedule(new=[(first, [0, 1], 0)]))
+    v2 = _sharing(b_reuse="tenant").model_dump(mode="json")
+    v2["tenants"]["b"]["quota"] = {"max_blocks": 2}
+    guard.use_policy(PolicySet.model_validate(v2), 2)
+    late = request("b", 2 * BLOCK - 1, scope=scope_for("b", group="g"))
+    guard.on_new_request(late)
+    assert not guard.may_schedule(late)
+    guard.build_step(schedule())
+    deferral = next(e for e in f.ledger.entries if str(e.kind) == "quota.defer")
+    assert deferral.scope_tag == guard._tag(scope_for("b"))

@@ -446,6 +446,9 @@ async def test_share_header_asks_for_a_group_or_public_scope_and_policy_narrows_
         ({"x-kvguard-share": "session"}, "X-KVGuard-Session"),
         ({"x-kvguard-share": "group:docs", "x-kvguard-session": "s1"}, "X-KVGuard-Share"),
         ({"x-kvguard-session": "s" * 257}, "X-KVGuard-Session"),
+        ({"x-kvguard-session": "   "}, "X-KVGuard-Session"),
+        ({"x-kvguard-share": "group:   "}, "X-KVGuard-Share"),
+        ({"x-kvguard-share": "session:x"}, "X-KVGuard-Share"),
     ],
 )
 async def test_a_malformed_or_contradictory_share_header_is_400_without_engine_work(
@@ -487,7 +490,8 @@ async def test_the_share_keyword_is_read_case_insensitively_ids_as_sent(tenant_k
     )
     downstream, client = _served(tenant_keys, policies)
     key = tenant_keys.issue("acme").api_key
-    for asked, group in (("GROUP:Docs", "Docs"), (" Group:Docs ", "Docs"), ("group:docs", None)):
+    cases = (("GROUP:Docs", "Docs"), (" Group : Docs ", "Docs"), ("group:docs", None))
+    for asked, group in cases:
         response = await _post(client, key, {"prompt": [1]}, {"x-kvguard-share": asked})
         assert response.status_code == 200, response.text
         scope = read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope

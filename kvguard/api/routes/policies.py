@@ -402,9 +402,14 @@ async def put_tenant_policy(
 
     def edit(base: PolicyBase) -> PolicySet:
         def change(old: TenantPolicy) -> TenantPolicy:
+            wanted = body.policy
+            if "enabled" not in wanted.model_fields_set and wanted.enabled != old.enabled:
+                # Only an explicit `enabled` changes it: an entry that leaves it out (its default
+                # is true) must not re-enable a disabled tenant (docs/api.md).
+                wanted = wanted.model_copy(update={"enabled": old.enabled})
             if role is Role.TENANT_ADMIN:
-                _check_tenant_admin(base.limit_for(tenant_id), old, body.policy)
-            return body.policy
+                _check_tenant_admin(base.limit_for(tenant_id), old, wanted)
+            return wanted
 
         return edit_tenant(tenant_id, change)(base.current)
 

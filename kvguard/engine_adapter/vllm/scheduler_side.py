@@ -293,6 +293,9 @@ class SchedulerGuard:
             envelope = self._group_prefix(request, envelope)
         if not envelope.use_cache:
             make_private(request, skip_reading=request.request_id not in self._quota_wait)
+        waiting = self._quota_wait.get(request.request_id)
+        if waiting is not None and waiting[0] is not envelope.scope:  # deferrals name the scope run
+            self._quota_wait[request.request_id] = (envelope.scope, *waiting[1:])
         self._envelopes[request.request_id] = envelope
         self._live[request.request_id] = request
         self.reporter.prompt(envelope.scope.tenant_id, int(request.num_prompt_tokens))
@@ -453,6 +456,8 @@ class SchedulerGuard:
                 # The engine already freed these blocks and may have re-allocated some of them in
                 # this very schedule; hold what is left only after the allocations below.
                 self._end(rid, now, hold=False)
+                # It resumes under the policy in force now, not the one it was admitted under.
+                self._recheck(rid)
         canary = self._record_schedule(so, now)
         self._granted.clear()  # what may_schedule let through is in custody now
         if self._grown:  # tenants whose running work grew: their own cache yields to the quota
@@ -730,22 +735,33 @@ class SchedulerGuard:
             return
         now = self._clock()
         self._c.retire_unshareable(lambda owner: may_reuse(policies, owner, owner), now)
-        for rid, env in list(self._envelopes.items()):
-            if rid in self._begun or not env.use_cache:
-                continue
-            decision = admit(policies, env.scope, NO_USAGE)
-            if (
-                decision.admitted
-                and decision.use_cache
-                and may_reuse(policies, env.scope, env.scope)
-            ):
-                continue
-            request = self._live.get(rid)
-            if request is not None:
-                make_private(request, skip_reading=rid not in self._quota_wait)
-            self._envelopes[rid] = Envelope(scope=private_scope(env.scope), use_cache=False)
+        for rid in list(self._envelopes):
+            if rid not in self._begun:  # a running request is checked again if it is preempted
+                self._recheck(rid)
         self._hold_quarantined()
         self._forward(self._c.take_events())
+
+    def _recheck(self, rid: str) -> None:
+        """A request that has not started (queued, or preempted and about to resume) under a
+        policy version newer than its admission: if that version no longer lets its scope use the
+        cache (a tenant disabled or withdrawn from its group, a lower `reuse`, a delisted group
+        prefix), it reads and keeps nothing cached from then on, under a private scope."""
+        env = self._envelopes.get(rid)
+        if env is None or not env.use_cache:
+            return
+        policies, scope = self.policies, env.scope
+        decision = admit(policies, scope, NO_USAGE)
+        allowed = decision.use_cache and may_reuse(policies, scope, scope)
+        request = self._live.get(rid)
+        if allowed and scope.share is Share.GROUP and env.share_tokens:
+            ids = list(getattr(request, "prompt_token_ids", None) or ())
+            listed = shared_prefix_tokens(policies, scope.group_id or "", ids, self._block_size)
+            allowed = listed >= env.share_tokens
+        if allowed:
+            return
+        if request is not None:
+            make_private(request, skip_reading=rid not in self._quota_wait)
+        self._envelopes[rid] = Envelope(scope=private_scope(scope), use_cache=False)
 
     def _tier_purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
         """Crypto-shred the offload tier's domains the purge selects (the purge entry's figures)."""

@@ -421,10 +421,12 @@ def _requested_share(raw: Iterable[tuple[bytes, bytes]]) -> SharedUnit:
                 raise _RefusedError(400, f"send one {_SHARING_HEADERS[name]} header, not several")
             found[name] = value.decode("latin-1")
     session = found.get(SESSION_HEADER) or None
-    keyword, colon, group = found.get(SHARE_HEADER, "").strip().partition(":")
-    keyword = keyword.lower()
-    if session is not None and not 1 <= len(session) <= ID_MAX:
-        raise _RefusedError(400, f"invalid X-KVGuard-Session header (1-{ID_MAX} characters)")
+    keyword, colon, group = found.get(SHARE_HEADER, "").partition(":")
+    keyword, group = keyword.strip().lower(), group.strip()
+    if session is not None and not (1 <= len(session) <= ID_MAX and session.strip()):
+        raise _RefusedError(
+            400, f"invalid X-KVGuard-Session header (1-{ID_MAX} characters, not only spaces)"
+        )
     if keyword in ("", "session") and not colon and session is not None:
         return SharedUnit(Share.SESSION, session=session)
     if keyword == "session" and not colon:
