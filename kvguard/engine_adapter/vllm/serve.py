@@ -412,8 +412,8 @@ def _requested_share(raw: Iterable[tuple[bytes, bytes]]) -> SharedUnit:
     unit; `_RefusedError` (400) naming the header when one is repeated, malformed or contradicts the
     other. A repeated header is not resolved by picking one: a proxy that sets `X-KVGuard-Share:
     tenant` must not be overridden by a client's header after it. The share keyword is read
-    case-insensitively, ids as sent. Values are never echoed: a header is no place for a prompt,
-    but a client may put one there."""
+    case-insensitively, the group id less surrounding spaces, the session id as sent. Values are
+    never echoed: a header is no place for a prompt, but a client may put one there."""
     found: dict[bytes, str] = {}
     for name, value in raw:
         if name in _SHARING_HEADERS:
