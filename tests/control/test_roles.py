@@ -82,6 +82,11 @@ def test_api_and_engine_paths_run_as_the_app_role(
         assert client.post(revoke, headers=h).status_code == 200
         r = client.post("/v1/tenants/acme/disable", json={"reason": "r"}, headers=h)
         assert r.status_code == 200, r.text
+        back = {"policy": {"enabled": True}, "reason": "back"}  # the registry update in the CTE
+        assert client.put("/v1/tenants/acme/policy", json=back, headers=h).status_code == 201
+        assert client.get("/v1/tenants/acme", headers=h).json()["enabled"] is True
+        r = client.post("/v1/tenants/acme/disable", json={"reason": "again"}, headers=h)
+        assert r.status_code == 200, r.text
         services.engines.heartbeat(
             engine.engine_id,
             now=time.time(),
