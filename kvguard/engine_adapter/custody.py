@@ -19,7 +19,8 @@ import heapq
 import itertools
 import secrets
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from kvguard.engine_adapter.records import (
     BlockId,
@@ -44,6 +45,10 @@ from kvguard.policy.decisions import expired_at, expiry_deadline, must_zeroize_o
 from kvguard.zeroize.plan import digest_block_ids
 
 _COUNTED = (BlockStatus.ACTIVE, BlockStatus.CACHED)
+_HELD = (BlockStatus.ACTIVE, BlockStatus.CACHED, BlockStatus.QUARANTINED)  # a tenant's, by quota
+_FREE, _ACTIVE, _CACHED = BlockStatus.FREE, BlockStatus.ACTIVE, BlockStatus.CACHED
+_QUARANTINED = BlockStatus.QUARANTINED
+_PLAIN_INT = {int}
 _NO_PLAN = StepPlan()
 PolicyView = Callable[[str], TenantPolicy]  # tenant id -> its current policy
 Tagger = Callable[[Scope], str]  # scope -> public scope tag
@@ -51,10 +56,11 @@ Details = dict[str, str | int | float | bool | None]
 
 
 class _Request:
-    __slots__ = ("blocks", "doomed", "retain_blocks", "scope", "use_cache")
+    __slots__ = ("blocks", "doomed", "retain_blocks", "scope", "tag", "use_cache")
 
-    def __init__(self, scope: Scope, use_cache: bool, retain_blocks: int | None) -> None:
+    def __init__(self, scope: Scope, tag: str, use_cache: bool, retain_blocks: int | None) -> None:
         self.scope = scope
+        self.tag = tag  # the scope's public tag: its blocks' `owner_tag` and its events' tag
         self.use_cache = use_cache
         self.retain_blocks = retain_blocks  # only the first N blocks may be kept (share groups)
         self.blocks: list[BlockId] = []
@@ -73,7 +79,6 @@ class Custody:
         self._tag = tagger
         self._blocks: list[BlockRecord] = [BlockRecord(BlockId(i)) for i in range(num_blocks)]
         self._requests: dict[RequestId, _Request] = {}
-        self._tenant_blocks: Counter[str] = Counter()  # tenant -> blocks active/cached/quarantined
         self._pending_release: set[BlockId] = set()
         self._pending_handover: set[BlockId] = set()
         # Blocks added to `_pending_release` since the adapter last took them (`take_new_pending`):
@@ -113,12 +118,10 @@ class Custody:
         # engine took the block back through a repair meanwhile (their results free nothing).
         self._release_inflight: Counter[BlockId] = Counter()
         self._stale_release: Counter[BlockId] = Counter()
-        self._evicted: list[BlockRecord] = []  # engine LRU evictions since the last take_events
+        # Engine LRU evictions since the last take_events: (block, owner tag, when).
+        self._evicted: list[tuple[BlockId, str | None, float]] = []
         # Ages of cached blocks reused or leaving the cache, for the metrics; the owner drains them.
         self._cache_ages: list[CacheAge] = []
-        # Active and cached blocks per (tenant, state), kept by `_set`: quotas read them in O(1).
-        self._counted: dict[BlockId, tuple[str, BlockStatus]] = {}
-        self._held: Counter[tuple[str, BlockStatus]] = Counter()
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -129,21 +132,28 @@ class Custody:
     def record(self, block_id: int) -> BlockRecord:
         return self._blocks[self._check_id(block_id)]
 
+    @property
+    def records(self) -> Sequence[BlockRecord]:
+        """Every block's record, indexed by block id (read-only: only custody changes them). For
+        adapters' per-step loops over ids custody has already checked; `record` checks the id."""
+        return self._blocks
+
     def counts(self) -> dict[BlockStatus, int]:
         tally = Counter(r.status for r in self._blocks)
         return {s: tally.get(s, 0) for s in BlockStatus}
 
     def tenant_blocks(self, tenant_id: str) -> int:
         """Blocks a tenant holds (active, cached or awaiting zeroization): what quotas count."""
-        return self._tenant_blocks.get(tenant_id, 0)
+        tally = self._tally
+        return sum(tally.get((tenant_id, s), 0) for s in _HELD)
 
     def tenant_cached(self, tenant_id: str) -> int:
-        """Blocks the tenant has cached now (O(1))."""
-        return self._held.get((tenant_id, BlockStatus.CACHED), 0)
+        """Blocks the tenant has cached now (O(1), from the running tally)."""
+        return self._tally.get((tenant_id, BlockStatus.CACHED), 0)
 
     def tenant_active(self, tenant_id: str) -> int:
-        """Blocks held by the tenant's running requests now (O(1))."""
-        return self._held.get((tenant_id, BlockStatus.ACTIVE), 0)
+        """Blocks held by the tenant's running requests now (O(1), from the running tally)."""
+        return self._tally.get((tenant_id, BlockStatus.ACTIVE), 0)
 
     def tenant_counts(self, tenant_id: str) -> dict[BlockStatus, int]:
         tally = Counter(
@@ -224,9 +234,9 @@ class Custody:
         """Drain the events produced since the last call (vLLM `take_events` pattern)."""
         if self._evicted:
             by_tag: dict[str | None, list[BlockId]] = {}
-            for r in self._evicted:
-                by_tag.setdefault(r.owner_tag, []).append(r.block_id)
-            now = self._evicted[-1].created_at
+            for bid, tag, _ in self._evicted:
+                by_tag.setdefault(tag, []).append(bid)
+            now = self._evicted[-1][2]
             self._evicted = []
             self._events.extend(
                 CustodyEvent(EventKind.EVICT, now, tag, None, tuple(g), {"reason": "engine_lru"})
@@ -266,7 +276,7 @@ class Custody:
         rid = RequestId(request_id)
         if rid in self._requests:
             raise CustodyError(f"request {request_id!r} is already registered")
-        req = self._requests[rid] = _Request(scope, use_cache, retain_blocks)
+        req = self._requests[rid] = _Request(scope, self._tag(scope), use_cache, retain_blocks)
         self._preempted.pop(rid, None)
         if rid in self._doomed_preempted:  # resumed after a preemption: recomputes purged context
             self._doomed_preempted.discard(rid)
@@ -289,36 +299,41 @@ class Custody:
         forward pass writes into them (G3); they are also queued in the step plan.
         """
         req = self._request(request_id)
-        fresh: list[int] = []
-        handover: list[int] = []
+        rid = RequestId(request_id)
+        blocks, scope = self._blocks, req.scope
+        fresh = self._ids(block_ids)
+        handover: list[BlockId] = []
         first = len(dict.fromkeys(req.blocks)) if start is None else start
-        for offset, bid in enumerate(block_ids):
-            rec = self._blocks[self._check_id(bid)]
-            if rec.status is BlockStatus.ACTIVE:
-                raise CustodyError(f"block {bid} allocated while active")
-            if rec.status is BlockStatus.QUARANTINED:
-                self._engine_took_quarantined(rec)
-            if rec.status is BlockStatus.CACHED:
-                self._engine_evicted(rec, now)
+        for offset, bid in enumerate(fresh):
+            rec = blocks[bid]
+            status = rec.status
+            if status is not _FREE:
+                if status is _ACTIVE:
+                    raise CustodyError(f"block {bid} allocated while active")
+                if status is _QUARANTINED:
+                    self._engine_took_quarantined(rec)
+                else:
+                    self._engine_evicted(rec, now)
             # A doomed block holds purged context: cleared whoever gets it next, also its own
             # domain under `cross_scope` (vLLM may hand a preempted doomed request's blocks to a
             # same-domain request in the preempting schedule, before their release clear ran).
-            if rec.owner is not None and (rec.doomed or self._needs_clear(rec, req.scope)):
-                handover.append(rec.block_id)
+            if rec.owner is not None and (rec.doomed or self._needs_clear(rec, scope)):
+                handover.append(bid)
                 self._handover_owner(rec)
-            self._take(rec, req, RequestId(request_id), now, first + offset)
+            self._take(rec, req, rid, now, first + offset)
             rec.created_at = now
             rec.hashed = False
-            fresh.append(rec.block_id)
-        self._pending_handover.update(BlockId(b) for b in handover)
+        self._pending_handover.update(handover)
         if fresh:
-            self._emit(
-                EventKind.ALLOC,
-                now,
-                req.scope,
-                request_id,
-                fresh,
-                {"handover_zeroize": len(handover)},
+            self._events.append(
+                CustodyEvent(
+                    EventKind.ALLOC,
+                    now,
+                    req.tag,
+                    request_id,
+                    tuple(fresh),
+                    {"handover_zeroize": len(handover)},
+                )
             )
         return tuple(handover)
 
@@ -339,10 +354,10 @@ class Custody:
         anyway the request is refused here rather than served another scope's KV.
         """
         req = self._request(request_id)
-        ids = [self._check_id(b) for b in block_ids]
+        ids, blocks, scope = self._ids(block_ids), self._blocks, req.scope
         for bid in ids:
-            rec = self._blocks[bid]
-            if rec.owner is None or not rec.owner.same_domain(req.scope) or not rec.hashed:
+            rec = blocks[bid]
+            if rec.owner is None or not rec.owner.same_domain(scope) or not rec.hashed:
                 raise CustodyError(
                     f"prefix hit on block {bid} outside the request's reuse domain; refused (G1)"
                 )
@@ -350,13 +365,21 @@ class Custody:
                 raise CustodyError(f"prefix hit on quarantined block {bid}; refused")
             if rec.doomed:
                 raise CustodyError(f"prefix hit on block {bid}, doomed by a purge; refused")
+        rid, ages = RequestId(request_id), self._cache_ages
         for bid in ids:
-            rec = self._blocks[bid]
-            self._cache_ages.append(CacheAge(CacheExit.REUSED, now - rec.created_at))
-            self._take(rec, req, RequestId(request_id), now)
+            rec = blocks[bid]
+            ages.append(CacheAge(CacheExit.REUSED, now - rec.created_at))
+            self._take(rec, req, rid, now)
         if ids:
-            self._emit(
-                EventKind.REUSE, now, req.scope, request_id, ids, {"tokens_matched": tokens_matched}
+            self._events.append(
+                CustodyEvent(
+                    EventKind.REUSE,
+                    now,
+                    req.tag,
+                    request_id,
+                    tuple(ids),
+                    {"tokens_matched": tokens_matched},
+                )
             )
 
     def seize(self, request_id: str, block_ids: Iterable[int], now: float, *, reason: str) -> None:
@@ -379,16 +402,13 @@ class Custody:
                 self._pending_release.discard(bid)
                 # A release clear of it still on its way no longer speaks for the block.
                 self._stale_release[bid] += self._release_inflight.pop(bid, 0)
-                self._tenant_dec(rec)
                 self._set(rec, BlockStatus.FREE)
             elif rec.status is BlockStatus.CACHED:
-                self._tenant_dec(rec)
                 self._set(rec, BlockStatus.FREE)
             if foreign:
                 cleared.append(bid)
             if rec.status is BlockStatus.ACTIVE and foreign:
                 # Shared with requests of another domain: they lose their cached prefix too.
-                self._tenant_dec(rec)
                 rec.owner = None
                 self._retally(rec)
             self._take(rec, req, RequestId(request_id), now)
@@ -418,9 +438,10 @@ class Custody:
 
     def mark_hashed(self, block_ids: Iterable[int]) -> None:
         """The engine registered prefix hashes for these (full) blocks: they are reusable."""
-        for bid in block_ids:
-            rec = self._blocks[self._check_id(bid)]
-            if rec.status is not BlockStatus.ACTIVE:
+        blocks = self._blocks
+        for bid in self._ids(block_ids):
+            rec = blocks[bid]
+            if rec.status is not _ACTIVE:
                 raise CustodyError(f"block {bid} hashed while {rec.status.value}")
             if rec.doomed:  # never reusable: the engine drops the hash (`take_unhash`)
                 self._unhash.append(rec.block_id)
@@ -442,26 +463,31 @@ class Custody:
                 self._doomed_preempted.add(rid)
         quarantined: list[int] = []
         retained = residue = 0
+        blocks = self._blocks
         for bid in dict.fromkeys(req.blocks):
-            rec = self._blocks[bid]
-            rec.holders.discard(rid)
-            if rec.holders:
+            rec = blocks[bid]
+            holders = rec.holders
+            holders.discard(rid)
+            if holders:
                 continue
             if self._keep_cached(rec, now):
-                self._set(rec, BlockStatus.CACHED)
+                self._set(rec, _CACHED)
                 retained += 1
             elif self._zeroize_now(rec):
                 self._quarantine(rec, now)
                 quarantined.append(bid)
             else:
                 # `cross_scope`: back to the free pool with its residue; cleared on handover (G3).
-                self._tenant_dec(rec)
-                self._set(rec, BlockStatus.FREE)
+                self._set(rec, _FREE)
                 rec.hashed = False
                 residue += 1
         if quarantined or retained or residue:
             details: Details = {"retained": retained, "freed_unzeroized": residue}
-            self._emit(EventKind.RELEASE, now, req.scope, request_id, quarantined, details)
+            self._events.append(
+                CustodyEvent(
+                    EventKind.RELEASE, now, req.tag, request_id, tuple(quarantined), details
+                )
+            )
         return tuple(quarantined)
 
     # --- retention ------------------------------------------------------------------------------
@@ -658,7 +684,7 @@ class Custody:
         clears ran before the new owner's forward pass, which has written into the blocks since, so
         they change no state (the block may even be cached or quarantined again by now): the event is
         the evidence that the old owner's bytes were gone before the new owner got the block."""
-        ids = [self._check_id(b) for b in block_ids]
+        ids = self._ids(block_ids)
         owners: dict[BlockId, str | None] = {}
         for bid in ids:
             if handover:
@@ -671,8 +697,7 @@ class Custody:
             if rec.status is not BlockStatus.QUARANTINED:
                 raise CustodyError(f"block {bid} reported zeroized while {rec.status.value}")
             owners[bid] = rec.owner_tag
-            self._tenant_dec(rec)
-            self._set(rec, BlockStatus.FREE)
+            self._set(rec, _FREE)
             rec.owner = rec.owner_tag = None
             self._retally(rec)
             rec.hashed = rec.doomed = False
@@ -727,16 +752,11 @@ class Custody:
                 raise CustodyError(f"block {rec.block_id}: {rec.status.value} without an owner")
             if rec.status is not BlockStatus.FREE and rec.owner is not None:
                 tenants[rec.owner.tenant_id] += 1
-        if +tenants != +self._tenant_blocks:
+        if any(self.tenant_blocks(t) != n for t, n in tenants.items()) or sum(
+            n for (t, s), n in self._tally.items() if t is not None and s in _HELD
+        ) != sum(tenants.values()):
             raise CustodyError("per-tenant block counts do not add up")
         self._check_indexes()
-        by_state: Counter[tuple[str, BlockStatus]] = Counter(
-            (r.owner.tenant_id, r.status)
-            for r in self._blocks
-            if r.status in _COUNTED and r.owner is not None
-        )
-        if +by_state != +self._held:
-            raise CustodyError("per-tenant active / cached counts do not add up")
         if sum(self.counts().values()) != len(self._blocks):
             raise CustodyError("block states do not add up to the pool size")
 
@@ -763,22 +783,17 @@ class Custody:
     # --- internals --------------------------------------------------------------------------------
 
     def _set(self, rec: BlockRecord, status: BlockStatus) -> None:
-        """The only place a block's status changes (keeps the cached indexes exact)."""
-        counted = self._counted.pop(rec.block_id, None)
-        if counted is not None:
-            self._held[counted] -= 1
-        if status in _COUNTED and rec.owner is not None:
-            key = (rec.owner.tenant_id, status)
-            self._counted[rec.block_id] = key
-            self._held[key] += 1
-        if status is not BlockStatus.QUARANTINED:
+        """The only place a block's status changes (keeps the tally and the cached indexes exact:
+        the tally's (tenant, status) counts are what quotas and summaries read)."""
+        if status is not _QUARANTINED:
             rec.quarantined_at = None
+        was = rec.status
         rec.status = status
         self._retally(rec)
-        if status is BlockStatus.CACHED:
+        if status is _CACHED:
             self._cached.add(rec.block_id)
             self._schedule_expiry(rec)
-        elif rec.block_id in self._cached:
+        elif was is _CACHED:
             self._cached.discard(rec.block_id)
             del self._expiry_entry[rec.block_id]
 
@@ -792,6 +807,16 @@ class Custody:
             if not self._tally[old]:
                 del self._tally[old]
             rec.tally_key = key
+
+    def _ids(self, block_ids: Iterable[int]) -> list[BlockId]:
+        """Block ids from the engine, each checked as `_check_id` does: plain ints in range (the
+        engine's, every step) pass in one C-level pass; anything else goes id by id."""
+        ids = list(block_ids)
+        if not ids:
+            return []
+        if set(map(type, ids)) == _PLAIN_INT and min(ids) >= 0 and max(ids) < len(self._blocks):
+            return cast("list[BlockId]", ids)  # BlockId is an int
+        return [self._check_id(b) for b in ids]
 
     def _check_id(self, block_id: int) -> BlockId:
         if isinstance(block_id, bool) or not 0 <= block_id < len(self._blocks):
@@ -831,19 +856,13 @@ class Custody:
         position: int | None = None,
     ) -> None:
         """`position`: the block's index in the request's block table (default: the next one)."""
-        if (
-            rec.status is BlockStatus.FREE
-            or rec.owner is None
-            or not rec.owner.same_domain(req.scope)
-        ):
-            if rec.status is not BlockStatus.FREE:
-                self._tenant_dec(rec)
+        owner = rec.owner
+        if rec.status is _FREE or owner is None or not owner.same_domain(req.scope):
             rec.doomed = False  # a new owner's block (a doomed request dooms it again below)
-            rec.owner, rec.owner_tag = req.scope, self._tag(req.scope)
+            rec.owner, rec.owner_tag = req.scope, req.tag
             limit, at = req.retain_blocks, len(req.blocks) if position is None else position
             rec.retain = req.use_cache and (limit is None or at < limit)
-            self._tenant_blocks[req.scope.tenant_id] += 1
-        self._set(rec, BlockStatus.ACTIVE)
+        self._set(rec, _ACTIVE)
         rec.holders.add(rid)
         rec.last_used_at = now
         req.blocks.append(rec.block_id)
@@ -854,9 +873,8 @@ class Custody:
         """The engine's LRU took a cached block for a new allocation: its cached life is over. The
         `block.evict` entries are batched per owner when events are next taken (once per step)."""
         self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
-        self._evicted.append(BlockRecord(rec.block_id, owner_tag=rec.owner_tag, created_at=now))
-        self._tenant_dec(rec)
-        self._set(rec, BlockStatus.FREE)
+        self._evicted.append((rec.block_id, rec.owner_tag, now))
+        self._set(rec, _FREE)
 
     def _engine_took_quarantined(self, rec: BlockRecord) -> None:
         """The engine re-allocated a block custody had just quarantined (it freed it on a path that
@@ -865,24 +883,17 @@ class Custody:
         if rec.block_id not in self._pending_release:
             raise CustodyError(f"block {rec.block_id} allocated while quarantined for zeroization")
         self._pending_release.discard(rec.block_id)
-        self._tenant_dec(rec)
-        self._set(rec, BlockStatus.FREE)
+        self._set(rec, _FREE)
 
     def _handover_owner(self, rec: BlockRecord) -> None:
         self._handover_from.setdefault(rec.block_id, deque()).append((rec.owner, rec.owner_tag))
 
     def _quarantine(self, rec: BlockRecord, now: float) -> None:
-        if rec.status is BlockStatus.FREE and rec.owner is not None:
-            self._tenant_blocks[rec.owner.tenant_id] += 1
         self._set(rec, BlockStatus.QUARANTINED)
         rec.quarantined_at = now
         rec.hashed = False
         self._pending_release.add(rec.block_id)
         self._new_pending.append(rec.block_id)
-
-    def _tenant_dec(self, rec: BlockRecord) -> None:
-        if rec.owner is not None:
-            self._tenant_blocks[rec.owner.tenant_id] -= 1
 
     def _emit(  # noqa: PLR0917 (private, called with the event's fields in order)
         self,

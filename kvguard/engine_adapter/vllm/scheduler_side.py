@@ -27,7 +27,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
-from functools import partial
 from itertools import compress
 from typing import Any
 
@@ -87,6 +86,8 @@ def _repair_reason(exc: CustodyError) -> str:
 
 
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
+_ACTIVE = BlockStatus.ACTIVE
+_KEEPS_HASH = frozenset((BlockStatus.ACTIVE, BlockStatus.CACHED))  # released blocks' hashes go
 __all__ = ["UNGOVERNED_TENANT", "SchedulerGuard", "open_scheduler_guard"]
 SWEEP_INTERVAL_S = 0.25
 _NO_ORDERS: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] = (
@@ -420,24 +421,21 @@ class SchedulerGuard:
         """`hold` False: a preemption (the request may resume; the engine already freed its
         blocks and may re-allocate some in this schedule, so they are held after it)."""
         c = self._c
-        held_by = c.request_blocks(rid)
-        self._mark_hashed(b for b in held_by if c.record(b).status is BlockStatus.ACTIVE)
+        held_by, records = c.request_blocks(rid), c.records
+        self._mark_hashed([b for b in held_by if records[b].status is _ACTIVE])
         c.finish(rid, now, preempted=not hold)
         self._doomed_seen.pop(rid, None)
         self._begun.discard(rid)
         if self.tier is not None:
             self.tier.forget_request(rid)
-            cached = [b for b in held_by if c.record(b).status is BlockStatus.CACHED]
+            cached = [b for b in held_by if records[b].status is BlockStatus.CACHED]
             env = self._envelopes.get(rid)
             if cached and env is not None:
                 self.tier.note_cached(
                     self._live.get(rid), env.scope, cached, self._pool, self._life
                 )
         for b in held_by:
-            if (
-                c.record(b).status is not BlockStatus.CACHED
-                and c.record(b).status is not BlockStatus.ACTIVE
-            ):
+            if records[b].status not in _KEEPS_HASH:
                 self._evict_hash(b)
         if hold:
             self._hold_quarantined()
@@ -514,14 +512,16 @@ class SchedulerGuard:
             return []
         canary: list[int] = []
         for rid, _hits, fresh, _n, start in work:
-            canary += self._guarded(
-                rid, fresh, now, partial(self._allocate, rid, fresh, now, start)
-            )
+            try:
+                canary += self._allocate(rid, fresh, now, start)
+            except CustodyError as exc:
+                canary += self._repair(rid, fresh, now, exc)
         for rid, hits, _fresh, matched, _start in work:
             if hits:
-                canary += self._guarded(
-                    rid, hits, now, partial(self._reuse, rid, hits, matched, now)
-                )
+                try:
+                    self._reuse(rid, hits, matched, now)
+                except CustodyError as exc:
+                    canary += self._repair(rid, hits, now, exc)
         return canary
 
     def _split(
@@ -545,36 +545,32 @@ class SchedulerGuard:
         hits = block_ids[:n_hit]
         return rid, hits, block_ids[n_hit:], num_computed, len(hits)
 
-    def _reuse(self, rid: str, hits: list[int], num_computed: int, now: float) -> list[int]:
+    def _reuse(self, rid: str, hits: list[int], num_computed: int, now: float) -> None:
         c, env = self._c, self._envelopes[rid]
-        # A block that became full (and hashed by vLLM) after custody saw it allocated is hashed now.
-        self._mark_hashed(b for b in hits if c.record(b).status is BlockStatus.ACTIVE)
-        # Raises CustodyError on a cross-domain hit; `_guarded` repairs (G1).
+        # A block that became full (and hashed by vLLM) after custody saw it allocated is hashed
+        # now (ids the engine gave: out of range, custody's `reuse` refuses them, and repairs).
+        records, n = c.records, c.num_blocks
+        self._mark_hashed([b for b in hits if 0 <= b < n and records[b].status is _ACTIVE])
+        # Raises CustodyError on a cross-domain hit; `_repair` takes over (G1).
         c.reuse(rid, hits, now, tokens_matched=num_computed)
         self.stats["reused_tokens"] += num_computed
         self.reporter.prefix_hit(env.scope.tenant_id, num_computed)
-        return []
 
-    def _guarded(
-        self, rid: str, blocks: list[int], now: float, record: Callable[[], list[int]]
-    ) -> list[int]:
-        """Run one custody update; if custody cannot account for what the engine did, repair instead
-        of stopping the engine: the request takes the blocks, those holding another domain's (or
-        unknown) bytes are cleared before the forward pass, and a `custody.repair` event says so."""
-        try:
-            return record()
-        except CustodyError as exc:
-            self.stats["custody_repairs"] += 1
-            _log.error("custody repaired; request computes on cleared blocks", error=str(exc))
-            self._c.seize(rid, blocks, now, reason=_repair_reason(exc))
-            for b in blocks:
-                block = self._pool.blocks[b]
-                if b in self._held:  # kvguard's own hold: the request's reference replaces it
-                    self._held.discard(b)
-                    if block.ref_cnt > 1:
-                        block.ref_cnt -= 1
-                self._evict_hash(b)
-            return list(blocks)
+    def _repair(self, rid: str, blocks: list[int], now: float, exc: CustodyError) -> list[int]:
+        """Custody could not account for what the engine did (`exc`): repair instead of stopping
+        the engine. The request takes the blocks, those holding another domain's (or unknown)
+        bytes are cleared before the forward pass, and a `custody.repair` event says so."""
+        self.stats["custody_repairs"] += 1
+        _log.error("custody repaired; request computes on cleared blocks", error=str(exc))
+        self._c.seize(rid, blocks, now, reason=_repair_reason(exc))
+        for b in blocks:
+            block = self._pool.blocks[b]
+            if b in self._held:  # kvguard's own hold: the request's reference replaces it
+                self._held.discard(b)
+                if block.ref_cnt > 1:
+                    block.ref_cnt -= 1
+            self._evict_hash(b)
+        return list(blocks)
 
     def _allocate(
         self, rid: str, block_ids: list[int], now: float, start: int | None = None
@@ -584,8 +580,8 @@ class SchedulerGuard:
         entering = (
             [b for b in block_ids if not self._same_owner(b, scope)] if self.options.canary else []
         )
-        for b in block_ids:
-            self._held.discard(b)  # the engine took a block back (e.g. freed by preemption)
+        if self._held:  # the engine took a block back (e.g. freed by preemption)
+            self._held.difference_update(block_ids)
         if self.tier is not None:  # cached blocks vLLM's LRU gave away: spilled before the clears
             self.tier.on_allocated(block_ids, self._is_cached)
         self._c.allocate(rid, block_ids, now, start=start)
