@@ -154,5 +154,9 @@ class PreconditionFailedError(ConflictError):
     """A write's precondition (`If-Match`, `expected_version`) does not hold: someone wrote first."""
 
 
+class PreconditionRequiredError(ConflictError):
+    """A write that must name the version it edits (`If-Match`, `expected_version`) did not."""
+
+
 class PermissionDeniedError(KvguardError):
     """The caller's role does not allow the action."""

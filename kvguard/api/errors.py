@@ -42,6 +42,7 @@ from kvguard.errors import (
     PolicyValidationError,
     PolicyVersionConflictError,
     PreconditionFailedError,
+    PreconditionRequiredError,
 )
 from kvguard.logging import get_logger
 from kvguard.policy.loading import validation_problems
@@ -59,6 +60,7 @@ _SPECIFIC: Final[list[tuple[type[BaseException], int, str]]] = [
     (NotFoundError, 404, "not_found"),
     (PreconditionFailedError, 412, "precondition_failed"),
     (PolicyVersionConflictError, 412, "precondition_failed"),
+    (PreconditionRequiredError, 428, "precondition_required"),
     (ConflictError, 409, "conflict"),
     (PolicyValidationError, 422, "invalid_policy"),
     (FailClosedError, 503, "unavailable"),
@@ -112,6 +114,7 @@ ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
     409: _doc("Conflicts with stored state"),
     412: _doc("`If-Match` / `expected_version` names a version that is no longer the latest"),
     413: _doc("The request body is over the configured limit (1 MiB by default)"),
+    428: _doc("A policy write that re-enables a disabled tenant must send `If-Match`"),
     422: _doc("Invalid input, or input that cannot be stored; `message` names the field"),
     429: _doc("Too many failed authentications from this client or for this key id"),
     503: _doc("Database or ledger unavailable (fail closed); `Retry-After` says when to retry"),

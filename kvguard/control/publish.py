@@ -82,7 +82,12 @@ from kvguard.control.schema import (
     PolicyVersionRow,
 )
 from kvguard.control.tenants import END_DISABLES
-from kvguard.errors import ConfigError, PolicyStoreError, PolicyVersionConflictError
+from kvguard.errors import (
+    ConfigError,
+    PolicyStoreError,
+    PolicyVersionConflictError,
+    PreconditionRequiredError,
+)
 from kvguard.logging import get_logger
 from kvguard.policy.models import PolicySet, TenantPolicy
 from kvguard.policy.store import (
@@ -204,6 +209,23 @@ def reenabled(base: PolicyVersion | None, new: PolicySet) -> list[str]:
     old = base.policy
     named = old.tenants.keys() | new.tenants.keys()
     return sorted(t for t in named if not old.policy_for(t).enabled and new.policy_for(t).enabled)
+
+
+def _require_precondition(base: PolicyVersion | None, new: PolicySet, again: list[str]) -> None:
+    """A version that re-enables what `base` disables (tenants, `again`, or every tenant through the
+    default) must name the version it edits: a document read before a disable (`GET` prints every
+    entry's `enabled: true`) and written back after it would otherwise undo the disable without a
+    word (found by a review). With `If-Match` / `expected_version` the write is either over the
+    version that disables (a deliberate re-enable) or refused 412."""
+    default_back = base is not None and not base.policy.default.enabled and new.default.enabled
+    if not again and not default_back:
+        return
+    named = ", ".join(again[:5]) + (f" and {len(again) - 5} more" if len(again) > 5 else "")
+    what = f"re-enables disabled tenants ({named})" if again else "re-enables the default"
+    raise PreconditionRequiredError(
+        f"this policy version {what}: send If-Match (or expected_version) with the current "
+        "version, so that a document read before a disable cannot undo it"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +369,9 @@ class PolicyPublisher:
                 f"the policy store is at version {base.version}, not {write.expected_version}"
             )
         edited = write.edit(base)
+        again = reenabled(base.current, edited)
+        if write.expected_version is None:
+            _require_precondition(base.current, edited, again)
         document, digest = self._store.validated_document(edited, base=base.current)
         change = PolicyChange(
             version=base.version + 1,
@@ -357,9 +382,7 @@ class PolicyPublisher:
         )
         limits_of = limits_for_role(write.author_role, write.limits_of)
         events = list(write.events(change))
-        return _Draft(
-            change, document, write.author_role, limits_of, events, reenabled(base.current, edited)
-        )
+        return _Draft(change, document, write.author_role, limits_of, events, again)
 
     def _committed(self, batch: _Batch) -> list[PolicyOutcome]:
         if batch.drafts:

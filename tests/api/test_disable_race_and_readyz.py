@@ -27,6 +27,11 @@ from tests.api.test_hardening import _database_down
 MakeEnv = Callable[..., ApiEnv]
 
 
+def _if_match(env: ApiEnv) -> dict[str, str]:
+    """The current version as `If-Match`: what a deliberate re-enable sends."""
+    return {"If-Match": env.call("admin", "GET", "/v1/policies/current").headers["ETag"]}
+
+
 @pytest.mark.postgres
 def test_inference_key_is_not_issued_across_a_concurrent_disable(
     make_env: MakeEnv, pg_db: str
@@ -101,6 +106,7 @@ def test_a_whole_set_put_keeps_a_disabled_tenant_disabled_unless_it_says_enabled
         r = env.call(
             "admin", "PUT", "/v1/policies",
             json={"policy": {"tenants": {"acme": entry}}, "reason": "routine"},
+            headers=_if_match(env),  # a re-enable names the version it edits (428 otherwise)
         )  # fmt: skip
         assert r.status_code == 201, r.text
         return bool(env.call("admin", "GET", "/v1/tenants/acme/policy").json()["policy"]["enabled"])
@@ -130,6 +136,7 @@ def test_a_disabled_tenant_stays_disabled_while_the_default_is_switched_off_and_
         r = env.call(
             "admin", "PUT", "/v1/policies",
             json={"policy": {"default": {"enabled": enabled}}, "reason": "routine"},
+            headers=_if_match(env),
         )  # fmt: skip
         assert r.status_code == 201, r.text
 
@@ -145,6 +152,7 @@ def test_a_disabled_tenant_stays_disabled_while_the_default_is_switched_off_and_
     r = env.call(
         "admin", "PUT", "/v1/tenants/acme/policy",
         json={"policy": {"enabled": True}, "reason": "back"},
+        headers=_if_match(env),
     )  # fmt: skip
     assert r.status_code == 201, r.text
     assert acme() == (True, True)
@@ -167,3 +175,99 @@ def test_a_tenant_put_without_enabled_keeps_a_disabled_tenant_disabled(env: ApiE
     assert r.status_code == 201, r.text
     assert env.call("admin", "GET", "/v1/tenants/acme/policy").json()["policy"]["enabled"] is False
     assert env.call("admin", "GET", "/v1/tenants/acme").json()["enabled"] is False
+
+
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_document_read_before_a_disable_does_not_re_enable_the_tenant(
+    make_env: MakeEnv, tmp_path: Any, request: pytest.FixtureRequest, db: str
+) -> None:
+    """Admin A reads the policy set (`GET` prints every entry with `"enabled": true`), admin B
+    disables acme, A edits another tenant in that document and writes it back: the write silently
+    re-enabled acme, in the policy and in the registry (found by a review). A re-enable must name
+    the version it edits: without `If-Match` it is 428 and nothing is stored; with the stale
+    version it is 412."""
+    url = f"sqlite:///{tmp_path / 'r.db'}" if db == "sqlite" else request.getfixturevalue("pg_db")
+    env = make_env(url)
+    r = env.call(
+        "admin", "PUT", "/v1/tenants/acme/policy",
+        json={"policy": {"retention": {"ttl_s": 60, "idle_s": 30}}, "reason": "x"},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    got = env.call("admin", "GET", "/v1/policies/current")
+    doc, etag = got.json()["policy"], got.headers["ETag"]
+    disabled = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "breach"})
+    assert disabled.status_code == 200, disabled.text
+    doc["tenants"]["globex"] = {"reuse": "none"}
+    body = {"policy": doc, "reason": "edit globex"}
+    blind = env.call("admin", "PUT", "/v1/policies", json=body)
+    assert blind.status_code == 428, blind.text
+    assert blind.json()["error"] == "precondition_required" and "acme" in blind.json()["message"]
+    stale = env.call("admin", "PUT", "/v1/policies", json=body, headers={"If-Match": etag})
+    assert stale.status_code == 412, stale.text
+    current = env.services.policies.current()
+    assert current is not None and current.policy.policy_for("acme").enabled is False
+    assert env.services.tenants.get("acme").enabled is False
+
+
+def _wait_for_lock_waiters(engine: sa.Engine, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with engine.connect() as c:
+            waiting = c.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"
+                )
+            ).scalar_one()
+        if waiting >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} sessions waiting on a lock")
+
+
+@pytest.mark.postgres
+def test_a_disable_and_a_concurrent_policy_put_do_not_deadlock(
+    make_env: MakeEnv, pg_db: str
+) -> None:
+    """The disable took the tenant's row, then `command_head` (its purge), then `policy_head`;
+    every policy write takes `policy_head` first, then `command_head`. With `command_head` held
+    by a third session, the disable and a PUT each took their first lock and then waited for each
+    other: PostgreSQL broke the deadlock after `deadlock_timeout` and one of them answered 503
+    (found by a review). Now the disable takes `policy_head` first as well."""
+    env = make_env(pg_db)
+    other = sa.create_engine(pg_db)
+    answers: dict[str, Any] = {}
+    try:
+        with other.connect() as conn:
+            tx = conn.begin()
+            conn.execute(sa.text("UPDATE command_head SET seq = seq WHERE id = 1"))
+
+            def disable() -> None:
+                r = env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "r"})
+                answers["disable"] = (r.status_code, r.text[:300])
+
+            def put() -> None:
+                r = env.call(
+                    "admin", "PUT", "/v1/tenants/globex/policy",
+                    json={"policy": {"reuse": "tenant"}, "reason": "edit"},
+                )  # fmt: skip
+                answers["put"] = (r.status_code, r.text[:300])
+
+            a = threading.Thread(target=disable)
+            a.start()
+            _wait_for_lock_waiters(
+                other, 1
+            )  # the disable waits (for command_head, or now the head)
+            b = threading.Thread(target=put)
+            b.start()
+            time.sleep(0.5)  # the PUT reaches its first lock
+            tx.commit()
+            a.join(30)
+            b.join(30)
+    finally:
+        other.dispose()
+    assert answers["disable"][0] == 200, answers
+    assert answers["put"][0] == 201, answers
+    current = env.services.policies.current()
+    assert current is not None and current.policy.policy_for("acme").enabled is False
+    assert env.services.tenants.get("acme").enabled is False

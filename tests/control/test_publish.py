@@ -21,7 +21,11 @@ from kvguard.control.policy_seed import policy_change_event
 from kvguard.control.publish import PolicyBase, PolicyPublisher, PolicyWrite, submit_purge
 from kvguard.control.schema import EngineCommand, OutboxRow, PolicyVersionRow
 from kvguard.control.tenants import TenantRegistry
-from kvguard.errors import PermissionDeniedError, PolicyVersionConflictError
+from kvguard.errors import (
+    PermissionDeniedError,
+    PolicyVersionConflictError,
+    PreconditionRequiredError,
+)
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyChange, PolicyStore
 
@@ -434,8 +438,10 @@ def test_a_version_that_re_enables_a_tenant_ends_its_registry_disable_in_its_tra
     publisher.publish_group([_write(_set_enabled("acme", True), expected_version=latest)])
     assert registry.get("acme").enabled
     assert not registry.get("globex").enabled and not registry.get("initech").enabled
-    group = [_write(_set_enabled("globex", True)), _write(_set_ttl("x", 50))]
-    group.append(_write(_set_enabled("initech", True)))
+    # A re-enable names the version it edits (`_require_precondition`), also inside a group.
+    group = [_write(_set_enabled("globex", True), expected_version=latest + 1)]
+    group.append(_write(_set_ttl("x", 50)))
+    group.append(_write(_set_enabled("initech", True), expected_version=latest + 3))
     stored = publisher.publish_group(group)
     assert all(isinstance(o, PolicyChange) for o in stored), stored
     assert registry.get("globex").enabled and registry.get("initech").enabled
@@ -453,6 +459,33 @@ def test_a_re_enable_over_a_version_whose_default_disables_the_tenant_ends_its_d
     registry.disable("acme", by="key:a", reason="test")
     off = PolicySet.model_validate({"default": {"enabled": False}})
     publisher.publish_group([_write(lambda base: off)])
-    publisher.publish_group([_write(_set_enabled("acme", True))])
+    publisher.publish_group([_write(_set_enabled("acme", True), expected_version=1)])
     assert registry.get("acme").enabled
     registry.disable("acme", by="key:a", reason="again")  # not refused as "already disabled"
+
+
+def test_a_re_enable_must_name_the_version_it_edits(db_url: str) -> None:
+    """A document read before a disable (every entry printed with `enabled: true`) and written back
+    after it would undo the disable without a word (found by a review): a version that re-enables a
+    tenant, or every tenant through the default, is refused 428 unless it names the version it
+    edits; nothing is stored and the registry's disable stays. With the version named it is a
+    deliberate re-enable."""
+    publisher = _publisher(db_url)
+    registry = TenantRegistry(open_engine(db_url))
+    registry.create("acme", display_name="acme", created_by="test")
+    registry.disable("acme", by="key:a", reason="test")
+    first = publisher.publish_group([_write(_set_enabled("acme", False))])[0]
+    assert isinstance(first, PolicyChange)
+    stale = PolicySet.model_validate({"tenants": {"acme": {"enabled": True}, "globex": {}}})
+    refused = publisher.publish_group([_write(lambda base: stale)])
+    assert isinstance(refused[0], PreconditionRequiredError), refused
+    assert "acme" in str(refused[0]) and "If-Match" in str(refused[0])
+    assert not registry.get("acme").enabled
+    assert publisher.publish_group([_write(_set_ttl("x", 50))])[0].version == 2  # type: ignore[union-attr]
+    off = PolicySet.model_validate({"default": {"enabled": False}})
+    assert isinstance(publisher.publish_group([_write(lambda base: off)])[0], PolicyChange)
+    back = publisher.publish_group([_write(lambda base: PolicySet())])
+    assert isinstance(back[0], PreconditionRequiredError) and "default" in str(back[0])
+    stored = publisher.publish_group([_write(lambda base: stale, expected_version=3)])
+    assert isinstance(stored[0], PolicyChange)
+    assert registry.get("acme").enabled

@@ -83,7 +83,8 @@ def test_api_and_engine_paths_run_as_the_app_role(
         r = client.post("/v1/tenants/acme/disable", json={"reason": "r"}, headers=h)
         assert r.status_code == 200, r.text
         back = {"policy": {"enabled": True}, "reason": "back"}  # the registry update in the CTE
-        assert client.put("/v1/tenants/acme/policy", json=back, headers=h).status_code == 201
+        seen = {**h, "If-Match": client.get("/v1/policies/current", headers=h).headers["ETag"]}
+        assert client.put("/v1/tenants/acme/policy", json=back, headers=seen).status_code == 201
         assert client.get("/v1/tenants/acme", headers=h).json()["enabled"] is True
         r = client.post("/v1/tenants/acme/disable", json={"reason": "again"}, headers=h)
         assert r.status_code == 200, r.text

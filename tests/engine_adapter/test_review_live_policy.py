@@ -28,6 +28,7 @@ def test_a_tenant_re_enabled_through_its_policy_can_be_disabled_again(
     back = env.call(
         "admin", "PUT", "/v1/tenants/acme/policy",
         json={"policy": {"enabled": True}, "reason": "re-enable"},
+        headers={"If-Match": env.call("admin", "GET", "/v1/policies/current").headers["ETag"]},
     )  # fmt: skip
     if back.status_code != 201:  # a fix may refuse the re-enable here instead (enable endpoint)
         assert back.status_code == 409, back.text

@@ -106,6 +106,11 @@ def disable_tenant(
     that engines and front ends load) and a tenant purge is queued for every engine."""
     services, who = action.access.services, action.access.principal.name
     with services.write() as conn:
+        # The policy head first: every policy write takes it before `command_head` (and a
+        # re-enabling one before the tenant's row), so a disable that took the tenant's row and
+        # `command_head` first and the head last deadlocked with any concurrent policy PUT on
+        # PostgreSQL (one of them answered 503 after `deadlock_timeout`; found by a review).
+        services.policies.lock_head(conn)
         tenant = services.tenants.disable(tenant_id, by=who, reason=body.reason, conn=conn)
         # Only a registered id is recorded: a refusal's entry never carries an arbitrary string
         # from the URL (one over 200 characters would not pass the ledger's G6 check: a 400).
