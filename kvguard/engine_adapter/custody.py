@@ -55,6 +55,18 @@ Tagger = Callable[[Scope], str]  # scope -> public scope tag
 Details = dict[str, str | int | float | bool | None]
 
 
+def _foreign(rec: BlockRecord, scope: Scope) -> bool:
+    """Whether `rec`'s bytes are not `scope`'s to read: no owner, another reuse domain, or a share
+    group's block past its listed prefix (not retained) that another tenant computed (its hash is
+    keyed with that tenant's secret, `intake.confine_hashes`: a hit on it is defence in depth)."""
+    owner = rec.owner
+    return (
+        owner is None
+        or not owner.same_domain(scope)
+        or (not rec.retain and owner.tenant_id != scope.tenant_id)
+    )
+
+
 class _Request:
     __slots__ = ("blocks", "doomed", "retain_blocks", "scope", "tag", "use_cache")
 
@@ -357,7 +369,7 @@ class Custody:
         ids, blocks, scope = self._ids(block_ids), self._blocks, req.scope
         for bid in ids:
             rec = blocks[bid]
-            if rec.owner is None or not rec.owner.same_domain(scope) or not rec.hashed:
+            if _foreign(rec, scope) or not rec.hashed:
                 raise CustodyError(
                     f"prefix hit on block {bid} outside the request's reuse domain; refused (G1)"
                 )
@@ -395,7 +407,7 @@ class Custody:
         for bid in ids:
             rec = self._blocks[bid]
             # A block doomed by a purge holds the purged context: cleared like another domain's.
-            foreign = rec.owner is None or not rec.owner.same_domain(req.scope) or rec.doomed
+            foreign = _foreign(rec, req.scope) or rec.doomed
             if foreign:
                 self._handover_owner(rec)
             if rec.status is BlockStatus.QUARANTINED:
@@ -649,8 +661,27 @@ class Custody:
                 out.append(rec.block_id)
             else:
                 self._doom(rec)
+        # Running (and preempted) requests under such a scope are doomed too: the blocks they get
+        # from now on (a later prefill chunk, decode) would otherwise be cached under it when they
+        # end (found by a review: a withdrawn member's request kept caching for the group).
+        for rid, req in self._requests.items():
+            if not self._verdict(verdicts, shareable, req.scope):
+                req.doomed = True
+                self._doomed_requests.add(rid)
+        for rid, scope in self._preempted.items():
+            if not self._verdict(verdicts, shareable, scope):
+                self._doomed_preempted.add(rid)
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "policy"})
         return tuple(out)
+
+    @staticmethod
+    def _verdict(
+        verdicts: dict[Scope, bool], shareable: Callable[[Scope], bool], scope: Scope
+    ) -> bool:
+        allowed = verdicts.get(scope)
+        if allowed is None:
+            allowed = verdicts[scope] = shareable(scope)
+        return allowed
 
     def _doom(self, rec: BlockRecord) -> None:
         if not rec.doomed:

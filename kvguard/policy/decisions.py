@@ -20,7 +20,13 @@ from typing import Final
 
 from kvguard.isolation.scope import Scope, Share
 from kvguard.policy.enums import LedgerUnavailable, Reuse, ZeroizeOn
-from kvguard.policy.models import PolicySet, TenantPolicy, prefix_digest
+from kvguard.policy.models import (
+    PolicySet,
+    ShareGroup,
+    TenantPolicy,
+    packed_digest,
+    packed_ids,
+)
 
 
 class Verdict(StrEnum):
@@ -213,24 +219,35 @@ def may_share_prefix(
     return group.allows_prefix(prefix_digest) and shared_tokens >= group.min_shared_tokens
 
 
+# Prefixes listed without a `tokens` length are looked for at every block-aligned length up to
+# this many tokens: each candidate is a SHA-256 over the prompt up to it, so without a bound a long
+# prompt cost quadratic hashing on the scheduler thread (found by a review: 4,096 tokens hashed
+# 526,320 token ids). Give a longer prefix its `tokens` (docs/policy.md).
+UNSIZED_PREFIX_MAX_TOKENS: Final = 8192
+
+
 def shared_prefix_tokens(
     policy_set: PolicySet, group_id: str, token_ids: Sequence[int], block_size: int
 ) -> int:
     """How many leading tokens of a prompt a share group may share: the longest listed prefix the
     prompt starts with, if it spans at least `min_shared_tokens`; 0 when none qualifies (the request
     then runs under its tenant's own scope). Prefixes without a `tokens` length are looked for at
-    block-aligned lengths (only whole blocks are reused)."""
+    block-aligned lengths up to `UNSIZED_PREFIX_MAX_TOKENS` (only whole blocks are reused)."""
     group = policy_set.share_groups.get(group_id)
     if group is None or block_size <= 0:
         return 0
     lengths = {p.tokens for p in group.prefixes if p.tokens is not None}
     if any(p.tokens is None for p in group.prefixes):
-        lengths.update(range(block_size, len(token_ids) + 1, block_size))
+        top = min(len(token_ids), UNSIZED_PREFIX_MAX_TOKENS)
+        lengths.update(range(block_size, top + 1, block_size))
     best = 0
+    packed: bytes | None = None
     for n in sorted(lengths, reverse=True):
-        if n <= len(token_ids) and may_share_prefix(
-            policy_set, group_id, prefix_digest(token_ids[:n]), n
-        ):
+        if n > len(token_ids) or n < group.min_shared_tokens:
+            continue
+        if packed is None:  # the ids once, as `prefix_digest` encodes them; each length a slice
+            packed = packed_ids(token_ids[: max(lengths)])
+        if may_share_prefix(policy_set, group_id, packed_digest(packed, n), n):
             best = n
             break
     return best
@@ -282,3 +299,21 @@ def must_zeroize_owned(policy: TenantPolicy, owner: Scope, next_scope: Scope | N
     if policy.zeroize.on_release is ZeroizeOn.ALWAYS or next_scope is None:
         return True
     return not owner.same_domain(next_scope)
+
+
+def narrowed_groups(old: PolicySet, new: PolicySet) -> frozenset[str]:
+    """Share groups whose sharing `new` narrows against `old`: gone, a listed prefix no longer
+    listed (by id, digest and length), or a larger `min_shared_tokens`. What such a group cached
+    under the old version may hold a prefix it no longer shares."""
+    return frozenset(
+        gid for gid, group in old.share_groups.items() if _narrows(group, new.share_groups.get(gid))
+    )
+
+
+def _narrows(old: ShareGroup, new: ShareGroup | None) -> bool:
+    if new is None:
+        return True
+    listed = {(p.id, p.digest, p.tokens) for p in new.prefixes}
+    return new.min_shared_tokens > old.min_shared_tokens or any(
+        (p.id, p.digest, p.tokens) not in listed for p in old.prefixes
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -218,11 +218,23 @@ class PolicySet(_Frozen):
 
 def prefix_digest(token_ids: Iterable[int]) -> str:
     """The digest a `PrefixRef` names: SHA-256 over a label, the count and each id as 4 bytes."""
-    ids = list(token_ids)
+    packed = packed_ids(list(token_ids))
+    return packed_digest(packed, len(packed) // 4)
+
+
+def packed_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as `prefix_digest` encodes them: 4 bytes each, big-endian (0 <= id < 2**32)."""
+    try:
+        return struct.pack(f">{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        raise ValueError("token ids must be integers in [0, 2**32)") from exc
+
+
+def packed_digest(packed: bytes, count: int) -> str:
+    """`prefix_digest` of the first `count` ids of `packed` (`packed_ids`)."""
     h = hashlib.sha256(_PREFIX_LABEL)
-    h.update(struct.pack(">Q", len(ids)))
-    for token in ids:
-        h.update(struct.pack(">I", token))
+    h.update(struct.pack(">Q", count))
+    h.update(packed[: 4 * count])
     return "sha256:" + h.hexdigest()
 
 

@@ -600,3 +600,194 @@ def test_a_quota_deferral_names_the_scope_the_request_runs_under(make_guard: Any
     guard.build_step(schedule())
     deferral = next(e for e in f.ledger.entries if str(e.kind) == "quota.defer")
     assert deferral.scope_tag == guard._tag(scope_for("b"))
+
+
+# --- share groups past the listed prefix, policy changes under running requests (review 2026-11-29)
+
+
+def _group(prefixes: list[list[int]], *, b: dict[str, Any] | None = None) -> PolicySet:
+    """Group g lists `prefixes` (with their lengths), `min_shared_tokens` one block; a and b are
+    members (b as given)."""
+    listed = [
+        {"id": f"p{i}", "digest": prefix_digest(p), "tokens": len(p)}
+        for i, p in enumerate(prefixes)
+    ]
+    return PolicySet.model_validate(
+        {
+            "share_groups": {"g": {"prefixes": listed, "min_shared_tokens": BLOCK}},
+            "tenants": {
+                "a": {"reuse": "public", "groups": ["g"]},
+                "b": b if b is not None else {"reuse": "group", "groups": ["g"]},
+            },
+        }
+    )
+
+
+def _hashing(r: Any) -> Any:
+    """Give a fake request vLLM's block hashing: one chained hash per full block, from the salt."""
+    import hashlib  # noqa: PLC0415
+
+    def hasher(req: Any) -> list[bytes]:
+        out: list[bytes] = []
+        prev = req.block_hashes[-1] if req.block_hashes else req.cache_salt.encode()
+        ids = req.prompt_token_ids
+        for start in range(len(req.block_hashes) * BLOCK, len(ids) - BLOCK + 1, BLOCK):
+            prev = hashlib.sha256(prev + repr(ids[start : start + BLOCK]).encode()).digest()
+            out.append(prev)
+        return out
+
+    r._block_hasher = hasher
+    r.block_hashes = []
+    r.update_block_hashes = lambda: r.block_hashes.extend(r._block_hasher(r))
+    r.update_block_hashes()
+    return r
+
+
+def test_past_the_listed_prefix_a_group_requests_blocks_hash_as_its_tenants_own(
+    make_guard: Any,
+) -> None:
+    """vLLM registers every full block's hash as it schedules it, so while a's group request ran,
+    another member sending the same prompt hit a's blocks past the listed prefix (a probe of a's
+    private suffix; found by a review). Past the prefix the hashes are keyed with the tenant's own
+    secret: b matches only the listed prefix, a's own repeat matches everything."""
+    prompt = list(range(2 * BLOCK)) + [900 + i for i in range(2 * BLOCK)]
+    guard, _ = make_guard(_group([list(range(2 * BLOCK))]))
+    a, b, a2 = (
+        _hashing(request(t, len(prompt), scope=scope_for(t, group="g"))) for t in ("a", "b", "a")
+    )
+    for r in (a, b, a2):
+        r.prompt_token_ids = list(prompt)
+        r.block_hashes = []
+        r.update_block_hashes()
+        guard.on_new_request(r)
+        assert guard._envelopes[r.request_id].share_tokens == 2 * BLOCK
+    assert len(a.block_hashes) == 4
+    assert a.block_hashes[:2] == b.block_hashes[:2]  # the listed prefix: the group's
+    assert not set(a.block_hashes[2:]) & set(b.block_hashes)  # past it: a's alone
+    assert a2.block_hashes == a.block_hashes  # a's own requests still match each other
+    # Decode keeps hashing under the tenant's key (the chain goes on from the keyed hash).
+    a.prompt_token_ids += [5] * BLOCK
+    b.prompt_token_ids += [5] * BLOCK
+    a.update_block_hashes()
+    b.update_block_hashes()
+    assert a.block_hashes[4] != b.block_hashes[4]
+
+
+def test_custody_refuses_another_tenants_hit_past_the_listed_prefix(make_guard: Any) -> None:
+    """Defence in depth behind the keyed hashes: a hit on a group block that its request does not
+    retain (past the listed prefix) by another tenant is refused and the block cleared first."""
+    guard, f = make_guard(_group([list(range(32))]))
+    a = request("a", 64, scope=scope_for("a", group="g"))
+    guard.on_new_request(a)
+    assert guard._envelopes[a.request_id].share_tokens == 32
+    for blk in (1, 2, 3, 4):
+        f.pool.blocks[blk].block_hash = f"h{blk}"
+    guard.build_step(schedule(new=[(a, [1, 2, 3, 4], 0)]))
+    b = request("b", 64, scope=scope_for("b", group="g"))
+    guard.on_new_request(b)
+    repairs = guard.stats["custody_repairs"]
+    step = guard.build_step(schedule(new=[(b, [1, 2, 3, 5], 48)]))
+    assert guard.stats["custody_repairs"] == repairs + 1
+    assert 3 in step.handover  # cleared before b's forward: b computes on zeros, not a's KV
+
+
+def test_a_delisted_prefix_leaves_no_group_block_cached(make_guard: Any) -> None:
+    """A version that stops listing a prefix (here the 4-block one; its first two blocks stay
+    listed as a shorter prefix) left the group's cached blocks of it hittable (found by a review).
+    Custody cannot tell which cached block holds which prefix: every block the narrowed group
+    cached is retired."""
+    p32, p64 = list(range(32)), list(range(64))
+    guard, f = make_guard(_group([p32, p64]))
+    a = request("a", 64, scope=scope_for("a", group="g"))
+    guard.on_new_request(a)
+    for blk in (1, 2, 3, 4):
+        f.pool.blocks[blk].block_hash = f"h{blk}"
+    guard.build_step(schedule(new=[(a, [1, 2, 3, 4], 0)]))
+    guard.request_finished(a)
+    assert guard.custody is not None
+    assert {guard.custody.record(x).status for x in (1, 2, 3, 4)} == {BlockStatus.CACHED}
+    guard.use_policy(_group([p32]), 2)
+    assert {guard.custody.record(x).status for x in (1, 2, 3, 4)} == {BlockStatus.QUARANTINED}
+    assert all(f.pool.blocks[x].block_hash is None for x in (1, 2, 3, 4))
+    guard.use_policy(_group([p32, p64]), 3)  # listing more narrows nothing
+    assert guard.stats.get("custody_repairs", 0) == 0
+
+
+def _running_gets(guard: SchedulerGuard, r: Any, blocks: list[int], computed: int) -> Any:
+    step = schedule()
+    step.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=[r.request_id],
+        new_block_ids=[(blocks,)],
+        resumed_req_ids=set(),
+        num_computed_tokens=[computed],
+    )
+    return guard.build_step(step)
+
+
+def test_blocks_a_withdrawn_members_running_request_gets_later_are_never_cached(
+    make_guard: Any,
+) -> None:
+    """A version withdrew b from the group while its request ran; the request's next prefill chunk
+    got a block after that, which stayed cached under the group's scope when it ended, and a then
+    hit it (found by a review). A running request whose scope the new version no longer lets share
+    is doomed: its later blocks are zeroized when it ends and their hashes leave vLLM's index."""
+    p16, p32 = list(range(16)), list(range(32))
+    guard, f = make_guard(_group([p16, p32]))
+    a = request("a", 16, scope=scope_for("a", group="g"))
+    guard.on_new_request(a)
+    f.pool.blocks[1].block_hash = "h1"
+    guard.build_step(schedule(new=[(a, [1], 0)]))
+    guard.request_finished(a)
+    b = request("b", 32, scope=scope_for("b", group="g"))
+    guard.on_new_request(b)
+    guard.build_step(schedule(new=[(b, [1], 16)]))  # first chunk: a hit on a's block
+    guard.use_policy(_group([p16, p32], b={"reuse": "tenant"}), 2)
+    f.pool.blocks[2].block_hash = "h2"
+    _running_gets(guard, b, [2], 16)  # the second chunk, after the withdrawal
+    assert f.pool.blocks[2].block_hash is None  # not hittable while b runs
+    guard.request_finished(b)
+    assert guard.custody is not None
+    assert guard.custody.record(2).status is BlockStatus.QUARANTINED
+
+
+def test_a_deferral_after_a_recheck_names_the_scope_the_request_runs_under(
+    make_guard: Any,
+) -> None:
+    """A queued request's recheck made it private but left its quota wait naming the group scope:
+    the later `quota.defer` entry carried the group's tag (found by a review)."""
+    p32, quota = list(range(32)), {"max_blocks": 2}
+    guard, f = make_guard(_group([p32], b={"reuse": "group", "groups": ["g"], "quota": quota}))
+    first = request("b", 2 * BLOCK - 1, scope=scope_for("b"))
+    guard.on_new_request(first)
+    assert guard.may_schedule(first)
+    guard.build_step(schedule(new=[(first, [0, 1], 0)]))
+    queued = request("b", 32, scope=scope_for("b", group="g"), max_tokens=0)
+    queued.prompt_token_ids = p32
+    guard.on_new_request(queued)
+    assert guard._envelopes[queued.request_id].scope.share is Share.GROUP
+    guard.use_policy(_group([p32], b={"reuse": "tenant", "quota": quota}), 2)
+    runs_under = guard._envelopes[queued.request_id].scope
+    assert not guard.may_schedule(queued)
+    guard.build_step(schedule())
+    deferral = next(e for e in f.ledger.entries if str(e.kind) == "quota.defer")
+    assert deferral.scope_tag == guard._tag(runs_under)
+
+
+def test_a_preempted_request_of_a_tenant_with_a_quota_waits_for_it_again(make_guard: Any) -> None:
+    """`may_schedule` lets a request through once and forgets it; preempted, it gave its blocks
+    back and resumed without a quota check while its tenant's other requests had taken them (found
+    by a review)."""
+    policy = PolicySet(tenants={"a": TenantPolicy(quota=Quota(max_blocks=2))})
+    guard, _ = make_guard(policy)
+    first, second = request("a", 2 * BLOCK - 1), request("a", 2 * BLOCK - 1)
+    guard.on_new_request(first)
+    guard.on_new_request(second)
+    assert guard.may_schedule(first)
+    guard.build_step(schedule(new=[(first, [0, 1], 0)]))
+    guard.build_step(schedule(preempted=(first.request_id,)))
+    assert guard.may_schedule(second)  # the quota is free again: the other request takes it
+    guard.build_step(schedule(new=[(second, [2, 3], 0)]))
+    assert not guard.may_schedule(first)  # and the preempted one waits for it
+    guard.request_finished(second)
+    guard.build_step(schedule())
+    assert guard.may_schedule(first)

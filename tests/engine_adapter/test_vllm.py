@@ -382,6 +382,25 @@ def test_share_group_shares_only_listed_prefixes_on_real_engine(guarded) -> None
     assert _sched(guarded).stats["share_narrowed"] >= 3
 
 
+def test_group_members_in_one_batch_share_only_the_listed_prefix_on_real_engine(guarded) -> None:
+    """vLLM registers every full block's hash as it schedules it: two members of a share group
+    sending the same prompt in one batch, the second hit the first's blocks past the listed prefix
+    (found by a review, over fakes). Past the prefix the hashes are keyed with the tenant's own
+    secret: the other member reuses the prefix only, the same tenant all of it."""
+    from kvguard.engine_adapter.vllm.guarded import TenantRequest  # noqa: PLC0415
+    from tests.engine_adapter.vllm_support import GROUP_PREFIX  # noqa: PLC0415
+
+    def batch(tenants: tuple[str, str], seed: int) -> list[int]:
+        tail = [(seed * 31 + 7 * i) % 500 + 5 for i in range(2 * BLOCK)]
+        prompt = [*GROUP_PREFIX, *tail, 6]
+        items = [(TenantRequest(t, group="g1"), prompt) for t in tenants]
+        return [o.num_cached_tokens for o in guarded.generate_batch(items, _params())]
+
+    assert max(batch(("grp-a", "grp-b"), 1)) <= len(GROUP_PREFIX)
+    assert max(batch(("grp-b", "grp-a"), 2)) <= len(GROUP_PREFIX)
+    assert max(batch(("grp-a", "grp-a"), 3)) == len(GROUP_PREFIX) + 2 * BLOCK
+
+
 def test_quota_holds_a_flood_to_the_tenants_budget_on_real_engine(guarded) -> None:
     """Issue 10, item 6: requests that would take a tenant past `quota.max_blocks` wait in vLLM's
     queue (recorded as `quota.defer`), a request larger than the quota runs alone, the tenant's

@@ -294,3 +294,40 @@ def test_shared_prefix_tokens_follows_the_allow_list_and_min_shared_tokens() -> 
     assert shared_prefix_tokens(ps, "g", [9, *prefix], 32) == 0  # does not start with it
     assert shared_prefix_tokens(ps, "g-long", [*prefix, 1], 32) == 0  # below min_shared_tokens
     assert shared_prefix_tokens(ps, "nope", prefix, 32) == 0
+
+
+def test_shared_prefix_tokens_hashes_a_bounded_span_of_a_long_prompt(monkeypatch: Any) -> None:
+    """A prefix listed without `tokens` is looked for at every block-aligned length: each a SHA-256
+    over the prompt up to it, so a long prompt cost quadratic hashing on the scheduler thread (a
+    4,096-token prompt hashed 526,320 ids; found by a review). The search stops at
+    `UNSIZED_PREFIX_MAX_TOKENS`, and the ids are encoded once."""
+    import kvguard.policy.decisions as d  # noqa: PLC0415
+    from kvguard.policy import PolicySet, prefix_digest, shared_prefix_tokens  # noqa: PLC0415
+
+    hashed = [0]
+    real = d.packed_digest
+
+    def counting(packed: bytes, count: int) -> str:
+        hashed[0] += count
+        return real(packed, count)
+
+    monkeypatch.setattr(d, "packed_digest", counting)
+    ps = PolicySet.model_validate(
+        {
+            "share_groups": {
+                "g": {"prefixes": [{"id": "p", "digest": prefix_digest(range(32))}]},
+                "h": {"prefixes": [{"id": "q", "digest": prefix_digest(range(64)), "tokens": 64}]},
+            }
+        }
+    )
+    cap = d.UNSIZED_PREFIX_MAX_TOKENS
+    # min_shared_tokens is 256 by default: a 32-token prefix never qualifies, so every length is
+    # tried and none matches; no length past the cap is hashed.
+    assert shared_prefix_tokens(ps, "g", list(range(100_000)), 16) == 0
+    assert hashed[0] <= cap * (cap // 16) // 2 + cap
+    hashed[0] = 0
+    assert shared_prefix_tokens(ps, "h", list(range(100_000)), 16) == 0  # 64 < min_shared_tokens
+    assert hashed[0] == 0  # a sized prefix under the minimum is not even hashed
+    assert prefix_digest([1, 2, 3]) == d.packed_digest(d.packed_ids([1, 2, 3, 4]), 3)
+    with pytest.raises(ValueError, match="token ids"):
+        prefix_digest([-1])

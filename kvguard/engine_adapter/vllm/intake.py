@@ -8,6 +8,7 @@ can ever be hit by anyone.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import Any, Final
 
@@ -40,3 +41,32 @@ def ungoverned_scope(model_name: str, block_size: int, request_id: str) -> Scope
         tokenizer=TokenizerRef(id=model_name, revision="unknown"),
         cache_config=CacheConfig(kv_dtype="auto", block_size=block_size),
     )
+
+
+def confine_hashes(request: Any, shared_blocks: int, key: bytes) -> None:
+    """Only the request's first `shared_blocks` block hashes stay the group's: every later one is
+    keyed with `key` (its tenant's own secret), so another member of the share group can never hit
+    a block past the listed prefix, not even while the request runs (vLLM registers every full
+    block's hash as it schedules it, and only what custody keeps cached is the group's). The chain
+    goes on from the keyed hash, so all later blocks differ too; the same tenant's requests still
+    match each other. A request without a block hasher (prefix caching off) hashes nothing."""
+    hasher = getattr(request, "_block_hasher", None)
+    if hasher is None:
+        return
+
+    def confined(req: Any) -> list[Any]:
+        first = len(req.block_hashes)
+        hashes = list(hasher(req))
+        for i in range(max(0, shared_blocks - first), len(hashes)):
+            hashes[i] = _keyed(key, hashes[i])
+        return hashes
+
+    request._block_hasher = confined
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def _keyed(key: bytes, block_hash: Any) -> bytes:
+    """vLLM's block hashes are bytes (`BlockHash`); anything else is keyed by its repr."""
+    raw = block_hash if isinstance(block_hash, bytes) else repr(block_hash).encode()
+    return hashlib.sha256(key + raw).digest()

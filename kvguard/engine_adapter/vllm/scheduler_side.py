@@ -42,7 +42,12 @@ from kvguard.engine_adapter.records import (
     purge_event_kind,
 )
 from kvguard.engine_adapter.vllm.engine_link import CommandRunner, EngineLink
-from kvguard.engine_adapter.vllm.intake import UNGOVERNED_TENANT, make_private, ungoverned_scope
+from kvguard.engine_adapter.vllm.intake import (
+    UNGOVERNED_TENANT,
+    confine_hashes,
+    make_private,
+    ungoverned_scope,
+)
 from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, GuardWorkerMeta
 from kvguard.engine_adapter.vllm.ranks import RankMerger
 from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S, EngineReporter
@@ -65,6 +70,7 @@ from kvguard.policy import (
     Verify,
     admit,
     may_reuse,
+    narrowed_groups,
     private_scope,
     shared_prefix_tokens,
 )
@@ -309,9 +315,14 @@ class SchedulerGuard:
         scope = envelope.scope
         ids = list(getattr(request, "prompt_token_ids", None) or ())
         shared = shared_prefix_tokens(self.policies, scope.group_id or "", ids, self._block_size)
+        own = scope.with_share(Share.TENANT)
         if shared >= self._block_size:
+            # Past the listed prefix the blocks are the tenant's alone: hashed with its own
+            # secret, so no other member hits them while this request runs (found by a review).
+            key = self.deriver.salt(own).encode()
+            confine_hashes(request, shared // self._block_size, key)
             return Envelope(scope=scope, use_cache=True, share_tokens=shared)
-        return self._narrowed(request, scope.with_share(Share.TENANT))
+        return self._narrowed(request, own)
 
     def _narrowed(self, request: Any, own: Scope) -> Envelope:
         """The request under `own`, a narrower scope than it asked for: the salt and block hashes
@@ -330,14 +341,32 @@ class SchedulerGuard:
         cap = self.policies.policy_for(tenant).quota.max_blocks
         if cap is None:
             return admit(self.policies, scope, NO_USAGE)
-        params = getattr(request, "sampling_params", None)
-        max_tokens = int(getattr(params, "max_tokens", None) or 0)
-        needed = -(-(int(request.num_prompt_tokens) + max_tokens) // self._block_size)
+        needed = self._blocks_needed(request)
         self._quota_wait[request.request_id] = (scope, needed, cap)
         self._quota_tenant[request.request_id] = tenant
         cached = self._c.tenant_cached(tenant)
         # Running work is held by `may_schedule`; here only the cache decides (no growth past it).
         return admit(self.policies, scope, Usage(blocks_cached=cached, blocks_requested=needed))
+
+    def _blocks_needed(self, request: Any) -> int:
+        """The blocks a request needs at most: its prompt plus `max_tokens`."""
+        params = getattr(request, "sampling_params", None)
+        max_tokens = int(getattr(params, "max_tokens", None) or 0)
+        return -(-(int(request.num_prompt_tokens) + max_tokens) // self._block_size)
+
+    def _quota_again(self, rid: str) -> None:
+        """A preempted request waits for its tenant's quota again before it resumes: it gave its
+        blocks back, and `may_schedule` had let it through once (found by a review: a preempted
+        request of a tenant with a quota resumed unchecked). The quota is the one in force now."""
+        env, request = self._envelopes.get(rid), self._live.get(rid)
+        if env is None or request is None:
+            return
+        tenant = env.scope.tenant_id
+        cap = self.policies.policy_for(tenant).quota.max_blocks
+        if cap is None:
+            return
+        self._quota_wait[rid] = (env.scope, self._blocks_needed(request), cap)
+        self._quota_tenant[rid] = tenant
 
     def may_schedule(self, request: Any) -> bool:
         """False while running this request would take its tenant past its quota: vLLM leaves it
@@ -456,6 +485,7 @@ class SchedulerGuard:
                 self._end(rid, now, hold=False)
                 # It resumes under the policy in force now, not the one it was admitted under.
                 self._recheck(rid)
+                self._quota_again(rid)
         canary = self._record_schedule(so, now)
         self._granted.clear()  # what may_schedule let through is in custody now
         if self._grown:  # tenants whose running work grew: their own cache yields to the quota
@@ -724,13 +754,23 @@ class SchedulerGuard:
         are zeroized, and requests admitted under the old version that have not started read no
         prefix cache (found by a review: a queued request of a disabled tenant hit its old
         blocks, and a group kept serving a withdrawn member's blocks)."""
-        self.policies, self.policy_version = policies, version
+        before, self.policies, self.policy_version = self.policies, policies, version
         if self.tier is not None:
             self.tier.on_policy()
         if self.custody is None:
             return
         now = self._clock()
-        self._c.retire_unshareable(lambda owner: may_reuse(policies, owner, owner), now)
+        # A share group that no longer lists a prefix it did (or asks for more shared tokens):
+        # custody cannot tell which of its cached blocks hold which prefix, so all of them go
+        # (found by a review: a delisted prefix's blocks stayed hittable for the group).
+        narrowed = narrowed_groups(before, policies)
+
+        def shareable(owner: Scope) -> bool:
+            if owner.share is Share.GROUP and owner.group_id in narrowed:
+                return False
+            return may_reuse(policies, owner, owner)
+
+        self._c.retire_unshareable(shareable, now)
         for rid in list(self._envelopes):
             if rid not in self._begun:  # a running request is checked again if it is preempted
                 self._recheck(rid)
@@ -757,7 +797,10 @@ class SchedulerGuard:
             return
         if request is not None:
             make_private(request, skip_reading=rid not in self._quota_wait)
-        self._envelopes[rid] = Envelope(scope=private_scope(scope), use_cache=False)
+        private = self._envelopes[rid] = Envelope(scope=private_scope(scope), use_cache=False)
+        waiting = self._quota_wait.get(rid)
+        if waiting is not None:  # a deferral names the scope the request runs under (G5)
+            self._quota_wait[rid] = (private.scope, *waiting[1:])
 
     def _tier_purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
         """Crypto-shred the offload tier's domains the purge selects (the purge entry's figures)."""
