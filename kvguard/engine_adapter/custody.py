@@ -329,7 +329,9 @@ class Custody:
             # A doomed block holds purged context: cleared whoever gets it next, also its own
             # domain under `cross_scope` (vLLM may hand a preempted doomed request's blocks to a
             # same-domain request in the preempting schedule, before their release clear ran).
-            if rec.owner is not None and (rec.doomed or self._needs_clear(rec, scope)):
+            if rec.owner is not None and (
+                rec.doomed or _foreign(rec, scope) or self._needs_clear(rec, scope)
+            ):
                 handover.append(bid)
                 self._handover_owner(rec)
             self._take(rec, req, rid, now, first + offset)
@@ -661,16 +663,14 @@ class Custody:
                 out.append(rec.block_id)
             else:
                 self._doom(rec)
-        # Running (and preempted) requests under such a scope are doomed too: the blocks they get
-        # from now on (a later prefill chunk, decode) would otherwise be cached under it when they
-        # end (found by a review: a withdrawn member's request kept caching for the group).
+        # Running requests under such a scope are doomed too: the blocks they get from now on (a
+        # later prefill chunk, decode) would otherwise be cached under it when they end (found by
+        # a review: a withdrawn member's request kept caching for the group). Preempted ones are
+        # not: the adapter decides their scope again when they resume, from the version in force.
         for rid, req in self._requests.items():
             if not self._verdict(verdicts, shareable, req.scope):
                 req.doomed = True
                 self._doomed_requests.add(rid)
-        for rid, scope in self._preempted.items():
-            if not self._verdict(verdicts, shareable, scope):
-                self._doomed_preempted.add(rid)
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "policy"})
         return tuple(out)
 

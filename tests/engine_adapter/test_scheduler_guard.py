@@ -791,3 +791,106 @@ def test_a_preempted_request_of_a_tenant_with_a_quota_waits_for_it_again(make_gu
     guard.request_finished(second)
     guard.build_step(schedule())
     assert guard.may_schedule(first)
+
+
+def test_a_preempted_request_made_private_by_a_new_version_still_waits_for_the_quota(
+    make_guard: Any,
+) -> None:
+    """vLLM schedules a request that skips reading the prefix cache whatever the connector answers:
+    a preempted request that the recheck made private must keep reading enabled (its one-off salt
+    hits nothing) while the quota gate may hold it back, or the gate is bypassed."""
+    p32, quota = list(range(32)), {"max_blocks": 2}
+    guard, _ = make_guard(_group([p32], b={"reuse": "group", "groups": ["g"], "quota": quota}))
+    first = request("b", 2 * BLOCK, scope=scope_for("b", group="g"))  # the listed prefix
+    other = request("b", 2 * BLOCK - 1)
+    guard.on_new_request(first)
+    guard.on_new_request(other)
+    assert guard.may_schedule(first)
+    guard.build_step(schedule(new=[(first, [0, 1], 0)]))
+    guard.use_policy(_group([p32], b={"reuse": "tenant", "quota": quota}), 2)
+    guard.build_step(schedule(preempted=(first.request_id,)))
+    assert guard._envelopes[first.request_id] == Envelope(scope=scope_for("b"), use_cache=False)
+    assert first.skip_reading_prefix_cache is False  # so vLLM asks the quota gate
+    assert guard.may_schedule(other)
+    guard.build_step(schedule(new=[(other, [2, 3], 0)]))
+    assert not guard.may_schedule(first)
+
+
+def test_a_no_cache_request_preempted_after_a_quota_appears_waits_for_it(make_guard: Any) -> None:
+    """Admitted without a quota and without the cache (reading skipped), then a version gives its
+    tenant a quota: preempted, it must wait for the quota, so reading is switched back on (its
+    one-off salt hits nothing) or vLLM schedules it past the gate (found by a review)."""
+    guard, _ = make_guard(PolicySet())
+    r = request("a", 2 * BLOCK - 1, cache=False)
+    guard.on_new_request(r)
+    assert r.skip_reading_prefix_cache is True
+    salt = r.cache_salt
+    guard.build_step(schedule(new=[(r, [0, 1], 0)]))
+    guard.use_policy(PolicySet(tenants={"a": TenantPolicy(quota=Quota(max_blocks=2))}), 2)
+    guard.build_step(schedule(preempted=(r.request_id,)))
+    assert r.request_id in guard._quota_wait and r.skip_reading_prefix_cache is False
+    assert r.cache_salt == salt and salt.startswith("kvguard-private:")
+
+
+def test_a_preempted_request_of_a_narrowed_group_that_still_qualifies_dooms_nothing_new(
+    make_guard: Any,
+) -> None:
+    """A version delists a longer prefix while a request of the shorter, still listed one is
+    preempted: it resumes under the group (the recheck allows it) and must not doom the group's
+    new cache it hits (found by a review: b's fresh prefix blocks lost their hashes)."""
+    p32, p64 = list(range(32)), list(range(64))
+    guard, f = make_guard(_group([p32, p64]))
+    r = request("a", 40, scope=scope_for("a", group="g"))
+    guard.on_new_request(r)
+    guard.build_step(schedule(new=[(r, [1, 2, 3], 0)]))
+    guard.build_step(schedule(preempted=(r.request_id,)))
+    guard.use_policy(_group([p32]), 2)
+    b = request("b", 40, scope=scope_for("b", group="g"))
+    guard.on_new_request(b)
+    f.pool.blocks[5].block_hash, f.pool.blocks[6].block_hash = "h5", "h6"
+    guard.build_step(schedule(new=[(b, [5, 6, 7], 0)]))
+    guard.request_finished(b)
+    assert guard.custody is not None
+    assert guard._envelopes[r.request_id].scope.share is Share.GROUP
+    step = schedule()
+    step.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=[r.request_id],
+        new_block_ids=[([5, 6, 8],)],
+        resumed_req_ids={r.request_id},
+        num_computed_tokens=[32],
+    )
+    guard.build_step(step)
+    assert not guard.custody.record(5).doomed and not guard.custody.record(6).doomed
+    assert f.pool.blocks[5].block_hash == "h5"
+
+
+def test_a_members_past_the_prefix_residue_is_cleared_before_another_member_gets_it(
+    make_custody: Any,
+) -> None:
+    """Under `cross_scope`, a released block goes back to the free pool with its bytes and is
+    cleared when another domain gets it. Past a share group's listed prefix a block is its
+    tenant's alone, so another member getting it is a handover too (found by a review)."""
+    cs = {"reuse": "public", "groups": ["g"], "zeroize": {"on_release": "cross_scope"}}
+    pset = PolicySet.model_validate(
+        {
+            "share_groups": {
+                "g": {
+                    "prefixes": [{"id": "p", "digest": "sha256:" + "0" * 64}],
+                    "min_shared_tokens": 16,
+                }
+            },
+            "tenants": {"a": cs, "b": cs},
+        }
+    )
+    from kvguard.engine_adapter.custody import Custody  # noqa: PLC0415
+
+    c = Custody(8, policy=pset.policy_for, tagger=DERIVER.scope_tag)
+    c.begin("ra", scope_for("a", group="g"), use_cache=True, retain_blocks=1)
+    c.allocate("ra", [0, 1], 1.0)
+    c.mark_hashed([0, 1])
+    c.finish("ra", 2.0)
+    c.begin("rb", scope_for("b", group="g"), use_cache=True, retain_blocks=1)
+    assert 1 in c.allocate("rb", [1], 3.0)
+    c.begin("ra2", scope_for("a", group="g"), use_cache=True, retain_blocks=1)
+    c.finish("rb", 4.0)
+    c.check_invariants()

@@ -367,6 +367,10 @@ class SchedulerGuard:
             return
         self._quota_wait[rid] = (env.scope, self._blocks_needed(request), cap)
         self._quota_tenant[rid] = tenant
+        # vLLM schedules a request that skips reading the prefix cache whatever the connector
+        # answers, so the gate needs reading on; a request without the cache has a one-off salt
+        # (`make_private`) and hits nothing either way (found by a review).
+        request.skip_reading_prefix_cache = False
 
     def may_schedule(self, request: Any) -> bool:
         """False while running this request would take its tenant past its quota: vLLM leaves it
@@ -483,9 +487,11 @@ class SchedulerGuard:
                 # The engine already freed these blocks and may have re-allocated some of them in
                 # this very schedule; hold what is left only after the allocations below.
                 self._end(rid, now, hold=False)
-                # It resumes under the policy in force now, not the one it was admitted under.
-                self._recheck(rid)
+                # It resumes under the policy in force now, not the one it was admitted under,
+                # and waits for its tenant's quota again (first: a request the recheck makes
+                # private may still read nothing only while the quota gate can hold it back).
                 self._quota_again(rid)
+                self._recheck(rid)
         canary = self._record_schedule(so, now)
         self._granted.clear()  # what may_schedule let through is in custody now
         if self._grown:  # tenants whose running work grew: their own cache yields to the quota
