@@ -326,3 +326,27 @@ def test_disk_only_where_the_policy_allows_it_and_the_engine_has_a_directory() -
     memory_only.finish("r1", "a", [1], 1)
     memory_only.evict([1])
     assert [o.to_disk for o in memory_only.tier.take_orders()[0]] == [False]
+
+
+def test_a_narrowed_share_groups_domain_is_shredded_at_the_policy_change() -> None:
+    """A version that stops listing a prefix retires the group's cached blocks on the device (the
+    engine cannot tell which block holds which prefix); its spilled copies must go as well, or a
+    member restores a delisted prefix from the tier (found while fixing the device side)."""
+    member = {**OFFLOAD, "reuse": "group", "groups": ["g"]}
+    listed = {"prefixes": [{"id": "p", "digest": "sha256:" + "1" * 64}]}
+    group = PolicySet.model_validate(
+        {"share_groups": {"g": listed}, "tenants": {"a": member, "b": OFFLOAD}}
+    )
+    h = Harness(group)
+    hashes = [b"g-h0"]
+    h.pool.blocks[1].block_hash = hashes[0] + b"\x00\x00\x00\x00"
+    h.cached.add(1)
+    h.tier.note_cached(FakeRequest("r1", hashes, BS + 1), scope_for("a", group="g"), [1], h.pool)
+    h.finish("r2", "b", [2], 1)
+    h.evict([1, 2])
+    h.worker_does()
+    h.tier.on_policy(frozenset({"other"}))  # another group narrowed: nothing of g goes
+    assert h.tier.take_orders()[2] == ()
+    h.tier.on_policy(frozenset({"g"}))
+    _, _, shred, _ = h.tier.take_orders()
+    assert [(o.scope_tag, o.reason) for o in shred] == [("st_a", "policy")]

@@ -760,16 +760,17 @@ class SchedulerGuard:
         are zeroized, and requests admitted under the old version that have not started read no
         prefix cache (found by a review: a queued request of a disabled tenant hit its old
         blocks, and a group kept serving a withdrawn member's blocks)."""
-        before, self.policies, self.policy_version = self.policies, policies, version
+        # A share group that no longer lists a prefix it did (or asks for more shared tokens):
+        # custody cannot tell which of its cached blocks hold which prefix, so all of them go, on
+        # the device and in the offload tier (found by a review: a delisted prefix's blocks stayed
+        # hittable for the group).
+        narrowed = narrowed_groups(self.policies, policies)
+        self.policies, self.policy_version = policies, version
         if self.tier is not None:
-            self.tier.on_policy()
+            self.tier.on_policy(narrowed)
         if self.custody is None:
             return
         now = self._clock()
-        # A share group that no longer lists a prefix it did (or asks for more shared tokens):
-        # custody cannot tell which of its cached blocks hold which prefix, so all of them go
-        # (found by a review: a delisted prefix's blocks stayed hittable for the group).
-        narrowed = narrowed_groups(before, policies)
 
         def shareable(owner: Scope) -> bool:
             if owner.share is Share.GROUP and owner.group_id in narrowed:

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Collection, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from kvguard.engine_adapter.records import CustodyEvent, EventKind, PurgeSelector
 from kvguard.engine_adapter.vllm.metadata import ShredOrder, TierOrder, TierReport
-from kvguard.isolation.scope import Scope
+from kvguard.isolation.scope import Scope, Share
 from kvguard.logging import get_logger
 from kvguard.offload.index import IndexEntry, TierIndex, TierKey
 from kvguard.policy import PolicySet, TenantPolicy
@@ -523,12 +523,13 @@ class SchedulerTier:
             may_reuse(policies, owner, scope) for owner in self._scopes.get(domain, {}).values()
         )
 
-    def on_policy(self) -> None:
+    def on_policy(self, narrowed: Collection[str] = ()) -> None:
         """A new policy is in force. What it no longer allows leaves the tier now, as it leaves
         the device (`SchedulerGuard.use_policy`): a domain (a shared one whole) is shredded when a
         tenant that spilled into it is disabled (`disable`), may no longer offload, or may no
         longer reuse the domain's blocks even itself (the epoch moved on, a share withdrawn: a
-        tenant that left its group or narrowed `public`), or when the domain holds files on disk
+        tenant that left its group or narrowed `public`; a share group in `narrowed`, one that
+        no longer lists a prefix it did), or when the domain holds files on disk
         and `offload.disk` was revoked for a tenant whose entries they are (`policy`). A lowered `offload.max_bytes` drops
         the tenant's oldest entries until it is within it."""
         policies = self._policies()
@@ -539,6 +540,7 @@ class SchedulerTier:
             elif (
                 not all(p.offload.allowed for p in tenants)
                 or not all(may_reuse(policies, owner, owner) for owner in owners.values())
+                or any(o.share is Share.GROUP and o.group_id in narrowed for o in owners.values())
                 or any(
                     not policies.policy_for(t).offload.disk for t in self.index.disk_tenants(domain)
                 )
