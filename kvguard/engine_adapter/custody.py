@@ -56,15 +56,17 @@ Details = dict[str, str | int | float | bool | None]
 
 
 def _foreign(rec: BlockRecord, scope: Scope) -> bool:
-    """Whether `rec`'s bytes are not `scope`'s to read: no owner, another reuse domain, or a share
-    group's block past its listed prefix (not retained) that another tenant computed (its hash is
-    keyed with that tenant's secret, `intake.confine_hashes`: a hit on it is defence in depth)."""
+    """Whether `rec`'s bytes are not `scope`'s to read: no owner, another reuse domain, or
+    `_others_past_prefix`."""
     owner = rec.owner
-    return (
-        owner is None
-        or not owner.same_domain(scope)
-        or (not rec.retain and owner.tenant_id != scope.tenant_id)
-    )
+    return owner is None or not owner.same_domain(scope) or _others_past_prefix(rec, scope)
+
+
+def _others_past_prefix(rec: BlockRecord, scope: Scope) -> bool:
+    """A share group's block past its listed prefix (not retained) that another tenant computed:
+    that tenant's alone although the domain is shared (its hash is keyed with the tenant's secret,
+    `intake.confine_hashes`, so a hit on it is defence in depth; a handover of it is cleared)."""
+    return not rec.retain and rec.owner is not None and rec.owner.tenant_id != scope.tenant_id
 
 
 class _Request:
@@ -330,7 +332,7 @@ class Custody:
             # domain under `cross_scope` (vLLM may hand a preempted doomed request's blocks to a
             # same-domain request in the preempting schedule, before their release clear ran).
             if rec.owner is not None and (
-                rec.doomed or _foreign(rec, scope) or self._needs_clear(rec, scope)
+                rec.doomed or self._needs_clear(rec, scope) or _others_past_prefix(rec, scope)
             ):
                 handover.append(bid)
                 self._handover_owner(rec)
@@ -652,10 +654,7 @@ class Custody:
             owner = rec.owner
             if owner is None or rec.status not in _COUNTED:
                 continue
-            allowed = verdicts.get(owner)
-            if allowed is None:
-                allowed = verdicts[owner] = shareable(owner)
-            if allowed:
+            if self._verdict(verdicts, shareable, owner):
                 continue
             if rec.status is BlockStatus.CACHED:
                 self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
@@ -678,6 +677,7 @@ class Custody:
     def _verdict(
         verdicts: dict[Scope, bool], shareable: Callable[[Scope], bool], scope: Scope
     ) -> bool:
+        """`shareable(scope)`, asked once per scope (`verdicts` remembers)."""
         allowed = verdicts.get(scope)
         if allowed is None:
             allowed = verdicts[scope] = shareable(scope)
@@ -783,9 +783,11 @@ class Custody:
                 raise CustodyError(f"block {rec.block_id}: {rec.status.value} without an owner")
             if rec.status is not BlockStatus.FREE and rec.owner is not None:
                 tenants[rec.owner.tenant_id] += 1
-        if any(self.tenant_blocks(t) != n for t, n in tenants.items()) or sum(
-            n for (t, s), n in self._tally.items() if t is not None and s in _HELD
-        ) != sum(tenants.values()):
+        tallied: Counter[str] = Counter()
+        for (tenant, status), n in self._tally.items():
+            if tenant is not None and status in _HELD:
+                tallied[tenant] += n
+        if +tallied != +tenants:
             raise CustodyError("per-tenant block counts do not add up")
         self._check_indexes()
         if sum(self.counts().values()) != len(self._blocks):

@@ -300,9 +300,7 @@ class SchedulerGuard:
             envelope = self._group_prefix(request, envelope)
         if not envelope.use_cache:
             make_private(request, skip_reading=request.request_id not in self._quota_wait)
-        waiting = self._quota_wait.get(request.request_id)
-        if waiting is not None and waiting[0] is not envelope.scope:  # deferrals name the scope run
-            self._quota_wait[request.request_id] = (envelope.scope, *waiting[1:])
+        self._rescope_quota_wait(request.request_id, envelope.scope)
         self._envelopes[request.request_id] = envelope
         self._live[request.request_id] = request
         self.reporter.prompt(envelope.scope.tenant_id, int(request.num_prompt_tokens))
@@ -342,11 +340,21 @@ class SchedulerGuard:
         if cap is None:
             return admit(self.policies, scope, NO_USAGE)
         needed = self._blocks_needed(request)
-        self._quota_wait[request.request_id] = (scope, needed, cap)
-        self._quota_tenant[request.request_id] = tenant
+        self._wait_for_quota(request.request_id, scope, needed, cap)
         cached = self._c.tenant_cached(tenant)
         # Running work is held by `may_schedule`; here only the cache decides (no growth past it).
         return admit(self.policies, scope, Usage(blocks_cached=cached, blocks_requested=needed))
+
+    def _wait_for_quota(self, rid: str, scope: Scope, needed: int, cap: int) -> None:
+        """`may_schedule` holds the request to its tenant's quota (`cap` blocks) until granted."""
+        self._quota_wait[rid] = (scope, needed, cap)
+        self._quota_tenant[rid] = scope.tenant_id
+
+    def _rescope_quota_wait(self, rid: str, scope: Scope) -> None:
+        """A waiting request runs under `scope` now: its deferral names that scope (G5)."""
+        waiting = self._quota_wait.get(rid)
+        if waiting is not None and waiting[0] is not scope:
+            self._quota_wait[rid] = (scope, *waiting[1:])
 
     def _blocks_needed(self, request: Any) -> int:
         """The blocks a request needs at most: its prompt plus `max_tokens`."""
@@ -365,8 +373,7 @@ class SchedulerGuard:
         cap = self.policies.policy_for(tenant).quota.max_blocks
         if cap is None:
             return
-        self._quota_wait[rid] = (env.scope, self._blocks_needed(request), cap)
-        self._quota_tenant[rid] = tenant
+        self._wait_for_quota(rid, env.scope, self._blocks_needed(request), cap)
         # vLLM schedules a request that skips reading the prefix cache whatever the connector
         # answers, so the gate needs reading on; a request without the cache has a one-off salt
         # (`make_private`) and hits nothing either way (found by a review).
@@ -805,9 +812,7 @@ class SchedulerGuard:
         if request is not None:
             make_private(request, skip_reading=rid not in self._quota_wait)
         private = self._envelopes[rid] = Envelope(scope=private_scope(scope), use_cache=False)
-        waiting = self._quota_wait.get(rid)
-        if waiting is not None:  # a deferral names the scope the request runs under (G5)
-            self._quota_wait[rid] = (private.scope, *waiting[1:])
+        self._rescope_quota_wait(rid, private.scope)
 
     def _tier_purge(self, selector: PurgeSelector, command_id: int | None) -> dict[str, int]:
         """Crypto-shred the offload tier's domains the purge selects (the purge entry's figures)."""
