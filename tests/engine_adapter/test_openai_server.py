@@ -427,6 +427,47 @@ def test_share_group_members_share_the_listed_prefix_through_the_served_path(ser
     )  # the group's blocks are not shr-a's own
 
 
+def test_a_member_reuses_only_the_listed_prefix_of_another_members_running_request(server) -> None:
+    """vLLM registers a prompt's full blocks as it schedules them, so while shr-a's group request
+    still streamed, shr-b sending the same prompt hit shr-a's blocks past the listed prefix (found
+    by a review; `cached_tokens` told shr-b its guess of shr-a's continuation was right). Past the
+    prefix the hashes are keyed with the tenant's own secret: shr-b reuses the prefix only, while
+    a second request of shr-a's own reuses its blocks past it too."""
+    tk = server.keys()
+
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=server.base_url + "/v1",
+            api_key=tk.issue(tenant).api_key,
+            max_retries=0,
+            timeout=120,
+            default_headers={"X-KVGuard-Share": "group:docs"},
+        )
+
+    prefix_tokens = len(served_mod.group_prefix_ids())
+    a, b = client("shr-a"), client("shr-b")
+    for n, word in enumerate(("pa pe pi po pu", "sa se si so su")):
+        prompt = f"{served_mod.GROUP_PREFIX} {' '.join([word] * 60)}"
+        stream = a.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)  # shr-a's prompt is computed and its blocks registered; it still runs
+        other = b if n == 0 else a
+        usage = other.completions.create(model=server.model, prompt=prompt, max_tokens=1).usage
+        hit = _cached(usage)
+        for _ in chunks:
+            pass
+        if other is b:
+            assert 0 < hit <= prefix_tokens, hit  # the listed prefix's whole blocks at most
+        else:
+            assert hit > prefix_tokens, hit  # shr-a's own: past the prefix too
+
+
 def test_streams_run_to_their_end_while_their_tenants_policy_changes_under_them(server) -> None:
     """Policy versions stored (as the admin API stores them: version, engine command and events in
     one transaction) while six of a tenant's responses stream, each version changing that tenant's
