@@ -8,6 +8,7 @@ count it until its heartbeat ages out) and entries still queued for the ledger w
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ def test_sigterm_records_the_engines_stop_and_answers_the_request_in_flight(tmp_
                 "prompt": PROMPT,
                 "max_tokens": 100,
                 "stream": True,
+                "stream_options": {"include_usage": True},
                 "ignore_eos": True,
             }
             headers = {"Authorization": f"Bearer {key}"}
@@ -64,6 +66,9 @@ def test_sigterm_records_the_engines_stop_and_answers_the_request_in_flight(tmp_
                         if line.startswith("data: {"):
                             chunks += 1
                             started.set()
+                            usage = json.loads(line[len("data: ") :]).get("usage")
+                            if usage:
+                                answer["tokens"] = usage["completion_tokens"]
                         if line == "data: [DONE]":
                             answer["done"] = True
             except httpx.HTTPError as exc:
@@ -82,7 +87,10 @@ def test_sigterm_records_the_engines_stop_and_answers_the_request_in_flight(tmp_
             server.proc.wait()
     assert server.proc.returncode == 0, server.log_tail()
     assert answer.get("done") is True, (answer, server.log_tail())
-    assert answer["chunks"] == 100
+    # Every token reached the client (vLLM may put two tokens in one chunk when the client lags:
+    # a fresh-clone run saw 99 chunks for 100 tokens, so the usage chunk counts them).
+    assert answer.get("tokens") == 100, answer
+    assert answer["chunks"] >= 2, answer
     registry = EngineRegistry.open(server.db_url)
     try:
         (engine,) = registry.engines()
