@@ -1,9 +1,12 @@
 """kvguard's scheduler-side cost per step as a fraction of vLLM's own scheduler step time (issue 14
 item 7), at batch 64 and 256 on the CPU engine.
 
-vLLM's scheduler step is `Scheduler.schedule` plus `Scheduler.update_from_output`; kvguard's
-scheduler half runs inside them (`build_step` in `schedule`, `request_finished` and the worker
-results in `update_from_output`, `on_new_request` when a request arrives). Each batch size runs a
+vLLM's scheduler time is `Scheduler.schedule` plus `Scheduler.update_from_output` plus
+`Scheduler.add_request`; kvguard's scheduler half runs inside them (`build_step` and the quota /
+ledger gate `admission_gate` in `schedule`, `request_finished` and the worker results in
+`update_from_output`, `on_new_request` in `add_request`). (Before 2026-11-29 `add_request` was left
+out of the total while `on_new_request` was taken out of it, and the gate was counted as vLLM's:
+the share read a few tenths of a point too high.) Each batch size runs a
 plain engine and a governed one, each in its own child process, on the same workload: `batch`
 requests of 16 tenants (84-token prompts sharing a per-tenant 64-token prefix, 32 tokens out), all
 admitted at once (`max_num_seqs` = batch), the pool large enough for all of them. Reported per step:
@@ -33,7 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
 TENANTS = 16
 MAX_TOKENS = 32
-SCHEDULER_PHASES = ("build_step", "on_new_request", "request_finished", "worker_output")
+SCHEDULER_PHASES = (
+    "admission_gate",
+    "build_step",
+    "on_new_request",
+    "request_finished",
+    "worker_output",
+)
 
 
 def workload(batch: int) -> list[tuple[str, list[int]]]:
@@ -61,7 +70,7 @@ def engine_kwargs(batch: int) -> dict[str, object]:
 
 
 class _Clock:
-    """Wall and thread CPU time inside vLLM's two scheduler methods, per engine step."""
+    """Wall and thread CPU time inside vLLM's scheduler methods; steps counted by `schedule`."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -94,6 +103,7 @@ def child(mode: str, batch: int, out: Path, repeats: int) -> None:
     clock = _Clock()
     clock.wrap(Scheduler, "schedule", step=True)
     clock.wrap(Scheduler, "update_from_output")
+    clock.wrap(Scheduler, "add_request")  # vLLM's per-request intake; kvguard's on_new_request
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     run, g = open_engine(mode, workload(batch), params, engine_kwargs(batch))
     guard = g.connector.scheduler_guard if g is not None else None

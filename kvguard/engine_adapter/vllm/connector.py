@@ -104,7 +104,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # None: "not yet" - vLLM leaves the request waiting this step (a tenant over its quota).
-        if not self._sched.may_schedule(request):
+        with self._sched.timer.phase("admission_gate"):
+            admitted = self._sched.may_schedule(request)
+        if not admitted:
             return None, False
         # Tokens the offload tier restores (loaded synchronously in start_load_kv), 0 without one.
         return self._sched.tier_match(request, num_computed_tokens), False
