@@ -237,11 +237,17 @@ class Custody:
                 if not self._stale_release[bid]:
                     del self._stale_release[bid]
                 continue
-            if self._release_inflight[bid] > 0:
-                self._release_inflight[bid] -= 1
-                if not self._release_inflight[bid]:
-                    del self._release_inflight[bid]
-            current.append(bid)
+            inflight = self._release_inflight.get(bid, 0)
+            if not inflight:
+                # No release clear of it is on its way: a verdict custody never asked for (one
+                # delivered twice) frees nothing, whatever the block holds now.
+                continue
+            if inflight == 1:
+                del self._release_inflight[bid]
+            else:
+                self._release_inflight[bid] = inflight - 1
+            if self._blocks[bid].status is _QUARANTINED:  # else custody lost track: free nothing
+                current.append(bid)
         return current
 
     def take_events(self) -> list[CustodyEvent]:
@@ -316,14 +322,13 @@ class Custody:
         rid = RequestId(request_id)
         blocks, scope = self._blocks, req.scope
         fresh = self._ids(block_ids)
+        self._check_allocatable(fresh)
         handover: list[BlockId] = []
         first = len(dict.fromkeys(req.blocks)) if start is None else start
         for offset, bid in enumerate(fresh):
             rec = blocks[bid]
             status = rec.status
             if status is not _FREE:
-                if status is _ACTIVE:
-                    raise CustodyError(f"block {bid} allocated while active")
                 if status is _QUARANTINED:
                     self._engine_took_quarantined(rec)
                 else:
@@ -352,6 +357,22 @@ class Custody:
                 )
             )
         return tuple(handover)
+
+    def _check_allocatable(self, fresh: list[BlockId]) -> None:
+        """Refuse an allocation custody cannot account for before changing anything: a repair
+        (`seize`) then starts from the state the engine's schedule found, so every block still
+        holding another owner's bytes is cleared (found by a review: an allocation refused at
+        its second block had already given the first to the request, with its handover clear
+        never planned, and the repair took the first block as the request's own)."""
+        blocks, pending = self._blocks, self._pending_release
+        for bid in fresh:
+            status = blocks[bid].status
+            if status is _ACTIVE:
+                raise CustodyError(f"block {bid} allocated while active")
+            if status is _QUARANTINED and bid not in pending:
+                raise CustodyError(f"block {bid} allocated while quarantined for zeroization")
+        if len(set(fresh)) != len(fresh):
+            raise CustodyError("a block allocated twice to one request in one step")
 
     def backdate(self, block_id: int, created_at: float) -> None:
         """An active block holds bytes first computed at `created_at` (restored from the offload
@@ -412,7 +433,11 @@ class Custody:
             rec = self._blocks[bid]
             # A block doomed by a purge holds the purged context: cleared like another domain's.
             foreign = _foreign(rec, req.scope) or rec.doomed
-            if foreign:
+            # A block already in this step's handover list holds the bytes of the owner that
+            # allocation recorded; the owner it got since has not run a forward pass on it, so it
+            # is not queued as a second owner (found by a review: that owner was named by the
+            # block's next clear, another tenant's).
+            if foreign and bid not in self._pending_handover:
                 self._handover_owner(rec)
             if rec.status is BlockStatus.QUARANTINED:
                 self._pending_release.discard(bid)

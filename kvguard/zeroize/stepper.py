@@ -50,6 +50,7 @@ class ClearResult:
     blocks: tuple[int, ...]
     handover: bool
     evidence: ZeroizeEvidence | None
+    tag: int = 0  # the caller's name for the submission (vLLM's worker: the scheduler's step)
 
     @property
     def ok(self) -> bool:
@@ -61,6 +62,7 @@ class _InFlight:
     blocks: tuple[int, ...]
     handover: bool
     pending: PendingZeroize
+    tag: int
 
 
 class StepZeroizer:
@@ -86,8 +88,10 @@ class StepZeroizer:
         handover: Sequence[int] = (),
         release: Sequence[int] = (),
         verify: VerifyMode | str = VerifyMode.SAMPLE,
+        tag: int = 0,
     ) -> None:
-        """Enqueue this step's clears (handover blocks always verified in full) before its forward.
+        """Enqueue this step's clears (handover blocks always verified in full) before its forward;
+        their verdicts carry `tag`, so the caller can tell which submission each one answers.
 
         Raises ZeroizeVerificationError if an earlier handover clear failed: first for those that touch
         this step's blocks (waiting for them if needed), then for any other already complete.
@@ -95,9 +99,9 @@ class StepZeroizer:
         if self._inflight:
             self._read(must_finish={*handover, *release})
         if handover:
-            self._enqueue(tuple(handover), True, VerifyMode.FULL)
+            self._enqueue(tuple(handover), True, VerifyMode.FULL, tag)
         if release:
-            self._enqueue(tuple(release), False, verify)
+            self._enqueue(tuple(release), False, verify, tag)
 
     def collect(self) -> list[ClearResult]:
         """Verdicts that have arrived since the last call; never blocks. Raises on a failed handover."""
@@ -112,10 +116,12 @@ class StepZeroizer:
             item.pending.wait()
         return self.collect()
 
-    def _enqueue(self, blocks: tuple[int, ...], handover: bool, verify: VerifyMode | str) -> None:
+    def _enqueue(
+        self, blocks: tuple[int, ...], handover: bool, verify: VerifyMode | str, tag: int
+    ) -> None:
         plan = plan_zeroize(blocks, self._spec.num_blocks)
         pending = self._zeroizer(self._spec, plan, verify=verify, **self._options)
-        self._inflight.append(_InFlight(blocks, handover, pending))
+        self._inflight.append(_InFlight(blocks, handover, pending, tag))
 
     def _read(self, must_finish: set[int] | None) -> None:
         still: list[_InFlight] = []
@@ -131,7 +137,9 @@ class StepZeroizer:
     def _finish(self, item: _InFlight) -> None:
         pending = item.pending
         if pending.ok:
-            self._finished.append(ClearResult(item.blocks, item.handover, pending.evidence()))
+            self._finished.append(
+                ClearResult(item.blocks, item.handover, pending.evidence(), item.tag)
+            )
             return
         if item.handover:
             # The new owner got a block holding another scope's bytes: stop the engine (G3, G7).
@@ -140,4 +148,4 @@ class StepZeroizer:
                 list(pending.dirty_ids), len(pending.plan.block_ids), VerifyMode.FULL
             )
         _log.event(logging.ERROR, "zeroize.release_failed", block_count=len(item.blocks))
-        self._finished.append(ClearResult(item.blocks, False, None))
+        self._finished.append(ClearResult(item.blocks, False, None, item.tag))

@@ -158,10 +158,11 @@ def test_released_blocks_never_return_to_the_pool_without_their_zeroize_evidence
     guard.build_step(schedule(new=[(a, [3, 4], 0)]))
     ledger.flush()
     guard.request_finished(a)  # no retention: quarantined
-    assert sorted(guard.build_step(schedule()).release) == [3, 4]
+    plan = guard.build_step(schedule())
+    assert plan.release == (3, 4)
     lock = outage()
     details = {"bytes_cleared": 2048, "block_count": 2, "method": "torch", "verify": "full"}
-    result = ZeroizeResult((3, 4), True, False, details)
+    result = ZeroizeResult((3, 4), True, False, details, step=plan.step)
     with contextlib.suppress(LedgerUnavailableError):  # refusing is fine, losing evidence is not
         guard.on_worker_output(GuardWorkerMeta(results=[result], pending=0))
     lock.rollback()
@@ -193,7 +194,8 @@ def test_a_ledger_refusal_during_a_step_does_not_strand_quarantined_blocks(tmp_p
     ledger.flush()
     guard.request_finished(a)  # quarantined; its release entry goes out with the next step
     lock = outage()
-    planned = list(guard.build_step(schedule()).release)  # no exception: the plan is not lost
+    plan = guard.build_step(schedule())  # no exception: the plan is not lost
+    planned = list(plan.release)
     assert guard.ledger_refusing
     b = request("b", 32)
     guard.on_new_request(b)
@@ -203,7 +205,9 @@ def test_a_ledger_refusal_during_a_step_does_not_strand_quarantined_blocks(tmp_p
     ledger.flush()
     details = {"bytes_cleared": 2048, "block_count": 2, "method": "torch", "verify": "full"}
     guard.on_worker_output(
-        GuardWorkerMeta(results=[ZeroizeResult((3, 4), True, False, details)], pending=0)
+        GuardWorkerMeta(
+            results=[ZeroizeResult((3, 4), True, False, details, step=plan.step)], pending=0
+        )
     )
     for _ in range(3):
         planned += guard.build_step(schedule()).release

@@ -37,6 +37,9 @@ class ZeroizeResult:
     handover: bool = False
     details: dict[str, Any] = field(default_factory=dict)
     rank: int = 0  # the tensor-parallel rank whose shard this verdict is about
+    # The scheduler step whose plan ordered the clear: with (handover, blocks) it names the clear,
+    # so a verdict delivered twice, or one no plan asked for, is recognised and frees nothing.
+    step: int = 0
 
 
 @dataclass

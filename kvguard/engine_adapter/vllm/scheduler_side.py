@@ -509,6 +509,8 @@ class SchedulerGuard:
         self._housekeeping(now)
         self._wake_requested = False
         plan = c.take_plan()
+        if plan:  # the clears the worker's verdicts will answer (any other verdict is ignored)
+            self.ranks.expect(self._step, handover=plan.handover, release=plan.release)
         self._forward(c.take_events())
         if self.options.canary:
             c.check_invariants()  # test-only: G4 after every step (walks the whole pool)
@@ -918,7 +920,12 @@ class SchedulerGuard:
         if not isinstance(worker_meta, GuardWorkerMeta):
             return
         c, now = self._c, self._clock()
-        for result in self.ranks.add(worker_meta.results):
+        ignored = self.ranks.ignored
+        merged = self.ranks.add(worker_meta.results)
+        # A verdict delivered twice, or naming a clear no step planned, frees nothing (found by a
+        # review: one delivered twice freed its block's next owner's bytes uncleared).
+        self.stats["custody_repairs"] += self.ranks.ignored - ignored
+        for result in merged:
             if not result.ok:
                 # Only release clears report failures (a failed handover clear raises in the worker).
                 self.stats["zeroize_failures"] += 1

@@ -98,7 +98,9 @@ class WorkerGuard:
             self.tier.drop(meta.drop)
             self.tier.shred(meta.shred)
         # Raises if an earlier handover clear failed (before anything of this step is enqueued).
-        self._clears.submit(handover=meta.handover, release=meta.release, verify=meta.verify)
+        self._clears.submit(
+            handover=meta.handover, release=meta.release, verify=meta.verify, tag=meta.step
+        )
         if meta.canary:
             self._check_canary(self._spec, meta.canary)
 
@@ -145,6 +147,6 @@ class WorkerGuard:
 
 def _result(clear: ClearResult, rank: int) -> ZeroizeResult:
     if clear.evidence is None:
-        return ZeroizeResult(clear.blocks, False, clear.handover, rank=rank)
+        return ZeroizeResult(clear.blocks, False, clear.handover, rank=rank, step=clear.tag)
     details = dict(clear.evidence.as_audit_details())
-    return ZeroizeResult(clear.blocks, True, clear.handover, details, rank=rank)
+    return ZeroizeResult(clear.blocks, True, clear.handover, details, rank=rank, step=clear.tag)
