@@ -156,16 +156,29 @@ def _evidence(report: JobReport, services: Services) -> dict[str, Any]:
     return {"checkpoint": proven.checkpoint, "tree_size": proven.tree_size, "entries": entries}
 
 
-def _engines_expected(report: JobReport) -> int:
+def _requested(report: JobReport) -> dict[str, Any]:
+    """The request entry's details (the verifier checks the certificate against them), or none."""
+    ev = report.evidence
+    if ev.request is None:
+        return {}
+    return dict(erasure.parse_leaf(ev.leaves[ev.request])["details"])
+
+
+def _engines_expected(report: JobReport, requested: dict[str, Any]) -> int:
     """What the request entry recorded (the verifier compares the two), else the live count:
     the registry's count now can differ from the one taken when the job was created."""
-    ev = report.evidence
-    if ev.request is not None:
-        recorded = erasure.parse_leaf(ev.leaves[ev.request]).get("details", {})
-        count = recorded.get("engines_expected") if isinstance(recorded, dict) else None
-        if isinstance(count, int) and not isinstance(count, bool):
-            return count
+    count = requested.get("engines_expected")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count
     return report.engines_expected
+
+
+def _principal(job: PurgeJob, requested: dict[str, Any]) -> str:
+    """Who asked, as the request entry names them (the verifier compares the two): the job row
+    may spell it otherwise (a job queued before `kvguard purge` stored `cli:<by>` holds `<by>`;
+    the ledger keeps 200 characters of a longer name)."""
+    principal = requested.get("principal")
+    return principal if isinstance(principal, str) else job.requested_by
 
 
 def issue(services: Services, report: JobReport) -> dict[str, Any]:
@@ -178,6 +191,7 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
     evidence = _evidence(report, services)
     origin = services.ledger.origin
     acks = [e.acknowledged_at for e in report.engines if e.acknowledged_at is not None]
+    requested = _requested(report)
     document: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -185,11 +199,11 @@ def issue(services: Services, report: JobReport) -> dict[str, Any]:
         "issued_at": _iso(services.clock()),
         "standards": list(STANDARDS),
         "issuer": {"ledger_origin": origin, "software": f"kvguard {__version__}"},
-        "requested_by": {"principal": job.requested_by},
+        "requested_by": {"principal": _principal(job, requested)},
         "job": {
             "job_id": job.job_id,
             "status": report.status.value,
-            "engines_expected": _engines_expected(report),
+            "engines_expected": _engines_expected(report, requested),
             "no_live_engines": report.no_live_engines,
         },
         "selector": selector(services, job),

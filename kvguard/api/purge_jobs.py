@@ -40,7 +40,7 @@ import sqlalchemy as sa
 
 from kvguard.api.deps import Access
 from kvguard.api.services import Services
-from kvguard.audit.erasure import PurgeEntry
+from kvguard.audit.erasure import PurgeEntry, engines_in
 from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, Window, find_evidence
 from kvguard.control.commands import PurgeKind
 from kvguard.control.db import read_connection, reading
@@ -269,6 +269,7 @@ def _report(
     expected = expected_engines(registry.engines, job.created_at, registry.max_age_s)
     recorded = {p.engine_id for p in evidence.purges if p.engine_id is not None}
     complete = evidenced(list(acks), evidence)
+    unnamed = {e for e in acks if e not in recorded}  # what anonymous entries must stand for
     engines = []
     for engine_id in sorted(expected | set(acks) | recorded):
         ack = acks.get(engine_id)
@@ -292,7 +293,9 @@ def _report(
                 offload_keys_destroyed=offload[1] if offload else None,
                 missing=()
                 if state is PurgeEngineState.DONE
-                else missing_evidence(engine_id, ack is not None, evidence),
+                else missing_evidence(
+                    engine_id, ack is not None, evidence, len(unnamed | {engine_id})
+                ),
             )
         )
     status = job_status([e.state for e in engines])
@@ -328,11 +331,13 @@ def _complete(evidence: JobEvidence, entries: Sequence[PurgeEntry]) -> bool:
 def evidenced(acked: Sequence[str], evidence: JobEvidence) -> set[str]:
     """Acknowledging engines whose purge entries are in the ledger with every block cleared and
     every offload key shredded. Entries without an engine id (older engines) stand for the
-    acknowledging engines that no entry names."""
+    acknowledging engines that no entry names, one engine per purge they record
+    (`erasure.engines_in`: a split entry's parts are one engine's, and counted one per entry,
+    one engine's two parts stood for another engine whose purge entry was missing)."""
     named, anonymous = _purges_by_engine(evidence)
     done = {e for e in acked if e in named and _complete(evidence, named[e])}
     rest = [e for e in acked if e not in named]
-    if rest and len(anonymous) >= len(rest) and _complete(evidence, anonymous):
+    if rest and engines_in(anonymous) >= len(rest) and _complete(evidence, anonymous):
         done.update(rest)
     return done
 
@@ -349,12 +354,17 @@ def _offload_keys(engine_id: str, evidence: JobEvidence) -> tuple[int, int] | No
     return needed, len(found)
 
 
-def missing_evidence(engine_id: str, acknowledged: bool, evidence: JobEvidence) -> tuple[str, ...]:
-    """What is still missing before the engine's part of the job is done, in words."""
+def missing_evidence(
+    engine_id: str, acknowledged: bool, evidence: JobEvidence, unnamed: int = 1
+) -> tuple[str, ...]:
+    """What is still missing before the engine's part of the job is done, in words. `unnamed`:
+    how many engines (this one among them, when no entry names it) the entries without an engine
+    id must stand for; fewer purges among them (`erasure.engines_in`) leave one without its
+    purge entry."""
     named, anonymous = _purges_by_engine(evidence)
     entries = named.get(engine_id) or anonymous
     out = [] if acknowledged else ["acknowledgement"]
-    if not entries:
+    if not entries or (engine_id not in named and engines_in(anonymous) < unnamed):
         return (*out, "purge entry in the ledger")
     blocks = sum(len(evidence.coverage.missing.get(p.index, ())) for p in entries)
     keys = max((evidence.offload.missing.get(p.index, 0) for p in entries), default=0)

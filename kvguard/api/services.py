@@ -36,7 +36,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.control.commands import CommandQueue
 from kvguard.control.db import open_engine, write_transaction
-from kvguard.control.engines import EngineRegistry
+from kvguard.control.engines import LIVE_MAX_AGE_S, EngineRegistry
 from kvguard.control.key_cache import KeyCache
 from kvguard.control.keys import TenantKeys
 from kvguard.control.outbox import Deliverer, Outbox
@@ -76,7 +76,7 @@ class ApiConfig:
     salt_keyring_file: Path
     origin: str = DEFAULT_ORIGIN
     # An engine whose last heartbeat is older than this is not waited for by purge jobs.
-    engine_max_age_s: float = 10.0
+    engine_max_age_s: float = LIVE_MAX_AGE_S
     auth_max_failures: int = 10
     auth_window_s: float = 60.0
     # Request bodies over this are refused (413) before they are read; policy PUTs, the largest

@@ -17,11 +17,13 @@ Verification (`verify_certificate`), failing closed at the first problem with `V
 3. every evidence entry's inclusion proof leads from its leaf to the checkpoint's root;
 4. every leaf decodes (canonically) to an event of its stated role: the purge entries name this job
    and kind; exactly one request entry (every job has one: `purge.create` from the API and the
-   command line, `tenant.disable`) names this job, requester and tenant tag; the `job` claims
-   (status `done`, `engines_expected` as the request recorded it and no more than the listed
-   engines, `no_live_engines` exactly when none is listed) and the `selector` (the request's kind;
-   a tenant tag and no value for tenant and session purges, a value and no tag for model and
-   adapter purges) agree with the entries;
+   command line, `tenant.disable`) names this job, requester and tenant tag and records
+   `engines_expected`; the `job` claims (status `done`, `engines_expected` as the request
+   recorded it and no more than the listed engines, `no_live_engines` exactly when none is
+   listed) and the `selector` (the request's kind; a tenant tag and no value for tenant and
+   session purges; for model and adapter purges a value whose SHA-256 the request recorded
+   (`VALUE_FIELD`), and no tag) agree with the entries. A request entry written before it
+   recorded these (`engines_expected`, `VALUE_FIELD`) fails: the ledger does not back the claim;
 5. every block a purge entry quarantined is covered by a zeroize entry (`kvguard.audit.erasure`)
    that passed verification, and no zeroize entry is there for nothing;
 6. every offload data key a purge entry says it must destroy (`tier_key_count`) has its `key.shred`
@@ -29,7 +31,8 @@ Verification (`verify_certificate`), failing closed at the first problem with `V
 7. every claim the leaves can back (`CLAIMS`, the engines and their counts, the offload part
    `media.offload` and each engine's `offload`: `OFFLOAD_CLAIMS`, `ENGINE_OFFLOAD_CLAIMS`) equals
    what the leaves show; a certificate whose purges had no offload keys has no offload part. Claims
-   the ledger does not hold (model names, acknowledgement times) are reported values.
+   the ledger does not hold (engine models, acknowledgement times) are reported values. Claims
+   are compared type for type (`_same`): JSON `true` is not the integer 1.
 
 Standard library and `cryptography` only, like the bundle verifier (it reuses the same checkpoint,
 signed-note and Merkle functions).
@@ -37,6 +40,7 @@ signed-note and Merkle functions).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +56,12 @@ VERSION: Final = 1
 ROLES: Final = ("request", "purge", "zeroize", "shred")
 REQUEST_ACTIONS: Final = {"purge.create": "job_id", "tenant.disable": "purge_job_id"}
 MAX_BYTES: Final = 64 << 20
+# The request entry's record of a model or adapter purge's value: the hex SHA-256 of its UTF-8
+# bytes. A digest, not the name, because a purge value may be longer (256 characters) than a
+# ledger detail (200, `kvguard.audit.events.MAX_TEXT`); it binds the certificate's `selector.value`
+# all the same. Tenant and session purges record none: a tenant or session id is G6 material, and
+# a digest of one could be guessed back.
+VALUE_FIELD: Final = "purge_value_sha256"
 
 # Certificate field (dotted path) -> the `erasure.summary` value it must equal.
 CLAIMS: Final = {
@@ -98,6 +108,30 @@ class CertificateReport:
     engines: int
     blocks_cleared: int
     offload_keys_destroyed: int = 0
+
+
+def value_digest(value: str) -> str:
+    """What a request entry records of a model or adapter purge's value (`VALUE_FIELD`)."""
+    return hashlib.sha256(value.encode("utf-8")).hexdigest()
+
+
+def recorded_value(kind: str, value: str) -> dict[str, str]:
+    """What a purge's request entry records of its value (`kind`: `tenant`, `session`, `model`,
+    `adapter`): the digest of a model's or adapter's name (`VALUE_FIELD`), which a certificate's
+    `selector.value` must match; nothing of a tenant or session id (G6)."""
+    return {VALUE_FIELD: value_digest(value)} if kind in ("model", "adapter") else {}
+
+
+def _same(claimed: Any, shown: Any) -> bool:
+    """Equal and of the same JSON type, lists item by item: in Python `True == 1` and `1 == 1.0`,
+    so a plain `==` let `"version": true` or a count of `true` pass for the integer 1."""
+    if isinstance(shown, list):
+        return (
+            isinstance(claimed, list)
+            and len(claimed) == len(shown)
+            and all(_same(c, v) for c, v in zip(claimed, shown, strict=True))
+        )
+    return type(claimed) is type(shown) and claimed == shown
 
 
 def get_path(document: Mapping[str, Any], path: str) -> Any:
@@ -184,10 +218,10 @@ SANITIZATION: Final[Mapping[str, str]] = {
 def _verify(
     document: Mapping[str, Any], verifiers: Sequence[note.Verifier], origin: str | None
 ) -> CertificateReport:
-    if document.get("format") != FORMAT or document.get("version") != VERSION:
+    if document.get("format") != FORMAT or not _same(document.get("version"), VERSION):
         raise VerificationError(f"not a version-{VERSION} {FORMAT} document")
     cp = _checkpoint(document, verifiers, origin)
-    if get_path(document, "evidence.tree_size") != cp.size:
+    if not _same(get_path(document, "evidence.tree_size"), cp.size):
         raise VerificationError("evidence.tree_size: not the size of the evidence's checkpoint")
     for key, statement in SANITIZATION.items():  # the rest of `sanitization` is in CLAIMS
         if get_path(document, f"sanitization.{key}") != statement:
@@ -221,7 +255,7 @@ def _verify(
     coverage, offload = _cover(purges, zeroizes, shreds)
     shown = erasure.summary(purges, zeroizes, coverage)
     for path, key in CLAIMS.items():
-        if get_path(document, path) != shown[key]:
+        if not _same(get_path(document, path), shown[key]):
             raise VerificationError(f"{path}: the certificate's value is not what the entries show")
     shown_offload = erasure.offload_summary(purges, shreds, offload)
     _check_offload(document, shown_offload)
@@ -367,7 +401,8 @@ def _check_parts(purges: Sequence[tuple[int, dict[str, Any]]]) -> None:
 def _check_request(
     document: Mapping[str, Any], index: int, obj: dict[str, Any], job_id: int
 ) -> None:
-    """The `admin.action` entry that created the job: same job, requester and tenant tag."""
+    """The `admin.action` entry that created the job: same job, requester and tenant tag, and
+    the number of engines live at the request."""
     details = obj["details"]
     field = REQUEST_ACTIONS.get(details.get("action", ""))
     if obj.get("kind") != "admin.action" or field is None or details.get("outcome") != "ok":
@@ -381,11 +416,15 @@ def _check_request(
     if tag is not None and obj.get("scope_tag") != tag:
         raise VerificationError(f"entry {index}: about another tenant")
     expected = details.get("engines_expected")
-    if (
-        isinstance(expected, int)
-        and not isinstance(expected, bool)
-        and len(_engine_list(document)) < expected
-    ):
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < 0:
+        # Without the count a certificate that leaves out a whole engine (its entries and its
+        # figures) is self-consistent: fail closed rather than certify what the ledger cannot.
+        raise VerificationError(
+            f"entry {index}: the request entry does not record engines_expected (written before "
+            "kvguard recorded it): the ledger cannot show that every engine live at the request "
+            "is listed"
+        )
+    if len(_engine_list(document)) < expected:
         raise VerificationError(f"entry {index}: fewer engines than were live at the request")
 
 
@@ -393,9 +432,9 @@ def _check_job(
     document: Mapping[str, Any], request: dict[str, Any], purges: Sequence[erasure.PurgeEntry]
 ) -> None:
     """`job.status`, `engines_expected` and `no_live_engines` against the leaves: a certificate is
-    issued only for a `done` job; the request entry (where it records it) says how many engines
-    were expected, and every expected engine of a done job is listed; "no live engines" means no
-    engine is listed and no purge entry exists."""
+    issued only for a `done` job; the request entry (`_check_request` made sure it records it) says
+    how many engines were expected, and every expected engine of a done job is listed; "no live
+    engines" means no engine is listed and no purge entry exists."""
     job = get_path(document, "job")
     if not isinstance(job, Mapping):
         raise VerificationError("job is not an object")
@@ -408,8 +447,7 @@ def _check_job(
             "job.engines_expected: not a count of the listed engines (a done job lists every "
             "engine it expected)"
         )
-    recorded = request["details"].get("engines_expected")
-    if recorded is not None and (isinstance(recorded, bool) or claimed != recorded):
+    if not _same(claimed, request["details"].get("engines_expected")):
         raise VerificationError(
             "job.engines_expected: the certificate's value is not what the request entry shows"
         )
@@ -423,7 +461,8 @@ def _check_job(
 def _check_selector(document: Mapping[str, Any], request: dict[str, Any]) -> None:
     """`selector` against the purge and request entries: the kind (checked against the purge
     entries by `_check_purges`) is the request's; tenant and session purges name the request's
-    tenant tag and disclose no value; model and adapter purges name a value and no tenant."""
+    tenant tag (`_check_request`) and disclose no value; model and adapter purges name the value
+    whose digest the request recorded (`VALUE_FIELD`), and no tenant."""
     sel = get_path(document, "selector")
     if not isinstance(sel, Mapping):
         raise VerificationError("selector is not an object")
@@ -441,11 +480,25 @@ def _check_selector(document: Mapping[str, Any], request: dict[str, Any]) -> Non
     elif kind in ("model", "adapter"):
         if tag is not None or not isinstance(value, str) or not value:
             raise VerificationError(f"selector: a {kind} purge names its value and no tenant tag")
+        _check_value(value, details)
     else:
         raise VerificationError("selector.kind: not a purge kind")
     disclosed = sel.get("value_disclosed")
     if disclosed is not None and disclosed is not (kind in ("model", "adapter")):
         raise VerificationError("selector.value_disclosed: not what the kind allows")
+
+
+def _check_value(value: str, details: Mapping[str, Any]) -> None:
+    """A model or adapter purge's value is the one its request entry recorded (`VALUE_FIELD`):
+    without it, a certificate could be relabelled as another model's or adapter's purge."""
+    recorded = details.get(VALUE_FIELD)
+    if recorded is None:
+        raise VerificationError(
+            "selector.value: not recorded in the ledger for this purge (its request entry was "
+            f"written before kvguard recorded {VALUE_FIELD}), so the ledger cannot back it"
+        )
+    if recorded != value_digest(value):
+        raise VerificationError("selector.value: not the value the request entry records")
 
 
 def _engine_list(document: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -473,7 +526,7 @@ def _check_offload(document: Mapping[str, Any], shown: Mapping[str, Any] | None)
     if not isinstance(claimed, Mapping):
         raise VerificationError(f"{OFFLOAD_PATH} is not an object")
     for name in OFFLOAD_CLAIMS:
-        if claimed.get(name) != shown[name]:
+        if not _same(claimed.get(name), shown[name]):
             raise VerificationError(
                 f"{OFFLOAD_PATH}.{name}: the certificate's value is not what the entries show"
             )
@@ -488,7 +541,7 @@ def _check_engine_offload(
             raise VerificationError(f"engine {engine_id}: offload is not what the entries show")
         return
     if not isinstance(value, Mapping) or any(
-        value.get(name) != shown[name] for name in ENGINE_OFFLOAD_CLAIMS
+        not _same(value.get(name), shown[name]) for name in ENGINE_OFFLOAD_CLAIMS
     ):
         raise VerificationError(f"engine {engine_id}: offload is not what the entries show")
 
@@ -500,7 +553,8 @@ def _check_engines(
 ) -> int:
     """Engines named in purge entries match one certificate engine each, field for field (their
     offload part included); the rest of the certificate's engines (older engines record no id)
-    number the anonymous purge entries."""
+    number the engines the anonymous purge entries stand for (`erasure.engines_in`: the parts of
+    one split entry are one engine)."""
     listed = _engine_list(document)
     ids = [e.get("engine_id") for e in listed]
     if len(set(ids)) != len(ids):
@@ -513,10 +567,10 @@ def _check_engines(
         if claimed is None:
             raise VerificationError(f"engine {engine_id}: has purge entries but is not listed")
         for name in ENGINE_CLAIMS:
-            if claimed.get(name) != shown[name]:
+            if not _same(claimed.get(name), shown[name]):
                 raise VerificationError(f"engine {engine_id}: {name} is not what the entries show")
         _check_engine_offload(engine_id, claimed, offload.get(engine_id))
-    anonymous = facts.get(None, {}).get("purge_entries", 0)
+    anonymous = facts.get(None, {}).get("engines", 0)
     if len(by_id) != anonymous:
         raise VerificationError("media.engines: an engine without a purge entry, or one missing")
     return len(listed)

@@ -16,11 +16,20 @@ purge entry that
 2. comes from the same engine: block ids are per engine, so two engines' entries may name the same
    id. Where either entry has no `engine_id` (engines that predate it), all engines' entries are
    treated as one id space;
-3. lists the block.
+3. lists the block;
+4. passed its verification, or ran without one (`check_clear`): a clear whose read-back failed, or
+   whose result disagrees with its mode, covers nothing, so the block waits for a clear that passed
+   (a failed clear linked first made a job `done` whose certificate could never be issued).
 
 Blocks that were in use when the purge ran (`blocks_active_doomed`) are quarantined when their
 request ends and cleared like any released block; their ids are not in the purge entry, so they are
 counted here, not linked.
+
+How many engines the purge entries stand for (`engines_in`). An engine runs a job once; a purge of
+more block ids than one entry holds is split into parts (`part` k of `parts`) that share the
+engine and the time (`ledger_bridge.to_audit_events`). So entries without an `engine_id` count one
+engine per distinct time, not one per entry: counted per entry, one engine's two parts stood for a
+second engine whose purge entry was missing, and a single engine's split entry looked like two.
 
 Offloaded copies (issue 15, docs/offload.md). An engine with an offload tier keeps evicted blocks
 encrypted under one data key per reuse domain; a purge crypto-shreds the domains it selects. Its
@@ -258,15 +267,26 @@ def shred_entry(index: int, obj: dict[str, Any]) -> ShredEntry:
     )
 
 
+def passed(z: ZeroizeEntry) -> bool:
+    """Whether `z` passed its verification, or ran without one (rule 4 of the module docstring)."""
+    return z.verified is not False and (z.verify_mode == "none") == (z.verified is None)
+
+
 def check_clear(z: ZeroizeEntry) -> None:
     """A covering clear must have passed its verification, or have been run without one."""
-    if z.verified is False or (z.verify_mode == "none") != (z.verified is None):
+    if not passed(z):
         raise VerificationError(
             f"entry {z.index}: verification result {z.verified!r} under mode {z.verify_mode!r}"
         )
 
 
 # --- linking ----------------------------------------------------------------------------------------
+
+
+def engines_in(purges: Iterable[PurgeEntry]) -> int:
+    """How many engines `purges` stand for: one per (engine id, time), so the parts of one split
+    entry count once (module docstring)."""
+    return len({(p.engine_id, p.ts) for p in purges})
 
 
 def same_engine(a: str | None, b: str | None) -> bool:
@@ -276,7 +296,7 @@ def same_engine(a: str | None, b: str | None) -> bool:
 
 def cover(purges: Iterable[PurgeEntry], zeroizes: Iterable[ZeroizeEntry]) -> Coverage:
     """Link every quarantined block of `purges` to its covering zeroize entry (module docstring)."""
-    clears = sorted((z for z in zeroizes if not z.handover), key=lambda z: z.index)
+    clears = sorted((z for z in zeroizes if not z.handover and passed(z)), key=lambda z: z.index)
     links: dict[tuple[int, int], int] = {}
     missing: dict[int, frozenset[int]] = {}
     for p in purges:
@@ -337,7 +357,8 @@ def _bytes_of(coverage: Coverage, zeroizes: dict[int, ZeroizeEntry], purge: Purg
 def engine_facts(
     purges: Sequence[PurgeEntry], zeroizes: Sequence[ZeroizeEntry], coverage: Coverage
 ) -> dict[str | None, dict[str, Any]]:
-    """Per engine id (None: entries without one), what its purge entries and their clears show."""
+    """Per engine id (None: entries without one), what its purge entries and their clears show;
+    `engines` is how many engines they stand for (`engines_in`: for None, one per distinct time)."""
     by_index = {z.index: z for z in zeroizes}
     out: dict[str | None, dict[str, Any]] = {}
     for p in purges:
@@ -355,6 +376,8 @@ def engine_facts(
             if (z := coverage.links.get((p.index, b))) is not None
         }
         facts["devices"] = sorted(set(facts.get("devices", [])) | devices)
+    for engine_id, facts in out.items():
+        facts["engines"] = engines_in(p for p in purges if p.engine_id == engine_id)
     return out
 
 

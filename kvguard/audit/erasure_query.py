@@ -4,7 +4,8 @@ The linking rules are `kvguard.audit.erasure`'s; this module only fetches candid
 
 - purge entries: entries of the four purge kinds from `since` on, whose `command_id` is the job;
 - clears: for each purge entry, `block.zeroize` entries after it that list one of its blocks
-  (through the block-link table), read in index order only until every block is covered;
+  (through the block-link table) and passed their verification (`erasure.passed`), read in index
+  order only until every block is covered;
 - the request: the first `admin.action` entry that created the job (`purge.create`, or
   `tenant.disable` for the purge it queues) between `since` and `until`; `kvguard purge` records
   `purge.create` too (through the outbox), so every job has one, and a certificate without it does
@@ -257,7 +258,13 @@ def _clears_for(
             z = None
         if z is None:
             continue  # not an engine's clear (written outside kvguard): clears nothing
-        if not z.handover and erasure.same_engine(purge.engine_id, z.engine_id):
+        # A clear that failed its read-back covers nothing (`erasure.cover`, rule 4): reading
+        # goes on to the clear that passed, or the job waits for one.
+        if (
+            not z.handover
+            and erasure.passed(z)
+            and erasure.same_engine(purge.engine_id, z.engine_id)
+        ):
             found[index] = z
             leaves[index] = leaf
             uncovered -= z.block_ids

@@ -26,8 +26,15 @@ from kvguard.cli_output import (
 from kvguard.errors import ConfigError
 
 MAX_WAIT_S = 86_400.0  # `purge --wait`: a day; engines acknowledge within seconds
+NO_TENANT_TAG = (
+    "warning: no salt keyring here (KVGUARD_SALT_KEYRING_FILE or KVGUARD_SALT_KEY): the purge is "
+    "queued, but its ledger entry cannot name the tenant's tag, so no erasure certificate of it "
+    "will verify"
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvguard.control.commands import CommandQueue, PurgeSelector
     from kvguard.control.keys import TenantKeys
 
@@ -74,25 +81,66 @@ def _require_existing(url: str) -> None:
         )
 
 
-def _submit_recorded_purge(queue: CommandQueue, selector: PurgeSelector, by: str) -> int:
+def _submit_recorded_purge(
+    queue: CommandQueue,
+    selector: PurgeSelector,
+    by: str,
+    *,
+    tenant_tag: Callable[[str], str] | None = None,
+) -> int:
     """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
-    the admin API, or the next `kvguard` process that opens the ledger, delivers it)."""
-    from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+    the admin API, or the next `kvguard` process that opens the ledger, delivers it).
+
+    The entry records what `POST /v1/purges` records, so the job's erasure certificate verifies
+    (`kvguard.audit.certificate`): the requester as the job names it (`cli:<by>`), the engines
+    live now (`engines_expected`), a model's or adapter's value digest, and the tenant's `tt_`
+    tag (`tenant_tag`: the salt keyring's; without it a tenant or session purge's certificate
+    cannot verify)."""
+    from kvguard.audit.certificate import recorded_value  # noqa: PLC0415
+    from kvguard.control.engines import LIVE_MAX_AGE_S, EngineRegistry  # noqa: PLC0415
+    from kvguard.control.outbox import (  # noqa: PLC0415
+        operator_event,
+        operator_principal,
+        record_operator_change,
+    )
 
     tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
+    # Counted before the write transaction, as the API counts them (`routes.purges._submit`).
+    # (The API's job report uses the same age, `ApiConfig.engine_max_age_s`.)
+    expected = len(EngineRegistry(queue.engine).live_engines(time.time(), LIVE_MAX_AGE_S))
     return int(
         record_operator_change(
             queue.engine,
-            lambda conn: queue.submit_purge(selector, requested_by=by, conn=conn),
+            lambda conn: queue.submit_purge(
+                selector, requested_by=operator_principal(by), conn=conn
+            ),
             lambda job_id: operator_event(
                 "purge.create",
                 by=by,
                 tenant_id=tenant,
+                scope_tag=tenant_tag(tenant) if tenant and tenant_tag else None,
                 job_id=job_id,
                 purge_kind=selector.kind.value,
+                engines_expected=expected,
+                **recorded_value(selector.kind.value, selector.value),
             ),
         )
     )
+
+
+def _tenant_tagger() -> Callable[[str], str] | None:
+    """The tenant-tag function of this process's salt keyring (`KVGUARD_SALT_KEYRING_FILE`,
+    `KVGUARD_SALT_KEY`, or in dev mode the one under `KVGUARD_DATA_DIR`, never generated here),
+    or None when it has none. A keyring that is configured but unreadable is a ConfigError."""
+    from kvguard.isolation.salts import SaltDeriver  # noqa: PLC0415
+    from kvguard.settings import Mode, load_settings  # noqa: PLC0415
+
+    settings = load_settings()
+    configured = settings.salt_keyring_file is not None or settings.salt_key is not None
+    dev = settings.mode is Mode.DEV and (settings.data_dir / "salt.keys").exists()
+    if not (configured or dev):
+        return None
+    return SaltDeriver(settings.load_keyring()).tenant_tag
 
 
 def _selector(
@@ -176,8 +224,12 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     if not 0 <= wait <= MAX_WAIT_S:  # checked before anything is queued (NaN too)
         raise fail(f"--wait must be 0 to {MAX_WAIT_S:g} seconds", EXIT_USAGE, json_output)
     with reporting(json_output, db_url=db):
+        # Only a tenant or session purge's entry names a tenant (by its tag).
+        tagger = _tenant_tagger() if selector.kind.value in ("tenant", "session") else None
         queue = CommandQueue.open(db)
-        command_id = _submit_recorded_purge(queue, selector, by)
+        command_id = _submit_recorded_purge(queue, selector, by, tenant_tag=tagger)
+        if tagger is None and selector.kind.value in ("tenant", "session"):
+            typer.echo(NO_TENANT_TAG, err=True)
         try:
             acks = _wait_for_acks(queue, command_id, wait)
         except KeyboardInterrupt:

@@ -34,6 +34,9 @@ from kvguard.control.db import ensure_schema, open_engine, read_connection, read
 from kvguard.control.schema import EngineRow, EngineTenantStatsRow, ScopeTagRow
 
 Totals = Mapping[str, int | float]
+# An engine whose last heartbeat is older than this is not live: purge jobs do not wait for it
+# (the admin API's `engine_max_age_s` default, and what `kvguard purge` records as expected).
+LIVE_MAX_AGE_S = 10.0
 # A heartbeat that waits longer for SQLite's write lock fails and is retried: the scheduler must not
 # stall behind another writer (`_short_busy_wait`).
 _SQLITE_BUSY_S = 2.0

@@ -68,18 +68,31 @@ def admin_action_event(
     )
 
 
+def operator_principal(by: str) -> str:
+    """How an operator using the `kvguard` CLI as `by` is named: in its entries and on the jobs it
+    queues (a purge's certificate compares the two)."""
+    return f"cli:{by}"
+
+
 def operator_event(
-    action: str, *, by: str = "cli", tenant_id: str | None = None, **details: DetailValue
+    action: str,
+    *,
+    by: str = "cli",
+    tenant_id: str | None = None,
+    scope_tag: str | None = None,
+    **details: DetailValue,
 ) -> AuditEvent:
     """The `admin.action` entry of a change an operator made with the `kvguard` CLI (principal
-    `cli:<by>`, role `operator`). The CLI holds no salt keyring, so the entry carries no `tt_` tag:
-    it is in admins' and auditors' views, not in the tenant's own export."""
+    `cli:<by>`, role `operator`). The tenant's `tt_` tag (`scope_tag`) is there only where the
+    command had the salt keyring to derive it (`kvguard purge` does, for a purge's certificate);
+    an entry without it is in admins' and auditors' views, not in the tenant's own export."""
     return admin_action_event(
-        f"cli:{by}",
+        operator_principal(by),
         "operator",
         action,
         "ok",
         ts=datetime.now(UTC),
+        scope_tag=scope_tag,
         tenant_id=tenant_id,
         details=details,
     )

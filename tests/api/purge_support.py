@@ -6,12 +6,18 @@ later `key.shred` entries, as docs/offload.md describes them)."""
 
 from __future__ import annotations
 
+import base64
+import copy
 import itertools
+import json
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
+from typing import Any
 
 from kvguard.api.services import Services
+from kvguard.audit import erasure
+from kvguard.audit.certificate import CLAIMS, set_path
 from kvguard.control.commands import PurgeCommand
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge
@@ -209,3 +215,24 @@ class SimEngine:
 def zeroize_entries(services: Services) -> int:
     page = services.ledger.query(kinds=[EventKind.ZEROIZE.value], limit=1000)
     return len(page.records)
+
+
+def without_engine(cert: dict[str, Any], engine_id: str) -> dict[str, Any]:
+    """`cert` with one engine left out whole (its entries, its listing), every ledger-backed total
+    recomputed from the entries kept: a forger's best effort, so only the request entry's
+    `engines_expected` can tell."""
+    bad = copy.deepcopy(cert)
+    kept = [
+        e
+        for e in bad["evidence"]["entries"]
+        if json.loads(base64.b64decode(e["leaf"]))["details"].get("engine_id") != engine_id
+    ]
+    bad["evidence"]["entries"] = kept
+    bad["media"]["engines"] = [e for e in bad["media"]["engines"] if e["engine_id"] != engine_id]
+    objs = [(e["role"], e["index"], erasure.parse_leaf(base64.b64decode(e["leaf"]))) for e in kept]
+    purges = [erasure.purge_entry(i, o) for r, i, o in objs if r == "purge"]
+    zeroizes = [erasure.zeroize_entry(i, o) for r, i, o in objs if r == "zeroize"]
+    shown = erasure.summary(purges, zeroizes, erasure.cover(purges, zeroizes))
+    for path, key in CLAIMS.items():
+        set_path(bad, path, shown[key])
+    return bad

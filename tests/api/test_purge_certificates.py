@@ -17,12 +17,12 @@ import typer
 from typer.testing import CliRunner
 
 from kvguard.audit import erasure
-from kvguard.audit.certificate import CLAIMS, set_path, verify_certificate
+from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.cli import verify_command
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
 from tests.api.conftest import ApiEnv
-from tests.api.purge_support import SimEngine, scope
+from tests.api.purge_support import SimEngine, scope, without_engine
 
 Cert = dict[str, Any]
 
@@ -174,30 +174,11 @@ def test_certificate_result_as_json(issued: tuple[ApiEnv, Cert, str], tmp_path: 
     assert "cleared" in failed["error"] and result.stderr.startswith("INVALID:")
 
 
-def _without_engine(cert: Cert, engine_id: str) -> Cert:
-    """`cert` less one engine, every other claim recomputed so that only the request can tell."""
-    bad = copy.deepcopy(cert)
-    kept = []
-    for e in bad["evidence"]["entries"]:
-        details = json.loads(base64.b64decode(e["leaf"]))["details"]
-        if details.get("engine_id") != engine_id:
-            kept.append(e)
-    bad["evidence"]["entries"] = kept
-    bad["media"]["engines"] = [e for e in bad["media"]["engines"] if e["engine_id"] != engine_id]
-    objs = [(e["role"], e["index"], erasure.parse_leaf(base64.b64decode(e["leaf"]))) for e in kept]
-    purges = [erasure.purge_entry(i, o) for r, i, o in objs if r == "purge"]
-    zeroizes = [erasure.zeroize_entry(i, o) for r, i, o in objs if r == "zeroize"]
-    shown = erasure.summary(purges, zeroizes, erasure.cover(purges, zeroizes))
-    for path, key in CLAIMS.items():
-        set_path(bad, path, shown[key])
-    return bad
-
-
 def test_a_whole_engine_left_out_is_caught_by_the_request_entry(
     issued: tuple[ApiEnv, Cert, str],
 ) -> None:
     _env, cert, vkey = issued
-    bad = _without_engine(cert, "engine-b")
+    bad = without_engine(cert, "engine-b")
     with pytest.raises(VerificationError, match="fewer engines than were live"):
         verify_certificate(bad, [vkey])
     # Every job has its request entry (`purge.create`): a certificate without it is refused too,

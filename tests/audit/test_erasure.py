@@ -94,8 +94,30 @@ def test_summary_refuses_incomplete_coverage_and_failed_or_inconsistent_clears()
     for verified, mode in ((False, "full"), (None, "sample"), (True, "none")):
         bad = _clear(2, {1})
         bad = erasure.ZeroizeEntry(**{**_fields(bad), "verified": verified, "verify_mode": mode})
+        assert not erasure.passed(bad)
         with pytest.raises(VerificationError, match="verification result"):
+            erasure.check_clear(bad)
+        # It covers nothing (rule 4): the block waits for a clear that passed, after it or not.
+        good = _clear(3, {1})
+        assert erasure.cover([purge], [bad]).missing == {1: frozenset({1})}
+        assert erasure.cover([purge], [bad, good]).links == {(1, 1): 3}
+        with pytest.raises(VerificationError, match="not every quarantined block"):
             erasure.summary([purge], [bad], erasure.cover([purge], [bad]))
+
+
+def test_engines_without_an_id_count_once_per_purge_not_per_part() -> None:
+    """The parts of a split purge entry share the engine and the time: one engine, whether or not
+    the entries name it; two anonymous purges at different times are two engines."""
+    parts = [
+        erasure.PurgeEntry(1, "tenant.purge", "t1", 7, None, (1,), 0),
+        erasure.PurgeEntry(2, "tenant.purge", "t1", 7, None, (2,), 0),
+    ]
+    other = erasure.PurgeEntry(3, "tenant.purge", "t2", 7, None, (1,), 0)
+    assert erasure.engines_in(parts) == 1
+    assert erasure.engines_in([*parts, other]) == 2
+    assert erasure.engines_in([*parts, _purge(4, (5,))]) == 2
+    facts = erasure.engine_facts(parts, [], erasure.cover(parts, []))
+    assert facts[None]["engines"] == 1 and facts[None]["purge_entries"] == 2
 
 
 def _fields(z: erasure.ZeroizeEntry) -> dict[str, object]:

@@ -27,6 +27,7 @@ from kvguard.api.purge_schemas import (
     PurgeJobPage,
     PurgeJobPublic,
 )
+from kvguard.audit.certificate import recorded_value
 from kvguard.control.commands import PurgeSelector
 from kvguard.control.db import read_connection
 from kvguard.control.publish import submit_purge
@@ -86,7 +87,12 @@ def _submit(body: PurgeCreate, action: Action) -> int:
         PurgeSelector(body.kind, body.value, tenant),
         requested_by=access.principal.name,
         events=lambda job_id: [
-            action.ok_event(job_id=job_id, purge_kind=body.kind.value, engines_expected=expected)
+            action.ok_event(
+                job_id=job_id,
+                purge_kind=body.kind.value,
+                engines_expected=expected,
+                **recorded_value(body.kind.value, body.value),
+            )
         ],
     )
     action.committed()

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.offload import OneHopRoute
+from kvguard.api.purge_jobs import expected_engines
 from kvguard.api.routes.policies import edit_tenant, store_policy
 from kvguard.control.commands import PurgeKind, PurgeSelector
 from kvguard.control.tenants import TENANT_ID_PATTERN
@@ -105,6 +106,15 @@ def disable_tenant(
     """Disable a tenant (admin): new requests are refused (a policy version with `enabled: false`
     that engines and front ends load) and a tenant purge is queued for every engine."""
     services, who = action.access.services, action.access.principal.name
+    # The engines the purge waits for, recorded with its request as `POST /v1/purges` records
+    # them: without the count, its certificate could leave out a whole engine and still verify.
+    # Read before the write transaction (a second pooled connection inside it can deadlock,
+    # `routes.purges._submit`).
+    expected = len(
+        expected_engines(
+            services.engines.engines(), services.clock(), services.config.engine_max_age_s
+        )
+    )
     with services.write() as conn:
         # The policy head first: every policy write takes it before `command_head` (and a
         # re-enabling one before the tenant's row), so a disable that took the tenant's row and
@@ -131,7 +141,7 @@ def disable_tenant(
             reason=f"tenant disabled: {body.reason}",
             limits_of=tenant_id,
         ).version
-        action.done(conn, policy_version=version, purge_job_id=job)
+        action.done(conn, policy_version=version, purge_job_id=job, engines_expected=expected)
     return DisableResult(
         tenant=TenantPublic.model_validate(tenant), policy_version=version, purge_job_id=job
     )
