@@ -85,6 +85,9 @@ _PER_BLOCK_COUNTS: Final = ("blocks_quarantined", "block_count")
 # Figures that belong to the event as a whole: kept on the first part, zero on the others, so that
 # summing the parts gives the event's figure.
 _ONCE: Final = (
+    "retained",
+    "freed_unzeroized",
+    "handover_zeroize",
     "blocks_active_doomed",
     "blocks_verified",
     "tier_key_count",
@@ -162,11 +165,18 @@ class LedgerBridge:
         self.submitted = 0
 
     def forward(self, events: Iterable[CustodyEvent]) -> int:
-        """Submit the events the owners' audit levels ask for; events without a scope (purges,
-        zeroizations of several owners) are always recorded. Returns the number of ledger entries
-        they become."""
+        """Submit the events the owners' audit levels ask for (`select`). Returns the number of
+        ledger entries they become."""
+        return self.submit(self.select(events))
+
+    def select(self, events: Iterable[CustodyEvent]) -> list[PendingEvent]:
+        """The events the owners' audit levels, in force now, ask for; events without a scope
+        (purges, zeroizations of several owners) are always recorded. Decided once, when the
+        events happen: a batch the ledger refused is submitted again as selected then, not
+        filtered anew under a later policy version (found by a review: an allocation made under
+        `standard` during an outage was dropped when a version lowered the level before the
+        ledger came back)."""
         pending: list[PendingEvent] = []
-        entries = 0
         for event in events:
             level = self._level_for_tag(event.scope_tag) if event.scope_tag else AuditLevel.FULL
             if event.scope_tag is not None and event.kind not in AUDITED[level]:
@@ -175,9 +185,13 @@ class LedgerBridge:
                 1 if level is AuditLevel.FULL and event.kind in PER_REQUEST else MAX_BLOCK_IDS
             )
             pending.append(PendingEvent(event, per_entry))
-            entries += _parts(event, per_entry)
-        # All or nothing: under `fail_closed` a full queue refuses the whole batch (G7).
+        return pending
+
+    def submit(self, pending: Sequence[PendingEvent]) -> int:
+        """Submit selected events, all or nothing: under `fail_closed` a full queue refuses the
+        whole batch (`LedgerUnavailableError`, G7). Returns the number of ledger entries."""
         self._ledger.submit_many(pending)
+        entries = sum(_parts(p.event, p.per_entry) for p in pending)
         self.submitted += entries
         return entries
 

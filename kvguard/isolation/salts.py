@@ -22,7 +22,7 @@ from typing import Final, NewType, TypeVar
 from kvguard.errors import UntrustedSaltError
 from kvguard.isolation.encoding import encode_tenant
 from kvguard.isolation.keyring import Keyring
-from kvguard.isolation.scope import Scope
+from kvguard.isolation.scope import Scope, Share
 
 Salt = NewType("Salt", str)
 ScopeTag = NewType("ScopeTag", str)
@@ -30,6 +30,7 @@ TenantTag = NewType("TenantTag", str)
 
 _SALT_LABEL: Final = b"kvguard/salt/v1"
 _SCOPE_TAG_LABEL: Final = b"kvguard/scope-tag/v1"
+_MEMBER_TAG_LABEL: Final = b"kvguard/member-tag/v1"
 _TENANT_TAG_LABEL: Final = b"kvguard/tenant-tag/v1"
 _TAG_BYTES: Final = 12  # 96 bits: collision-free for any realistic number of scopes, short in logs.
 _CACHE_MAX: Final = 65_536
@@ -53,6 +54,7 @@ class SaltDeriver:
         # and tags are functions of the reuse domain alone, and bytes hash faster than models.
         self._salts: dict[bytes, Salt] = {}
         self._tags: dict[bytes, ScopeTag] = {}
+        self._member_tags: dict[bytes, ScopeTag] = {}
         self._lock = threading.Lock()
 
     @property
@@ -79,6 +81,24 @@ class SaltDeriver:
         mac = hmac.new(self._tag_key, _SCOPE_TAG_LABEL + key, hashlib.sha256).digest()
         value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
         self._remember(self._tags, key, value)
+        return value
+
+    def member_tag(self, scope: Scope) -> ScopeTag:
+        """The tag of `scope` as its own tenant uses it: for tenant and session scopes, whose
+        domain is one tenant's, the scope tag; for group and public scopes, whose domain several
+        tenants share, a tag of the domain and the tenant together. What the engine records
+        about a tenant's requests and blocks carries this tag, so each tag belongs to exactly one
+        tenant: its audit level, its ledger view and its figures (a shared domain's scope tag
+        named whichever member used it first, found by a review)."""
+        if scope.share in (Share.TENANT, Share.SESSION):
+            return self.scope_tag(scope)
+        key = scope.domain_key + encode_tenant(scope.tenant_id)  # both self-delimiting
+        cached = self._member_tags.get(key)
+        if cached is not None:
+            return cached
+        mac = hmac.new(self._tag_key, _MEMBER_TAG_LABEL + key, hashlib.sha256).digest()
+        value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
+        self._remember(self._member_tags, key, value)
         return value
 
     def tenant_tag(self, tenant_id: str) -> TenantTag:

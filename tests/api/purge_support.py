@@ -94,7 +94,7 @@ class SimEngine:
             tuple[Scope, int, int, int]
         ] = []  # ordered: (domain, job, entries, bytes)
         self.custody = Custody(
-            num_blocks, policy=PolicySet().policy_for, tagger=services.deriver.scope_tag
+            num_blocks, policy=PolicySet().policy_for, tagger=services.deriver.member_tag
         )
         self.bridge = LedgerBridge(services.ledger, lambda _tag: AuditLevel.MINIMAL)
         self.last_command = services.commands.latest_seq()

@@ -27,13 +27,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
+from functools import cached_property
 from itertools import compress
 from typing import Any
 
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.writer import Overflow
 from kvguard.engine_adapter.custody import Custody
-from kvguard.engine_adapter.ledger_bridge import LedgerBridge
+from kvguard.engine_adapter.ledger_bridge import LedgerBridge, PendingEvent
 from kvguard.engine_adapter.records import (
     BlockStatus,
     CustodyEvent,
@@ -170,7 +171,7 @@ class SchedulerGuard:
         self._granted: Counter[str] = Counter()  # blocks let through this schedule, per tenant
         self._step = 0
         self._closed = False
-        self._unsent: list[CustodyEvent] = []  # refused by the ledger, submitted first next time
+        self._unsent: list[PendingEvent] = []  # refused by the ledger, submitted first next time
         # Requests of tenants with a quota (rid -> tenant), and the tenants among them whose
         # running work grew in this schedule (`reclaim_over_quota` after the step's allocations).
         self._quota_tenant: dict[str, str] = {}
@@ -221,7 +222,7 @@ class SchedulerGuard:
                 block_size=block_size,
                 engine_id=self.engine_id,
                 policies=lambda: self.policies,
-                tag_for=self._tag,
+                tag_for=self._domain_tag,
                 clock=clock,
                 stats=self.stats,
                 tenant_figure=self.reporter.tier_figure,
@@ -240,11 +241,32 @@ class SchedulerGuard:
         return self.policies.policy_for(tenant)  # looked up per call: policy commands swap the set
 
     def _tag(self, scope: Scope) -> str:
-        tag = self.deriver.scope_tag(scope)
+        """The tag custody's events and blocks carry for `scope`: its tenant's own
+        (`SaltDeriver.member_tag`), announced to the registry (tag -> tenant: the tenant's ledger
+        view) and remembered for its audit level. Ungoverned traffic's one-off scopes (one per
+        request) share one tag: a tag each grew these maps, and the registry, without bound
+        (found by a review); custody tells their blocks apart by scope, not by tag."""
+        if scope.tenant_id == UNGOVERNED_TENANT:
+            scope = self._ungoverned
+        tag = self.deriver.member_tag(scope)
         if tag not in self._tag_tenant:
             self._tag_tenant[tag] = scope.tenant_id
             self.reporter.new_tag(tag, scope.tenant_id)
         return tag
+
+    @cached_property
+    def _ungoverned(self) -> Scope:
+        """The one scope whose tag all ungoverned traffic's events carry (`_tag`)."""
+        return ungoverned_scope(self._model_name, self._block_size, "all")
+
+    def _domain_tag(self, scope: Scope) -> str:
+        """The public pseudonym of `scope`'s reuse domain, which the offload tier binds into its
+        ciphertexts and every member of a shared domain must present; a tenant or session
+        scope's is its `_tag`. A group or public domain's is announced for no tenant: its tier
+        entries are in admins' and auditors' views, recorded at the `full` level."""
+        if scope.share in (Share.TENANT, Share.SESSION):
+            return self._tag(scope)
+        return self.deriver.scope_tag(scope)
 
     def _level_for_tag(self, tag: str | None) -> AuditLevel:
         tenant = self._tag_tenant.get(tag or "")
@@ -861,10 +883,11 @@ class SchedulerGuard:
             return  # most decode steps
         self.reporter.observe(events)
         self.reporter.cache_ages(ages)
-        batch = [*self._unsent, *events] if self._unsent else events
         with self.timer.phase("ledger_submit"):
+            selected = self.bridge.select(events)  # by the audit levels in force now, once
+            batch = [*self._unsent, *selected] if self._unsent else selected
             try:
-                self.bridge.forward(batch)
+                self.bridge.submit(batch)
             except LedgerUnavailableError:
                 if not self._unsent:
                     _log.error("audit ledger refusing entries; new requests wait (G7)")
