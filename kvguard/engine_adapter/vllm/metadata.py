@@ -107,6 +107,7 @@ class TierReport:
     shredded: list[ShredDone] = field(default_factory=list)
     spill_s: float = 0.0
     restore_s: float = 0.0
+    spill_failed: int = 0  # spills the worker could not store (a report goes out all the same)
     # Measured once at start: seconds to decrypt and copy in one block, its plaintext bytes.
     restore_s_per_block: float | None = None
     block_bytes: int | None = None
@@ -114,6 +115,7 @@ class TierReport:
     def __bool__(self) -> bool:
         return bool(
             self.spilled
+            or self.spill_failed
             or self.restored
             or self.failed
             or self.shredded

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Collection, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from kvguard.engine_adapter.records import CustodyEvent, EventKind, PurgeSelector
@@ -165,13 +165,23 @@ class SchedulerTier:
 
     def on_allocated(self, block_ids: list[int], still_cached: Callable[[int], bool]) -> None:
         """vLLM gave these blocks to a request: cached candidates among them were evicted by its LRU
-        and are spilled before the clears (their bytes are intact until this step's forward)."""
+        and are spilled before the clears (their bytes are intact until this step's forward).
+
+        Not into a domain whose shred, or over a key whose drop, is already ordered for this
+        step: the worker spills before it drops and shreds, so the new entry would be deleted
+        while the index kept it (found by a review: the index then promised, and charged for,
+        entries the worker no longer held, and a later purge's figures disagreed with its
+        `key.shred`)."""
+        shredding = {o.domain for o in self._shred}
+        dropping = {o.key for o in self._drop}
         for b in block_ids:
             candidate = self._candidates.pop(b, None)
             if candidate is None or not still_cached(b):
                 continue
             scope = candidate.scope
             if not self.allowed(scope.tenant_id):
+                continue
+            if scope.domain_key in shredding or candidate.key in dropping:
                 continue
             disk = (
                 self.settings.directory is not None
@@ -407,6 +417,10 @@ class SchedulerTier:
         # (logged there) and is not kept. Forgotten here, so failures cannot grow the map.
         self._spilling.clear()
         self._leave(evicted, "emptied", "tier_evicted_entries")
+        # A domain whose only pending spill failed holds nothing now: no key outlives its last
+        # entry (found by a review: with its last entry dropped meanwhile, its key stayed live).
+        for domain in [d for d in self._scopes if not self.index.has_domain(d)]:
+            self._shred_domain(domain, "emptied", None)
 
     def _restored(self, report: TierReport, now: float) -> None:
         per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
@@ -503,10 +517,19 @@ class SchedulerTier:
             if stat is not None:
                 self.stats[stat] += 1
         for domain, entries in by_domain.items():
+            # A spill of one of these keys ordered in this step would be deleted by the drop (the
+            # worker spills first) while the index kept it: it is not spilled (a review).
+            self._cancel_spills({e.key for e in entries})
             if domain in self._scopes and self._emptied(domain):
                 self._shred_domain(domain, reason, None)
                 continue
             self._drop.extend(TierOrder(-1, e.key, e.scope_tag) for e in entries)
+
+    def _cancel_spills(self, keys: set[TierKey]) -> None:
+        if self._spill and keys:
+            self._spill = [o for o in self._spill if o.key not in keys]
+            for key in keys:
+                self._spilling.pop(key, None)
 
     def _emptied(self, domain: bytes) -> bool:
         """The index holds nothing of `domain` and no spill into it awaits its report."""
@@ -533,6 +556,14 @@ class SchedulerTier:
         and `offload.disk` was revoked for a tenant whose entries they are (`policy`). A lowered `offload.max_bytes` drops
         the tenant's oldest entries until it is within it."""
         policies = self._policies()
+        # Spills ordered in this step go to disk only if the policy in force now allows it (the
+        # worker writes them after this; found by a review: a file outlived the revocation).
+        self._spill = [
+            replace(o, to_disk=False)
+            if o.to_disk and not policies.policy_for(self._spilling.get(o.key, "")).offload.disk
+            else o
+            for o in self._spill
+        ]
         for domain, owners in list(self._scopes.items()):
             tenants = [policies.policy_for(tenant) for tenant in owners]
             if not all(p.enabled for p in tenants):

@@ -1,0 +1,212 @@
+"""The offload tier's orders within one step, against the real worker tier (a review).
+
+The worker carries out a step's orders in a fixed order (spill, drop, shred, then load), whatever
+order the scheduler queued them in. Each test failed before its fix:
+
+- a shred of a domain (expiry, a failed load's domain left empty) or a drop of a key queued before
+  a spill into it: the worker stored the spill and deleted it at once, while the index kept the
+  entry (charged to the budget, promised to `match`, and counted by a later purge whose
+  `key.shred` then showed none of it);
+- a drop queued after a spill of the same key in one step (the sweep runs after the schedule):
+  the same phantom entry;
+- `offload.disk` revoked in the step that ordered a disk spill: the file was written after the
+  revocation and stayed;
+- a spill that failed in the worker while its domain's last entry was dropped: the domain was
+  left empty with a live data key (and a step whose spills all failed sent no report at all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvguard.engine_adapter.records import EventKind, PurgeKind, PurgeSelector
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta
+from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
+from kvguard.isolation.keyring import Keyring
+from tests.engine_adapter.conftest import scope_for
+from tests.engine_adapter.test_tier_scheduler import BS, FakeRequest, Harness, policies
+
+NUM_BLOCKS = 16
+
+
+def _worker(directory: Any = None) -> WorkerGuard:
+    worker = WorkerGuard(offload=(Keyring.generate(), 1 << 20, directory))
+    layers = [
+        torch.randint(1, 100, (NUM_BLOCKS, 2, 4, 16), dtype=torch.int16).to(torch.bfloat16)
+        for _ in range(2)
+    ]
+    worker.register({"layer.0": layers[0], "layer.1": layers[1]})
+    worker.take_results()  # the start-up profile
+    return worker
+
+
+_step = [0]  # GuardStepMeta step numbers, unique across the tests
+
+
+def run_step(h: Harness, worker: WorkerGuard) -> Any:
+    """One engine step: the scheduler's orders to the real worker, the worker's report back."""
+    spill, drop, shred, load = h.tier.take_orders()
+    _step[0] += 1
+    worker.on_step(GuardStepMeta(step=_step[0], spill=spill, drop=drop, shred=shred, load=load))
+    worker.load(load)
+    errors = worker.load_errors()
+    out = worker.take_results()
+    if out is not None and out.tier is not None:
+        h.tier.on_report(out.tier)
+    return errors
+
+
+def worker_entries(worker: WorkerGuard) -> int:
+    return len(worker.tier.tier)
+
+
+def test_expiry_shred_then_spill_same_domain_same_batch_leaves_phantom_index_entry() -> None:
+    h = Harness(
+        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
+        restore_us_per_block=1,
+        prefill_us_per_token=100,
+    )
+    w = _worker()
+    h.finish("r1", "a", [1, 2], 2)  # both cached on the device, candidates
+    h.evict([1])  # block 1 evicted and spilled
+    run_step(h, w)
+    assert len(h.tier.index) == 1 and worker_entries(w) == 1
+    # Between steps (poll -> housekeeping): the entry's offload.ttl_s is up, domain emptied -> shred
+    h.now += 100
+    h.tier.sweep(h.now)
+    # Next step: vLLM's LRU evicts block 2 (still cached on the device): spill into the same domain
+    h.evict([2])
+    run_step(h, w)  # worker: spill, drop, shred -> the fresh spill is deleted by the shred
+    # The index must describe what the worker holds
+    assert len(h.tier.index) == worker_entries(w), (len(h.tier.index), worker_entries(w))
+
+
+def test_failed_load_emptied_shred_then_spill_next_step_phantom() -> None:
+    h = Harness(
+        policies(a={"offload": {"allowed": True, "ttl_s": 1000}}),
+        restore_us_per_block=1,
+        prefill_us_per_token=100,
+    )
+    w = _worker()
+    req = h.finish("r1", "a", [1, 2, 3], 3)
+    h.evict([1])
+    run_step(h, w)
+    # tamper the one entry
+    (entry,) = list(w.tier.tier._entries.values())
+    data = bytearray(entry.data)
+    data[3] ^= 1
+    entry.data = bytes(data)
+    again = FakeRequest("r2", req.block_hashes, req.num_tokens)
+    assert h.tier.match(again, scope_for("a"), 0, None) == BS
+    h.tier.after_alloc(again, [9, 10, 11], BS)
+    errors = run_step(h, w)  # load fails (auth) -> emptied -> shred ordered in on_report
+    assert errors == {9}
+    h.evict([2])  # next step spills into the same domain
+    run_step(h, w)
+    assert len(h.tier.index) == worker_entries(w), (len(h.tier.index), worker_entries(w))
+
+
+def test_phantom_then_purge_figures_disagree_with_key_shred() -> None:
+    h = Harness(
+        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
+        restore_us_per_block=1,
+        prefill_us_per_token=100,
+    )
+    w = _worker()
+    h.finish("r1", "a", [1, 2], 2)
+    h.evict([1])
+    run_step(h, w)
+    h.now += 100
+    h.tier.sweep(h.now)
+    h.evict([2])
+    run_step(h, w)
+    h.tier.events.clear()
+    figures = h.tier.purge(PurgeSelector(PurgeKind.TENANT, "a"), command_id=5)
+    run_step(h, w)
+    shreds = [e.details for e in h.tier.events if e.kind is EventKind.KEY_SHRED]
+    shown = (
+        sum(int(d["entry_count"] or 0) for d in shreds),
+        sum(int(d["bytes_deleted"] or 0) for d in shreds),
+    )
+    assert (figures["tier_entry_count"], figures["tier_bytes"]) == shown, (figures, shreds)
+
+
+def test_disk_revoked_in_the_same_step_as_a_disk_spill(tmp_path: Any) -> None:
+    disk = {"offload": {"allowed": True, "disk": True, "ttl_s": 1000}}
+    h = Harness(policies(a=disk), directory=str(tmp_path))
+    w = _worker(tmp_path)
+    h.finish("r1", "a", [1], 1)
+    h.evict([1])  # _record_schedule: a disk spill ordered
+    # same build_step, _housekeeping: a policy command revokes offload.disk
+    h.policy = policies(a={"offload": {"allowed": True, "disk": False, "ttl_s": 1000}})
+    h.tier.on_policy()
+    run_step(h, w)
+    on_disk = [e for e in w.tier.tier._entries.values() if e.path is not None]
+    assert on_disk == [], "a ciphertext file of a tenant whose disk permission was revoked"
+
+
+def test_sweep_drop_of_a_key_respilled_in_the_same_step_leaves_phantom() -> None:
+    h = Harness(
+        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
+        restore_us_per_block=1,
+        prefill_us_per_token=100,
+    )
+    w = _worker()
+    req = h.finish("r1", "a", [1, 2], 2)
+    h.evict([1])
+    run_step(h, w)  # entry K0 stored at t=1000
+    h.now += 50
+    h.evict([2])
+    run_step(h, w)  # entry K1 stored at t=1050 (keeps the domain non-empty later)
+    # K0 restored into block 5, then block 5 is cached again for a
+    again = FakeRequest("r2", req.block_hashes, req.num_tokens)
+    assert h.tier.match(again, scope_for("a"), 0, None) == 2 * BS
+    h.tier.after_alloc(again, [5, 6, 7], BS)
+    assert run_step(h, w) == set()
+    h.pool.blocks[5].block_hash = req.block_hashes[0] + b"\0\0\0\0"
+    h.cached.add(5)
+    h.tier.note_cached(
+        FakeRequest("r2", req.block_hashes, req.num_tokens), scope_for("a"), [5], h.pool
+    )
+    # build_step at t=1100: _record_schedule evicts block 5 (spill K0), then _housekeeping's
+    # sweep drops the old K0 (K1 keeps the domain alive: a drop order, not a shred)
+    h.now = 1100.0
+    h.evict([5])
+    h.tier.sweep(h.now)
+    run_step(h, w)
+    assert len(h.tier.index) == worker_entries(w), (len(h.tier.index), worker_entries(w))
+
+
+def test_failed_spill_with_drop_leaves_an_empty_domain_with_a_live_key(monkeypatch: Any) -> None:
+    h = Harness(
+        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
+        restore_us_per_block=1,
+        prefill_us_per_token=100,
+    )
+    w = _worker()
+    h.finish("r1", "a", [1, 2], 2)
+    h.evict([1])
+    run_step(h, w)
+    h.now += 100
+    h.evict([2])  # spill ordered (in _record_schedule) ...
+    h.tier.sweep(
+        h.now
+    )  # ... then the sweep: the domain's only entry expires -> drop (spill pending)
+    real_put = w.tier.tier.put
+
+    def failing_put(*a: Any, **k: Any) -> Any:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(w.tier.tier, "put", failing_put)
+    run_step(h, w)
+    monkeypatch.setattr(w.tier.tier, "put", real_put)
+    for _ in range(3):  # later steps with nothing to do
+        run_step(h, w)
+    domain = scope_for("a").domain_key
+    assert not h.tier.index.has_domain(domain)
+    assert domain not in w.tier.keys.domains(), "empty domain kept with a live data key"
