@@ -45,6 +45,12 @@ def _worker(directory: Any = None) -> WorkerGuard:
     return worker
 
 
+def _harness(ttl_s: int) -> Harness:
+    """Tenant a may offload, its entries kept `ttl_s` in the tier; restoring always pays."""
+    offload = {"offload": {"allowed": True, "ttl_s": ttl_s}}
+    return Harness(policies(a=offload), restore_us_per_block=1, prefill_us_per_token=100)
+
+
 _step = [0]  # GuardStepMeta step numbers, unique across the tests
 
 
@@ -66,11 +72,7 @@ def worker_entries(worker: WorkerGuard) -> int:
 
 
 def test_expiry_shred_then_spill_same_domain_same_batch_leaves_phantom_index_entry() -> None:
-    h = Harness(
-        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
-        restore_us_per_block=1,
-        prefill_us_per_token=100,
-    )
+    h = _harness(ttl_s=100)
     w = _worker()
     h.finish("r1", "a", [1, 2], 2)  # both cached on the device, candidates
     h.evict([1])  # block 1 evicted and spilled
@@ -87,11 +89,7 @@ def test_expiry_shred_then_spill_same_domain_same_batch_leaves_phantom_index_ent
 
 
 def test_failed_load_emptied_shred_then_spill_next_step_phantom() -> None:
-    h = Harness(
-        policies(a={"offload": {"allowed": True, "ttl_s": 1000}}),
-        restore_us_per_block=1,
-        prefill_us_per_token=100,
-    )
+    h = _harness(ttl_s=1000)
     w = _worker()
     req = h.finish("r1", "a", [1, 2, 3], 3)
     h.evict([1])
@@ -112,11 +110,7 @@ def test_failed_load_emptied_shred_then_spill_next_step_phantom() -> None:
 
 
 def test_phantom_then_purge_figures_disagree_with_key_shred() -> None:
-    h = Harness(
-        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
-        restore_us_per_block=1,
-        prefill_us_per_token=100,
-    )
+    h = _harness(ttl_s=100)
     w = _worker()
     h.finish("r1", "a", [1, 2], 2)
     h.evict([1])
@@ -151,11 +145,7 @@ def test_disk_revoked_in_the_same_step_as_a_disk_spill(tmp_path: Any) -> None:
 
 
 def test_sweep_drop_of_a_key_respilled_in_the_same_step_leaves_phantom() -> None:
-    h = Harness(
-        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
-        restore_us_per_block=1,
-        prefill_us_per_token=100,
-    )
+    h = _harness(ttl_s=100)
     w = _worker()
     req = h.finish("r1", "a", [1, 2], 2)
     h.evict([1])
@@ -183,11 +173,7 @@ def test_sweep_drop_of_a_key_respilled_in_the_same_step_leaves_phantom() -> None
 
 
 def test_failed_spill_with_drop_leaves_an_empty_domain_with_a_live_key(monkeypatch: Any) -> None:
-    h = Harness(
-        policies(a={"offload": {"allowed": True, "ttl_s": 100}}),
-        restore_us_per_block=1,
-        prefill_us_per_token=100,
-    )
+    h = _harness(ttl_s=100)
     w = _worker()
     h.finish("r1", "a", [1, 2], 2)
     h.evict([1])
