@@ -160,14 +160,19 @@ def test_a_failed_spill_write_leaves_no_ciphertext_behind(tmp_path: Path) -> Non
 
 def test_a_spill_the_worker_failed_is_forgotten_at_the_next_report() -> None:
     """The scheduler notes each ordered spill's tenant until the worker reports it; a spill that
-    fails in the worker (disk full) is not reported, and must not stay noted for ever."""
+    fails in the worker (disk full) is reported as failed and must not stay noted for ever. A
+    report that does not answer a spill leaves it noted: under vLLM's async scheduling the next
+    step's spills are ordered before the previous step's report arrives."""
     h, _ = _group_harness(OFFLOAD_B)
     req = FakeRequest("rc", [b"c-h0"], BS + 1)
     h.pool.blocks[4].block_hash = b"c-h0" + b"\0\0\0\0"
     h.cached.add(4)
     h.tier.note_cached(req, scope_for("b", group="g1"), [4], h.pool, life=lambda _b: (h.now, h.now))
     h.evict([4])
-    assert h.tier.take_orders()[0]  # ordered; the worker fails it and reports nothing of it
-    h.tier.on_report(TierReport())
+    spills = h.tier.take_orders()[0]
+    assert spills  # ordered
+    h.tier.on_report(TierReport())  # a report of an earlier step: the spill is still on its way
+    assert list(h.tier._spilling) == [o.key for o in spills]
+    h.tier.on_report(TierReport(spill_failed=list(spills)))  # the worker failed it
     assert h.tier._spilling == {}
     assert h.tier.index.tenant_bytes("b") == 2000  # the earlier, reported spills stay indexed

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvguard.engine_adapter.records import EventKind, PurgeKind, PurgeSelector
-from kvguard.engine_adapter.vllm.metadata import GuardStepMeta
+from kvguard.engine_adapter.vllm.metadata import GuardStepMeta, TierReport
 from kvguard.engine_adapter.vllm.worker_side import WorkerGuard
 from kvguard.isolation.keyring import Keyring
 from tests.engine_adapter.conftest import scope_for
@@ -196,3 +196,24 @@ def test_failed_spill_with_drop_leaves_an_empty_domain_with_a_live_key(monkeypat
     domain = scope_for("a").domain_key
     assert not h.tier.index.has_domain(domain)
     assert domain not in w.tier.keys.domains(), "empty domain kept with a live data key"
+
+
+def test_a_report_leaves_the_spills_of_the_step_built_after_it_pending() -> None:
+    """vLLM's async scheduling (its default on GPU) builds step N+1 before step N's report
+    arrives: a report forgets only the spills it answers, so N+1's first spill into a domain is
+    neither forgotten nor taken for a failed one (which would shred the domain) and is indexed
+    when its own report comes."""
+    h = _harness(ttl_s=1000)
+    w = _worker()
+    h.finish("r1", "a", [1], 1)
+    h.evict([1])
+    spill, drop, shred, load = h.tier.take_orders()  # step N+1's orders
+    assert spill and not shred
+    h.tier.on_report(TierReport())  # step N's report
+    assert not h.tier.take_orders()[2], "the domain was shredded before its spill was reported"
+    _step[0] += 1
+    w.on_step(GuardStepMeta(step=_step[0], spill=spill, drop=drop, shred=shred, load=load))
+    out = w.take_results()
+    assert out is not None and out.tier is not None
+    h.tier.on_report(out.tier)
+    assert len(h.tier.index) == worker_entries(w) == 1

@@ -107,7 +107,10 @@ class TierReport:
     shredded: list[ShredDone] = field(default_factory=list)
     spill_s: float = 0.0
     restore_s: float = 0.0
-    spill_failed: int = 0  # spills the worker could not store (a report goes out all the same)
+    # Spills the worker could not store: reported like the stored ones, so the scheduler forgets
+    # exactly the orders a report answers (under vLLM's async scheduling the next step's orders
+    # are already out when a report arrives).
+    spill_failed: list[TierOrder] = field(default_factory=list)
     # Measured once at start: seconds to decrypt and copy in one block, its plaintext bytes.
     restore_s_per_block: float | None = None
     block_bytes: int | None = None

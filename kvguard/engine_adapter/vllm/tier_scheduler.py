@@ -412,14 +412,14 @@ class SchedulerTier:
                 )
             )
         self.stats["tier_spill_us"] += int(report.spill_s * 1e6)
-        # Every spill ordered so far ran in the step this report closes (orders are taken when a
-        # step is built and carried out before its forward): one not reported failed in the worker
-        # (logged there) and is not kept. Forgotten here, so failures cannot grow the map.
-        self._spilling.clear()
+        for order in report.spill_failed:  # logged in the worker; not kept
+            self._spilling.pop(order.key, None)
         self._leave(evicted, "emptied", "tier_evicted_entries")
-        # A domain whose only pending spill failed holds nothing now: no key outlives its last
+        # A domain whose pending spills all failed holds nothing now: no key outlives its last
         # entry (found by a review: with its last entry dropped meanwhile, its key stayed live).
-        for domain in [d for d in self._scopes if not self.index.has_domain(d)]:
+        # Only the orders a report answers are forgotten: under async scheduling (vLLM's default
+        # on GPU) the next step's spills are already ordered when this report arrives.
+        for domain in [d for d in self._scopes if self._emptied(d)]:
             self._shred_domain(domain, "emptied", None)
 
     def _restored(self, report: TierReport, now: float) -> None:

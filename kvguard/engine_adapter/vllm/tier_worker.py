@@ -80,7 +80,7 @@ class WorkerTier:
                 self.tier.put(self.address(order), payload, to_disk=order.to_disk)
             except (OffloadKeyError, OSError) as exc:  # a spill that fails is a block not kept
                 _log.error("offload spill failed; block not kept", error=type(exc).__name__)
-                self._report.spill_failed += 1
+                self._report.spill_failed.append(order)
                 continue
             self._report.spilled.append((order, len(payload) + 16))
         self._report.spill_s += time.perf_counter() - start
