@@ -217,3 +217,68 @@ def test_a_report_leaves_the_spills_of_the_step_built_after_it_pending() -> None
     assert out is not None and out.tier is not None
     h.tier.on_report(out.tier)
     assert len(h.tier.index) == worker_entries(w) == 1
+
+
+def _run_orders(worker: WorkerGuard, orders: Any) -> Any:
+    """The worker carries out one step's orders; its report (None when it has nothing to say)."""
+    spill, drop, shred, load = orders
+    _step[0] += 1
+    worker.on_step(GuardStepMeta(step=_step[0], spill=spill, drop=drop, shred=shred, load=load))
+    out = worker.take_results()
+    return out.tier if out is not None else None
+
+
+def test_a_disk_spill_already_with_the_worker_when_disk_is_revoked_is_not_kept(
+    tmp_path: Any,
+) -> None:
+    """Async scheduling: step N's disk spill is with the worker when step N+1 applies a version
+    revoking `offload.disk`; the entry its report brings back is not kept (nor its file)."""
+    disk = {"offload": {"allowed": True, "disk": True, "ttl_s": 1000}}
+    h = Harness(policies(a=disk), directory=str(tmp_path))
+    w = _worker(tmp_path)
+    h.finish("r1", "a", [1], 1)
+    h.evict([1])
+    step_n = h.tier.take_orders()
+    assert step_n[0] and step_n[0][0].to_disk
+    h.policy = policies(a={"offload": {"allowed": True, "disk": False, "ttl_s": 1000}})
+    h.tier.on_policy()  # building step N+1
+    step_n1 = h.tier.take_orders()
+    report_n = _run_orders(w, step_n)
+    _run_orders(w, step_n1)
+    assert report_n is not None
+    h.tier.on_report(report_n)  # N's report, after N+1 was built
+    for _ in range(2):
+        report = _run_orders(w, h.tier.take_orders())
+        if report is not None:
+            h.tier.on_report(report)
+    assert [e for e in w.tier.tier._entries.values() if e.path is not None] == []
+    assert len(h.tier.index) == worker_entries(w) == 0
+
+
+def test_a_report_looks_only_at_the_domains_it_is_about() -> None:
+    """Checking for domains left empty costs O(the report), not O(domains held) per report."""
+    h = Harness(policies(a={"offload": {"allowed": True, "ttl_s": 1000}}), budget=1 << 30)
+    w = _worker()
+
+    def spill_one(session: str, position: int) -> Any:
+        block_hash = f"{session}-h{position}".encode()
+        h.pool.blocks[1].block_hash = block_hash + b"\x00\x00\x00\x00"
+        h.cached.add(1)
+        hashes = [f"{session}-h{i}".encode() for i in range(position + 1)]
+        req = FakeRequest(f"r-{session}", hashes, (position + 1) * BS + 1)
+        h.tier.note_cached(req, scope_for("a", session=session), [1], h.pool)
+        h.evict([1])
+        return _run_orders(w, h.tier.take_orders())
+
+    for i in range(50):  # 50 domains (sessions), one entry each
+        report = spill_one(f"s{i}", 0)
+        assert report is not None
+        h.tier.on_report(report)
+    assert len(h.tier.index) == 50
+    looked: list[bytes] = []
+    emptied = h.tier._emptied
+    h.tier._emptied = lambda d: looked.append(d) or emptied(d)  # type: ignore[method-assign]
+    report = spill_one("s0", 1)
+    assert report is not None
+    h.tier.on_report(report)
+    assert len(looked) <= 1

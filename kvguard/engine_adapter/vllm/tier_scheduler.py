@@ -371,6 +371,10 @@ class SchedulerTier:
     def _spilled(self, report: TierReport, now: float) -> None:
         per_tag: dict[str, list[tuple[TierOrder, int]]] = defaultdict(list)
         evicted: list[IndexEntry] = []  # over the budget or a tenant's cap
+        revoked: list[IndexEntry] = []  # written to disk after a version revoked offload.disk
+        touched = {o.key.domain for o, _ in report.spilled} | {
+            o.key.domain for o in report.spill_failed
+        }
         for order, size in report.spilled:
             tenant = self._spilling.pop(order.key, None)
             if order.generation != self._generation[order.key.domain] or tenant is None:
@@ -385,8 +389,13 @@ class SchedulerTier:
                 order.created_at,
                 order.last_used_at,
             )
-            cap = self._policy_for(tenant).offload.max_bytes
-            evicted.extend(self.index.add(entry, tenant_cap=cap))
+            policy = self._policy_for(tenant)
+            if order.to_disk and not policy.offload.disk:
+                # Ordered before a version revoked disk and already with the worker (vLLM's async
+                # scheduling builds the next step before this report): not kept (a review).
+                revoked.append(entry)
+                continue
+            evicted.extend(self.index.add(entry, tenant_cap=policy.offload.max_bytes))
             per_tag[order.scope_tag].append((order, size))
             self._tenant_figure(tenant, "tier_spilled_blocks", 1)
             self._tenant_figure(tenant, "tier_spilled_bytes", size)
@@ -415,11 +424,13 @@ class SchedulerTier:
         for order in report.spill_failed:  # logged in the worker; not kept
             self._spilling.pop(order.key, None)
         self._leave(evicted, "emptied", "tier_evicted_entries")
+        self._leave(revoked, "policy", None)
         # A domain whose pending spills all failed holds nothing now: no key outlives its last
         # entry (found by a review: with its last entry dropped meanwhile, its key stayed live).
         # Only the orders a report answers are forgotten: under async scheduling (vLLM's default
-        # on GPU) the next step's spills are already ordered when this report arrives.
-        for domain in [d for d in self._scopes if self._emptied(d)]:
+        # on GPU) the next step's spills are already ordered when this report arrives. Only the
+        # domains this report is about are looked at (not every domain, per report).
+        for domain in [d for d in touched if d in self._scopes and self._emptied(d)]:
             self._shred_domain(domain, "emptied", None)
 
     def _restored(self, report: TierReport, now: float) -> None:
