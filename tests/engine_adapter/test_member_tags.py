@@ -168,3 +168,45 @@ def test_ungoverned_traffic_shares_one_tag(make_guard: Any) -> None:
     assert len({e.scope_tag for e in f.ledger.entries if e.scope_tag}) == 1
     assert guard.custody is not None
     guard.custody.check_invariants()
+
+
+def test_a_shared_domains_tier_entries_carry_each_members_own_tag() -> None:
+    """The offload tier binds the shared domain's tag into its ciphertexts (every member opens
+    them), but a member's spill and restore entries carry its own tag: the domain's tag names no
+    tenant (and, registered for the group's first member before member tags, would show another
+    member's restores to that member's admin)."""
+    from kvguard.engine_adapter.vllm.metadata import TierReport  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.tier_scheduler import (  # noqa: PLC0415
+        SchedulerTier,
+        TierSettings,
+    )
+    from tests.engine_adapter.test_tier_scheduler import BS, FakePool, FakeRequest  # noqa: PLC0415
+
+    offload = {"offload": {"allowed": True, "ttl_s": 10_000}}
+    policy = _members(offload, offload)
+    tier = SchedulerTier(
+        TierSettings(budget_bytes=1 << 20, restore_us_per_block=1, prefill_us_per_token=100),
+        block_size=BS,
+        engine_id="e1",
+        policies=lambda: policy,
+        tag_for=DERIVER.scope_tag,
+        member_tag_for=DERIVER.member_tag,
+        clock=lambda: 1000.0,
+    )
+    a_scope, b_scope = scope_for("a", group="g"), scope_for("b", group="g")
+    pool = FakePool()
+    pool.blocks[1].block_hash = b"g-h0" + b"\0\0\0\0"
+    tier.note_cached(FakeRequest("ra", [b"g-h0"], BS + 1), a_scope, [1], pool)
+    tier.on_allocated([1], lambda _b: True)
+    (spill,) = tier.take_orders()[0]
+    assert spill.scope_tag == DERIVER.scope_tag(a_scope)  # the domain's, in the ciphertext
+    tier.on_report(TierReport(spilled=[(spill, 100)]))
+    again = FakeRequest("rb", [b"g-h0"], BS + 1)
+    assert tier.match(again, b_scope, 0, None) == BS
+    tier.after_alloc(again, [5, 6], BS)
+    (load,) = tier.take_orders()[3]
+    assert load.scope_tag == DERIVER.scope_tag(b_scope)  # the same domain tag for b
+    tier.on_report(TierReport(restored=[load]))
+    tags = {str(e.kind): e.scope_tag for e in tier.events}
+    assert tags["block.spill"] == DERIVER.member_tag(a_scope)
+    assert tags["block.restore"] == DERIVER.member_tag(b_scope)

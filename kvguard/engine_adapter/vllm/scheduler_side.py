@@ -223,6 +223,7 @@ class SchedulerGuard:
                 engine_id=self.engine_id,
                 policies=lambda: self.policies,
                 tag_for=self._domain_tag,
+                member_tag_for=self._tag,
                 clock=clock,
                 stats=self.stats,
                 tenant_figure=self.reporter.tier_figure,

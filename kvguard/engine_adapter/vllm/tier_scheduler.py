@@ -62,9 +62,10 @@ class _Candidate:
 class _Match:
     start: int  # index of the first tier block in the request's block table
     keys: list[TierKey]
-    scope_tag: str
+    scope_tag: str  # the domain's, bound into the ciphertexts
     decision: str
     tenant: str  # the requesting tenant (its metrics count the restore)
+    event_tag: str  # the requesting tenant's own tag, which its ledger entries carry
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class SchedulerTier:
         policies: Callable[[], PolicySet],
         tag_for: Callable[[Scope], str],
         clock: Callable[[], float] = time.time,
+        member_tag_for: Callable[[Scope], str] | None = None,
         stats: MutableMapping[str, int] | None = None,
         tenant_figure: Callable[[str, str, int], None] | None = None,
     ) -> None:
@@ -93,7 +95,10 @@ class SchedulerTier:
         self._bs = block_size
         self._engine_id = engine_id
         self._policies = policies  # the policy set in force (swapped by policy commands)
-        self._tag_for = tag_for
+        self._tag_for = tag_for  # the domain's tag, bound into the ciphertexts
+        # The tag a tenant's ledger entries carry (`SaltDeriver.member_tag`): a shared domain's
+        # tag names no tenant, so spills and restores are recorded under their tenant's own.
+        self._member_tag_for = member_tag_for or tag_for
         self._clock = clock
         self._candidates: dict[int, _Candidate] = {}
         # Domains that may have a data key in the worker (a spill was ordered since their last
@@ -107,7 +112,7 @@ class SchedulerTier:
         self._matches: dict[str, _Match] = {}
         self._external: dict[str, int] = {}
         # block id -> (request id, tenant), loads ordered and unreported
-        self._loading: dict[int, tuple[str, str]] = {}
+        self._loading: dict[int, tuple[str, str, str]] = {}  # + the requester's event tag
         # Blocks a restore was ordered into -> when the restored bytes were first computed:
         # custody dates the block from then (`SchedulerGuard._allocate`), not from the restore.
         self.born: dict[int, float] = {}
@@ -227,7 +232,14 @@ class SchedulerTier:
         if not keys:
             return 0
         decision, restore_s, recompute_s = self._decide(len(keys))
-        match = _Match(start, keys, self._tag_for(scope), decision, scope.tenant_id)
+        match = _Match(
+            start,
+            keys,
+            self._tag_for(scope),
+            decision,
+            scope.tenant_id,
+            self._member_tag_for(scope),
+        )
         if decision == "recompute":
             self._record_recompute(rid, match, restore_s, recompute_s)
             return 0
@@ -257,7 +269,7 @@ class SchedulerTier:
             CustodyEvent(
                 EventKind.RESTORE,
                 self._clock(),
-                match.scope_tag,
+                match.event_tag,
                 rid,
                 (),
                 {
@@ -280,7 +292,7 @@ class SchedulerTier:
         for i, key in enumerate(match.keys[:count]):
             block = block_ids[match.start + i]
             self._load.append(TierOrder(block, key, match.scope_tag))
-            self._loading[block] = (rid, match.tenant)
+            self._loading[block] = (rid, match.tenant, match.event_tag)
             entry = self.index.get(key)
             if entry is not None and entry.created_at is not None:
                 self.born[block] = entry.created_at
@@ -396,7 +408,8 @@ class SchedulerTier:
                 revoked.append(entry)
                 continue
             evicted.extend(self.index.add(entry, tenant_cap=policy.offload.max_bytes))
-            per_tag[order.scope_tag].append((order, size))
+            owner = self._scopes[order.key.domain][tenant]  # the spilling tenant's scope
+            per_tag[self._member_tag_for(owner)].append((order, size))
             self._tenant_figure(tenant, "tier_spilled_blocks", 1)
             self._tenant_figure(tenant, "tier_spilled_bytes", size)
         share = report.spill_s / max(1, len(report.spilled))
@@ -436,8 +449,8 @@ class SchedulerTier:
     def _restored(self, report: TierReport, now: float) -> None:
         per_request: dict[tuple[str, str], list[int]] = defaultdict(list)
         for order in report.restored:
-            rid, tenant = self._loading.pop(order.block_id, ("", ""))
-            per_request[(rid, order.scope_tag)].append(order.block_id)
+            rid, tenant, tag = self._loading.pop(order.block_id, ("", "", order.scope_tag))
+            per_request[(rid, tag)].append(order.block_id)
             if tenant:
                 self._tenant_figure(tenant, "tier_restored_blocks", 1)
                 self._tenant_figure(tenant, "tier_hit_tokens", self._bs)
@@ -463,7 +476,7 @@ class SchedulerTier:
             )
         unreadable: list[IndexEntry] = []
         for order, reason in report.failed:
-            rid, _tenant = self._loading.pop(order.block_id, ("", ""))
+            rid, _tenant, tag = self._loading.pop(order.block_id, ("", "", order.scope_tag))
             failed = self.index.remove(order.key)
             if failed is not None:
                 unreadable.append(failed)
@@ -478,7 +491,7 @@ class SchedulerTier:
                 CustodyEvent(
                     EventKind.TIER_AUTH_FAILURE,
                     now,
-                    order.scope_tag,
+                    tag,
                     rid or None,
                     (order.block_id,),
                     {"reason": reason, "engine_id": self._engine_id},
