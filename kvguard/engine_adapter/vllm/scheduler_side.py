@@ -263,8 +263,9 @@ class SchedulerGuard:
     def _domain_tag(self, scope: Scope) -> str:
         """The public pseudonym of `scope`'s reuse domain, which the offload tier binds into its
         ciphertexts and every member of a shared domain must present; a tenant or session
-        scope's is its `_tag`. A group or public domain's is announced for no tenant: its tier
-        entries are in admins' and auditors' views, recorded at the `full` level."""
+        scope's is its `_tag`. A group or public domain's is announced for no tenant (the tier
+        records a member's spills and restores under its `_tag`; only a shared domain's key shred
+        carries this one, in admins' and auditors' views)."""
         if scope.share in (Share.TENANT, Share.SESSION):
             return self._tag(scope)
         return self.deriver.scope_tag(scope)
