@@ -44,7 +44,7 @@ from kvguard.audit.erasure import PurgeEntry, engines_in
 from kvguard.audit.erasure_query import CLOCK_SKEW_S, JobEvidence, Window, find_evidence
 from kvguard.control.commands import PurgeKind
 from kvguard.control.db import read_connection, reading
-from kvguard.control.engines import EngineInfo
+from kvguard.control.engines import EngineInfo, expected_engines
 from kvguard.control.schema import EngineCommand
 from kvguard.errors import NotFoundError
 
@@ -170,19 +170,6 @@ def _jobs_query(*, tenant: bool, before: bool) -> Any:
     ).subquery()
     both = sa.union(sa.select(own), sa.select(whole)).subquery()
     return sa.select(both).order_by(both.c.id.desc()).limit(limit)
-
-
-def expected_engines(
-    engines: Sequence[EngineInfo], created_at: float, max_age_s: float
-) -> set[str]:
-    """Engines live at `created_at` (module docstring)."""
-    return {
-        e.engine_id
-        for e in engines
-        if e.started_at <= created_at
-        and (e.stopped_at is None or e.stopped_at >= created_at)
-        and e.last_seen >= created_at - max_age_s
-    }
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,11 @@ def _submit_recorded_purge(
     tag (`tenant_tag`: the salt keyring's; without it a tenant or session purge's certificate
     cannot verify)."""
     from kvguard.audit.certificate import recorded_value  # noqa: PLC0415
-    from kvguard.control.engines import LIVE_MAX_AGE_S, EngineRegistry  # noqa: PLC0415
+    from kvguard.control.engines import (  # noqa: PLC0415
+        LIVE_MAX_AGE_S,
+        EngineRegistry,
+        expected_engines,
+    )
     from kvguard.control.outbox import (  # noqa: PLC0415
         operator_event,
         operator_principal,
@@ -106,13 +110,16 @@ def _submit_recorded_purge(
 
     tenant = selector.tenant_id or (selector.value if selector.kind.value == "tenant" else None)
     # Counted before the write transaction, as the API counts them (`routes.purges._submit`).
-    # (The API's job report uses the same age, `ApiConfig.engine_max_age_s`.)
-    expected = len(EngineRegistry(queue.engine).live_engines(time.time(), LIVE_MAX_AGE_S))
+    # (The API's job report uses the same age, `ApiConfig.engine_max_age_s`.) The job is dated at
+    # the same instant, so its report waits for exactly these engines.
+    now = time.time()
+    engines = EngineRegistry(queue.engine).engines()
+    expected = len(expected_engines(engines, now, LIVE_MAX_AGE_S))
     return int(
         record_operator_change(
             queue.engine,
             lambda conn: queue.submit_purge(
-                selector, requested_by=operator_principal(by), conn=conn
+                selector, requested_by=operator_principal(by), conn=conn, created_at=now
             ),
             lambda job_id: operator_event(
                 "purge.create",

@@ -142,9 +142,16 @@ class CommandQueue:
         return self._engine
 
     def submit_purge(
-        self, selector: PurgeSelector, *, requested_by: str, conn: sa.Connection | None = None
+        self,
+        selector: PurgeSelector,
+        *,
+        requested_by: str,
+        conn: sa.Connection | None = None,
+        created_at: float | None = None,
     ) -> int:
-        """Queue a purge; returns its job id. With `conn`, inside the caller's write transaction."""
+        """Queue a purge; returns its job id. With `conn`, inside the caller's write transaction.
+        `created_at`: the instant the caller counted the engines the job waits for (the job report
+        waits for the engines live at `created_at`; default: now)."""
         if not selector.value:
             raise ConfigError("a purge needs a non-empty session, tenant, model or adapter id")
         if selector.kind is PurgeKind.SESSION and not selector.tenant_id:
@@ -156,6 +163,7 @@ class CommandQueue:
             selector_value=selector.value,
             tenant_id=selector.tenant_id,
             requested_by=requested_by,
+            created_at=created_at,
         )
 
     def submit_policy(
@@ -173,10 +181,12 @@ class CommandQueue:
             requested_by=requested_by,
         )
 
-    def _submit(self, conn: sa.Connection | None, **values: Any) -> int:
+    def _submit(
+        self, conn: sa.Connection | None, *, created_at: float | None = None, **values: Any
+    ) -> int:
         if conn is None:
             with write_transaction(self._engine) as own:
-                return self._submit(own, **values)
+                return self._submit(own, created_at=created_at, **values)
         # The head row stays locked until the caller commits: numbers are handed out in commit
         # order, so an engine that has read number n has seen every command numbered below it.
         # One `UPDATE ... RETURNING` takes the row lock and the number in one round trip (a
@@ -191,7 +201,7 @@ class CommandQueue:
         )
         new_id = conn.execute(
             sa.insert(EngineCommand)
-            .values(created_at=time.time(), seq=seq, **values)
+            .values(created_at=time.time() if created_at is None else created_at, seq=seq, **values)
             .returning(EngineCommand.id)
         ).scalar_one()
         if conn.dialect.name == "postgresql":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +58,21 @@ class EngineInfo:
 
     def live(self, now: float, max_age_s: float) -> bool:
         return self.stopped_at is None and now - self.last_seen <= max_age_s
+
+
+def expected_engines(
+    engines: Sequence[EngineInfo], created_at: float, max_age_s: float
+) -> set[str]:
+    """Engines live at `created_at`: started by then, not stopped before it, and seen within
+    `max_age_s` of it. A purge job waits for these (`kvguard.api.purge_jobs`), and whoever
+    creates one records how many there are, counted at the instant the job is dated."""
+    return {
+        e.engine_id
+        for e in engines
+        if e.started_at <= created_at
+        and (e.stopped_at is None or e.stopped_at >= created_at)
+        and e.last_seen >= created_at - max_age_s
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -492,9 +492,11 @@ def submit_purge(
     *,
     requested_by: str,
     events: Callable[[int], Sequence[AuditEvent]],
+    created_at: float | None = None,
 ) -> int:
     """Queue a purge for every engine with `events(job_id)` in one transaction; returns the job
-    id (one statement on PostgreSQL, module docstring)."""
+    id (one statement on PostgreSQL, module docstring). `created_at`: when the caller counted the
+    engines the job waits for (`CommandQueue.submit_purge`)."""
     if not selector.value:
         raise ConfigError("a purge needs a non-empty session, tenant, model or adapter id")
     if selector.kind is PurgeKind.SESSION and not selector.tenant_id:
@@ -502,7 +504,9 @@ def submit_purge(
     engine = commands.engine
     if not _is_postgres(engine):
         with write_transaction(engine) as conn:
-            job_id = commands.submit_purge(selector, requested_by=requested_by, conn=conn)
+            job_id = commands.submit_purge(
+                selector, requested_by=requested_by, conn=conn, created_at=created_at
+            )
             outbox.add(conn, events(job_id))
         return job_id
     with read_connection(engine) as conn:  # autocommit
@@ -512,7 +516,7 @@ def submit_purge(
             {
                 "head_id": HEAD_ID,
                 "id": job_id,
-                "now": time.time(),
+                "now": time.time() if created_at is None else created_at,
                 "selector_kind": selector.kind.value,
                 "selector_value": selector.value,
                 "tenant_id": selector.tenant_id,

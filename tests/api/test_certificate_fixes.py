@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from kvguard.audit.certificate import verify_certificate
@@ -24,7 +26,7 @@ from kvguard.control.outbox import admin_action_event
 from kvguard.control.publish import submit_purge
 from kvguard.errors import VerificationError
 from tests.api.conftest import ApiEnv
-from tests.api.purge_support import SimEngine, evidence, scope, without_engine
+from tests.api.purge_support import MODEL, SimEngine, evidence, scope, without_engine
 
 Cert = dict[str, Any]
 
@@ -311,3 +313,78 @@ def test_true_is_not_the_integer_one(env: ApiEnv, path: str) -> None:
     node[last] = True
     with pytest.raises(VerificationError):
         verify_certificate(bad, [_vkey(env)])
+
+
+# --- the engines a job waits for are counted at the instant it is dated ---------------------------
+
+
+def _hold_row_lock(url: str, table: str, seconds: float) -> threading.Thread:
+    """Another writer holds `table`'s row lock for `seconds` (as a slow concurrent write does)."""
+    started = threading.Event()
+
+    def hold() -> None:
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"SELECT * FROM {table} FOR UPDATE")
+            started.set()
+            time.sleep(seconds)
+        engine.dispose()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert started.wait(10)
+    return thread
+
+
+def _never_done_with_a_bad_certificate(env: ApiEnv, job_id: int) -> None:
+    job = env.call("admin", "GET", f"/v1/purges/{job_id}").json()
+    if job["status"] == "done":
+        verify_certificate(_certificate(env, job_id), [_vkey(env)])
+
+
+@pytest.mark.postgres
+def test_a_disable_waiting_for_its_locks_dates_its_job_when_it_counted_the_engines(
+    make_env: Any, pg_db: str
+) -> None:
+    """The disable counted two live engines, then waited for the policy head; one engine stopped
+    meanwhile. The job, dated after the wait, waited for one engine, went `done`, and its
+    certificate listed fewer engines than its request entry recorded: served with 200, refused
+    offline. Dated when the engines were counted, it waits for both."""
+    env = make_env(pg_db)
+    a, b = SimEngine(env.services, "engine-a"), SimEngine(env.services, "engine-b")
+    a.cache(scope("acme"), [1, 2])
+    holder = _hold_row_lock(pg_db, "policy_head", 2.0)
+    answer: dict[str, Any] = {}
+    disable = threading.Thread(
+        target=lambda: answer.setdefault(
+            "r", env.call("admin", "POST", "/v1/tenants/acme/disable", json={"reason": "x"})
+        )
+    )
+    disable.start()
+    time.sleep(0.5)  # it has counted the engines and waits for the policy head
+    env.services.engines.stop(b.engine_id, time.time())
+    holder.join()
+    disable.join()
+    job_id = answer["r"].json()["purge_job_id"]
+    a.run_commands()
+    a.zeroize()
+    _never_done_with_a_bad_certificate(env, job_id)
+
+
+@pytest.mark.postgres
+def test_a_cli_purge_waiting_for_the_command_head_dates_its_job_when_it_counted_the_engines(
+    make_env: Any, pg_db: str
+) -> None:
+    env = make_env(pg_db)
+    a = SimEngine(env.services, "engine-a")
+    a.cache(scope("acme"), [1, 2])
+    # engine-b's last heartbeat is 9 s old: live when counted, past the 10 s age after the wait
+    env.services.engines.register(
+        "engine-b", model=MODEL, block_size=16, num_blocks=16, now=time.time() - 9.0
+    )
+    holder = _hold_row_lock(pg_db, "command_head", 2.5)
+    job_id = _cli_purge(env, "--tenant", "acme")
+    holder.join()
+    a.run_commands()
+    a.zeroize()
+    _never_done_with_a_bad_certificate(env, job_id)

@@ -30,6 +30,7 @@ from kvguard.api.purge_schemas import (
 from kvguard.audit.certificate import recorded_value
 from kvguard.control.commands import PurgeSelector
 from kvguard.control.db import read_connection
+from kvguard.control.engines import expected_engines
 from kvguard.control.publish import submit_purge
 from kvguard.errors import ConflictError, PermissionDeniedError
 
@@ -74,10 +75,13 @@ def _submit(body: PurgeCreate, action: Action) -> int:
     # Read before the write transaction: inside it, a second pooled connection would be taken
     # while the command head's row lock is held, and under load every pooled connection can be
     # waiting on that lock (a deadlock until the pool timeout).
+    # The job is dated at the same instant (`created_at`): its report waits for the engines live
+    # then, exactly those counted here (found by a review: dated after a wait for the command
+    # head's lock, an engine counted here could have aged out, and the done job's certificate
+    # listed fewer engines than its request entry recorded).
+    now = services.clock()
     expected = len(
-        jobs.expected_engines(
-            services.engines.engines(), services.clock(), services.config.engine_max_age_s
-        )
+        expected_engines(services.engines.engines(), now, services.config.engine_max_age_s)
     )
     # The command and its `admin.action` entry commit together (one statement on PostgreSQL:
     # the command head's row lock is never held across a round trip, `kvguard.control.publish`).
@@ -86,6 +90,7 @@ def _submit(body: PurgeCreate, action: Action) -> int:
         services.outbox,
         PurgeSelector(body.kind, body.value, tenant),
         requested_by=access.principal.name,
+        created_at=now,
         events=lambda job_id: [
             action.ok_event(
                 job_id=job_id,

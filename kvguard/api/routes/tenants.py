@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.offload import OneHopRoute
-from kvguard.api.purge_jobs import expected_engines
 from kvguard.api.routes.policies import edit_tenant, store_policy
 from kvguard.control.commands import PurgeKind, PurgeSelector
+from kvguard.control.engines import expected_engines
 from kvguard.control.tenants import TENANT_ID_PATTERN
 
 router = APIRouter(
@@ -109,11 +109,11 @@ def disable_tenant(
     # The engines the purge waits for, recorded with its request as `POST /v1/purges` records
     # them: without the count, its certificate could leave out a whole engine and still verify.
     # Read before the write transaction (a second pooled connection inside it can deadlock,
-    # `routes.purges._submit`).
+    # `routes.purges._submit`); the job is dated at the same instant, so its report waits for
+    # exactly these engines, however long the disable then waits for its locks.
+    now = services.clock()
     expected = len(
-        expected_engines(
-            services.engines.engines(), services.clock(), services.config.engine_max_age_s
-        )
+        expected_engines(services.engines.engines(), now, services.config.engine_max_age_s)
     )
     with services.write() as conn:
         # The policy head first: every policy write takes it before `command_head` (and a
@@ -131,7 +131,7 @@ def disable_tenant(
         # proved no offloaded copy destroyed. Both commit together; front ends refuse the tenant
         # from the commit on.
         job = services.commands.submit_purge(
-            PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn
+            PurgeSelector(PurgeKind.TENANT, tenant_id), requested_by=who, conn=conn, created_at=now
         )
         version = store_policy(
             services,
