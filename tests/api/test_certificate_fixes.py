@@ -43,6 +43,14 @@ def _certificate(env: ApiEnv, job_id: int, who: str = "admin") -> Cert:
     return cert
 
 
+def _refused(env: ApiEnv, job_id: int, reason: str) -> None:
+    """The job is done, but its certificate would not verify: 409 with the verifier's reason."""
+    assert env.call("admin", "GET", f"/v1/purges/{job_id}").json()["status"] == "done"
+    r = env.call("admin", "GET", f"/v1/purges/{job_id}/certificate")
+    assert r.status_code == 409, r.text
+    assert "does not verify" in r.json()["message"] and reason in r.json()["message"]
+
+
 def _leaf(entry: dict[str, Any]) -> dict[str, Any]:
     leaf: dict[str, Any] = json.loads(base64.b64decode(entry["leaf"]))
     return leaf
@@ -95,7 +103,7 @@ def test_a_cli_purge_without_the_salt_keyring_warns_that_it_will_not_certify(
     env: ApiEnv,
 ) -> None:
     """Without the keyring the CLI cannot name the tenant's tag: the purge still runs, the CLI
-    says its certificate will not verify, and it does not (fail closed)."""
+    says its certificate will not verify, and the API does not serve one that would fail."""
     engine = SimEngine(env.services, "engine-a")
     engine.cache(scope("acme"), [1])
     config = env.services.config
@@ -107,8 +115,7 @@ def test_a_cli_purge_without_the_salt_keyring_warns_that_it_will_not_certify(
     engine.run_commands()
     engine.zeroize()
     (job,) = env.call("admin", "GET", "/v1/purges").json()["jobs"]
-    with pytest.raises(VerificationError, match="about another tenant"):
-        verify_certificate(_certificate(env, job["job_id"]), [_vkey(env)])
+    _refused(env, job["job_id"], "about another tenant")
 
 
 # --- model and adapter names ---------------------------------------------------------------
@@ -148,7 +155,8 @@ def test_a_request_entry_written_before_the_ledger_backed_these_claims_fails_clo
     env: ApiEnv, selector: PurgeSelector, recorded: dict[str, int], message: str
 ) -> None:
     """Entries stored by earlier releases lack the value digest or the engine count: their
-    certificates are refused with a message that says what the ledger does not hold."""
+    certificates are refused (409) with the verifier's message, which says what the ledger does
+    not hold."""
     engine = SimEngine(env.services, "engine-a")
     engine.cache(scope("acme"), [1, 2])
     tag = env.services.deriver.tenant_tag("acme") if selector.kind is PurgeKind.TENANT else None
@@ -174,8 +182,7 @@ def test_a_request_entry_written_before_the_ledger_backed_these_claims_fails_clo
     assert services.deliver()
     engine.run_commands()
     engine.zeroize()
-    with pytest.raises(VerificationError, match=message):
-        verify_certificate(_certificate(env, job_id), [_vkey(env)])
+    _refused(env, job_id, message)
 
 
 # --- tenant.disable -----------------------------------------------------------------------
@@ -388,3 +395,30 @@ def test_a_cli_purge_waiting_for_the_command_head_dates_its_job_when_it_counted_
     a.run_commands()
     a.zeroize()
     _never_done_with_a_bad_certificate(env, job_id)
+
+
+def test_a_certificate_that_would_fail_offline_is_never_served(
+    env: ApiEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API verifies a certificate as an auditor would before it serves it: a done job whose
+    certificate does not verify (an inconsistency like the one above) gets 409, never 200."""
+    from kvguard.api import certificates  # noqa: PLC0415
+
+    engine = SimEngine(env.services, "engine-a")
+    engine.cache(scope("acme"), [1, 2])
+    job_id = env.call("admin", "POST", "/v1/purges", json={"kind": "tenant", "value": "acme"})
+    job_id = job_id.json()["job_id"]
+    engine.run_commands()
+    engine.zeroize()
+    verify_certificate(_certificate(env, job_id), [_vkey(env)])  # served, and it verifies
+    issue = certificates.issue
+
+    def inconsistent(services: Any, report: Any) -> dict[str, Any]:
+        document = issue(services, report)
+        document["job"]["engines_expected"] = 0  # not what the request entry recorded
+        return document
+
+    monkeypatch.setattr(certificates, "issue", inconsistent)
+    r = env.call("admin", "GET", f"/v1/purges/{job_id}/certificate")
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == "conflict" and "does not verify" in r.json()["message"]

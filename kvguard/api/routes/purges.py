@@ -27,12 +27,16 @@ from kvguard.api.purge_schemas import (
     PurgeJobPage,
     PurgeJobPublic,
 )
-from kvguard.audit.certificate import recorded_value
+from kvguard.api.services import Services
+from kvguard.audit.certificate import recorded_value, verify_certificate
 from kvguard.control.commands import PurgeSelector
 from kvguard.control.db import read_connection
 from kvguard.control.engines import expected_engines
 from kvguard.control.publish import submit_purge
-from kvguard.errors import ConflictError, PermissionDeniedError
+from kvguard.errors import ConflictError, PermissionDeniedError, VerificationError
+from kvguard.logging import get_logger
+
+_log = get_logger("kvguard.api.purges")
 
 router = APIRouter(
     route_class=OneHopRoute, prefix="/v1/purges", tags=["purges"], responses=ERROR_RESPONSES
@@ -159,6 +163,7 @@ def get_certificate(
         raise ConflictError(f"purge job {job_id} is {report.status.value}: no certificate yet")
     document = certificates.issue(services, report)
     ErasureCertificate.model_validate(document)  # the documented shape, checked before it leaves
+    _check_verifies(services, job_id, document)
     action.done(None, job_id=job_id, tree_size=document["evidence"]["tree_size"])
     return JSONResponse(
         document,
@@ -166,3 +171,20 @@ def get_certificate(
             "Content-Disposition": f'attachment; filename="erasure-certificate-{job_id}.json"'
         },
     )
+
+
+def _check_verifies(services: Services, job_id: int, document: dict[str, Any]) -> None:
+    """Verify the certificate as an auditor would (this ledger's keys and origin) before it is
+    served: one that would fail offline is never answered with 200 (found by a review: a done
+    job's certificate listed fewer engines than its request entry recorded). Its job waits:
+    409, and the inconsistency is logged (the verifier's message names entries and fields,
+    never tenant data)."""
+    ledger = services.ledger
+    keys = [k.verifier_key() for k in ledger.signing_keys]
+    try:
+        verify_certificate(document, keys, origin=ledger.origin)
+    except VerificationError as exc:
+        _log.error("erasure certificate does not verify; not served", job_id=job_id, error=str(exc))
+        raise ConflictError(
+            f"purge job {job_id}: its certificate does not verify against the ledger yet ({exc})"
+        ) from None
