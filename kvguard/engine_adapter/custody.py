@@ -937,9 +937,8 @@ class Custody:
     def _engine_took_quarantined(self, rec: BlockRecord) -> None:
         """The engine re-allocated a block custody had just quarantined (it freed it on a path that
         bypasses the connector, e.g. preemption) before the worker cleared it. It still holds its
-        old owner's bytes, so it becomes a handover clear of this step (G3)."""
-        if rec.block_id not in self._pending_release:
-            raise CustodyError(f"block {rec.block_id} allocated while quarantined for zeroization")
+        old owner's bytes, so it becomes a handover clear of this step (G3). Only a block whose
+        clear is not planned yet gets here (`_check_allocatable` refused the others)."""
         self._pending_release.discard(rec.block_id)
         self._set(rec, _FREE)
 

@@ -74,14 +74,7 @@ class SaltDeriver:
 
     def scope_tag(self, scope: Scope) -> ScopeTag:
         """A short public pseudonym of `scope`'s reuse domain."""
-        key = scope.domain_key
-        cached = self._tags.get(key)
-        if cached is not None:
-            return cached
-        mac = hmac.new(self._tag_key, _SCOPE_TAG_LABEL + key, hashlib.sha256).digest()
-        value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
-        self._remember(self._tags, key, value)
-        return value
+        return self._tag(self._tags, _SCOPE_TAG_LABEL, scope.domain_key)
 
     def member_tag(self, scope: Scope) -> ScopeTag:
         """The tag of `scope` as its own tenant uses it: for tenant and session scopes, whose
@@ -93,12 +86,16 @@ class SaltDeriver:
         if scope.share in (Share.TENANT, Share.SESSION):
             return self.scope_tag(scope)
         key = scope.domain_key + encode_tenant(scope.tenant_id)  # both self-delimiting
-        cached = self._member_tags.get(key)
+        return self._tag(self._member_tags, _MEMBER_TAG_LABEL, key)
+
+    def _tag(self, table: dict[bytes, ScopeTag], label: bytes, key: bytes) -> ScopeTag:
+        """`st_` + the HMAC of `label || key` under the tag key, cached in `table`."""
+        cached = table.get(key)
         if cached is not None:
             return cached
-        mac = hmac.new(self._tag_key, _MEMBER_TAG_LABEL + key, hashlib.sha256).digest()
+        mac = hmac.new(self._tag_key, label + key, hashlib.sha256).digest()
         value = ScopeTag("st_" + _b64(mac[:_TAG_BYTES]))
-        self._remember(self._member_tags, key, value)
+        self._remember(table, key, value)
         return value
 
     def tenant_tag(self, tenant_id: str) -> TenantTag:

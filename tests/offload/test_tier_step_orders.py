@@ -51,6 +51,17 @@ def _harness(ttl_s: int) -> Harness:
     return Harness(policies(a=offload), restore_us_per_block=1, prefill_us_per_token=100)
 
 
+def _one_of_two_spilled() -> tuple[Harness, WorkerGuard]:
+    """Tenant a's request ends with blocks 1 and 2 cached (entries kept 100 s in the tier); vLLM
+    evicts block 1 and it is spilled: one entry in the index and in the worker."""
+    h = _harness(ttl_s=100)
+    w = _worker()
+    h.finish("r1", "a", [1, 2], 2)
+    h.evict([1])
+    run_step(h, w)
+    return h, w
+
+
 _step = [0]  # GuardStepMeta step numbers, unique across the tests
 
 
@@ -72,11 +83,7 @@ def worker_entries(worker: WorkerGuard) -> int:
 
 
 def test_expiry_shred_then_spill_same_domain_same_batch_leaves_phantom_index_entry() -> None:
-    h = _harness(ttl_s=100)
-    w = _worker()
-    h.finish("r1", "a", [1, 2], 2)  # both cached on the device, candidates
-    h.evict([1])  # block 1 evicted and spilled
-    run_step(h, w)
+    h, w = _one_of_two_spilled()
     assert len(h.tier.index) == 1 and worker_entries(w) == 1
     # Between steps (poll -> housekeeping): the entry's offload.ttl_s is up, domain emptied -> shred
     h.now += 100
@@ -110,11 +117,7 @@ def test_failed_load_emptied_shred_then_spill_next_step_phantom() -> None:
 
 
 def test_phantom_then_purge_figures_disagree_with_key_shred() -> None:
-    h = _harness(ttl_s=100)
-    w = _worker()
-    h.finish("r1", "a", [1, 2], 2)
-    h.evict([1])
-    run_step(h, w)
+    h, w = _one_of_two_spilled()
     h.now += 100
     h.tier.sweep(h.now)
     h.evict([2])
@@ -173,11 +176,7 @@ def test_sweep_drop_of_a_key_respilled_in_the_same_step_leaves_phantom() -> None
 
 
 def test_failed_spill_with_drop_leaves_an_empty_domain_with_a_live_key(monkeypatch: Any) -> None:
-    h = _harness(ttl_s=100)
-    w = _worker()
-    h.finish("r1", "a", [1, 2], 2)
-    h.evict([1])
-    run_step(h, w)
+    h, w = _one_of_two_spilled()
     h.now += 100
     h.evict([2])  # spill ordered (in _record_schedule) ...
     h.tier.sweep(
