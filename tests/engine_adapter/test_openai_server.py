@@ -534,3 +534,80 @@ def test_streams_run_to_their_end_while_their_tenants_policy_changes_under_them(
     log = (server.workdir / "serve.log").read_text(errors="replace")[log_from:]
     for sign in ("EngineDeadError", "CustodyError", "Traceback", "custody.repair"):
         assert sign not in log, f"{sign} in the server log while policies changed"
+
+
+def test_each_share_group_member_reads_its_own_group_entries_and_not_the_other_members(
+    server, tmp_path
+) -> None:
+    """Member tags through the served path (a review found the first member's tag on every
+    member's group entries): shr-a and shr-b run under `group:docs`, shr-b reusing shr-a's blocks
+    of the listed prefix; an admin API over the server's database (as operators run it, a second
+    process on the same database) shows each member's tenant_admin its own allocations and prefix
+    hits and none of the other member's, and the admin sees both."""
+    from datetime import UTC, datetime  # noqa: PLC0415
+
+    from fastapi.testclient import TestClient  # noqa: PLC0415
+
+    from kvguard.api.app import create_app  # noqa: PLC0415
+    from kvguard.api.auth import Role  # noqa: PLC0415
+    from kvguard.api.services import ApiConfig, Services  # noqa: PLC0415
+
+    tk = server.keys()
+    since = datetime.now(UTC).isoformat()
+
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=server.base_url + "/v1",
+            api_key=tk.issue(tenant).api_key,
+            max_retries=0,
+            timeout=120,
+            default_headers={"X-KVGuard-Share": "group:docs"},
+        )
+
+    prompt = f"{served_mod.GROUP_PREFIX} {' '.join(['ya ye yi yo yu'] * 40)}"
+    client("shr-a").completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    usage = client("shr-b").completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    assert _cached(usage.usage) > 0  # shr-b reused shr-a's blocks of the listed prefix
+
+    config = ApiConfig(
+        db_url=server.db_url,
+        signing_key_file=server.workdir / "sign.key",
+        salt_keyring_file=server.workdir / "salt.keys",
+        origin="kvguard.test/ledger",
+        checkpoint_interval_s=None,
+    )
+    services = Services.open(config)
+    try:
+        api = TestClient(create_app(services))
+        keys = {
+            "admin": services.keys.create(Role.ADMIN).api_key,
+            **{
+                t: services.keys.create(Role.TENANT_ADMIN, tenant_id=t).api_key
+                for t in ("shr-a", "shr-b")
+            },
+        }
+
+        def view(who: str, kind: str) -> list[dict]:
+            r = api.get(
+                "/v1/audit/entries",
+                params={"kind": kind, "since": since, "limit": 1000},
+                headers={"Authorization": f"Bearer {keys[who]}"},
+            )
+            assert r.status_code == 200, r.text
+            return list(r.json()["entries"])
+
+        deadline = time.monotonic() + 60  # the engine's ledger writer commits in the background
+        while not view("shr-b", "block.reuse"):
+            assert time.monotonic() < deadline, "shr-b's admin never saw shr-b's prefix hit"
+            time.sleep(0.5)
+        views = {t: view(t, "block.alloc") + view(t, "block.reuse") for t in ("shr-a", "shr-b")}
+        assert all(views.values()), {t: len(v) for t, v in views.items()}
+        seen = {t: {e["index"] for e in v} for t, v in views.items()}
+        tags = {t: {e["scope_tag"] for e in v} for t, v in views.items()}
+        assert not seen["shr-a"] & seen["shr-b"], "one member's admin reads the other's entries"
+        assert not tags["shr-a"] & tags["shr-b"]
+        everything = {e["index"] for k in ("block.alloc", "block.reuse") for e in view("admin", k)}
+        assert seen["shr-a"] | seen["shr-b"] <= everything
+        api.close()
+    finally:
+        services.close()
