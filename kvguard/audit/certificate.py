@@ -23,7 +23,10 @@ Verification (`verify_certificate`), failing closed at the first problem with `V
    listed) and the `selector` (the request's kind; a tenant tag and no value for tenant and
    session purges; for model and adapter purges a value whose SHA-256 the request recorded
    (`VALUE_FIELD`), and no tag) agree with the entries. A request entry written before it
-   recorded these (`engines_expected`, `VALUE_FIELD`) fails: the ledger does not back the claim;
+   recorded these (`engines_expected`, `VALUE_FIELD`) fails: the ledger does not back the claim.
+   No purge or key shred entry is dated more than `erasure.JOB_ENTRY_LEAD` before the request:
+   job ids repeat when a control database is restored or recreated, and an earlier job's
+   entries under the same number are not this job's (found by a review);
 5. every block a purge entry quarantined is covered by a zeroize entry (`kvguard.audit.erasure`)
    that passed verification, and no zeroize entry is there for nothing;
 6. every offload data key a purge entry says it must destroy (`tier_key_count`) has its `key.shred`
@@ -250,6 +253,7 @@ def _verify(
         )
     _engine_list(document)
     _check_request(document, *requests[0], job_id)
+    _check_dates(requests[0], purges, shreds)
     _check_job(document, requests[0][1], purges)
     _check_selector(document, requests[0][1])
     coverage, offload = _cover(purges, zeroizes, shreds)
@@ -426,6 +430,24 @@ def _check_request(
         )
     if len(_engine_list(document)) < expected:
         raise VerificationError(f"entry {index}: fewer engines than were live at the request")
+
+
+def _check_dates(
+    request: tuple[int, dict[str, Any]],
+    purges: Sequence[erasure.PurgeEntry],
+    shreds: Sequence[erasure.ShredEntry],
+) -> None:
+    """No purge or key shred entry dated before the request less `erasure.JOB_ENTRY_LEAD` (what
+    the API's evidence search accepts): one that old is an earlier job's under the same id."""
+    index, obj = request
+    earliest = erasure.instant(obj["ts"], f"entry {index}") - erasure.JOB_ENTRY_LEAD
+    dated = [(p.index, p.ts) for p in purges] + [(s.index, s.ts) for s in shreds]
+    for at, ts in dated:
+        if erasure.instant(ts, f"entry {at}") < earliest:
+            raise VerificationError(
+                f"entry {at}: dated before its job was requested (entry {index}): an earlier "
+                "job's under the same id"
+            )
 
 
 def _check_job(

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from kvguard.errors import VerificationError
@@ -59,6 +60,13 @@ ZEROIZE_KIND: Final = "block.zeroize"
 SHRED_KIND: Final = "key.shred"
 SHRED_PURGE_REASON: Final = "purge"
 VERIFY_MODES: Final = frozenset({"none", "sample", "full"})
+CLOCK_SKEW_S: Final = timedelta(minutes=5)  # engines and the API keep time by NTP
+# How much earlier than its request entry a job's purge and key shred entries may be dated: the
+# API looks for them from the job's creation less CLOCK_SKEW_S, and for the request within
+# CLOCK_SKEW_S of the creation (`erasure_query`), so this holds all that the API accepts. Older
+# entries are another job's under the same number (job ids repeat once a control database is
+# restored from a backup or recreated while the ledger goes on).
+JOB_ENTRY_LEAD: Final = 2 * CLOCK_SKEW_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +173,17 @@ def parse_leaf(leaf: bytes) -> dict[str, Any]:
     if not isinstance(obj.get("details"), dict) or not isinstance(obj.get("ts"), str):
         raise VerificationError("leaf has no details or timestamp")
     return obj
+
+
+def instant(ts: str, where: str) -> datetime:
+    """A leaf's `ts` (UTC, ISO 8601 with a zone) as an aware datetime."""
+    try:
+        value = datetime.fromisoformat(ts)
+    except ValueError:
+        raise VerificationError(f"{where}: ts is not an ISO 8601 instant") from None
+    if value.tzinfo is None:
+        raise VerificationError(f"{where}: ts has no time zone")
+    return value
 
 
 def _int(details: dict[str, Any], name: str, where: str) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Final, NamedTuple
 
 import sqlalchemy as sa
@@ -42,7 +42,7 @@ from kvguard.audit.ledger import Ledger
 from kvguard.audit.selection import ts_micros
 from kvguard.errors import VerificationError
 
-CLOCK_SKEW_S: Final = timedelta(minutes=5)  # engines and the API keep time by NTP
+CLOCK_SKEW_S: Final = erasure.CLOCK_SKEW_S  # engines and the API keep time by NTP
 _PAGE: Final = 500
 _FIRST_CLEARS: Final = 16  # the first page of a purge's clears (they follow it closely)
 _REQUEST_KIND: Final = "admin.action"

@@ -266,9 +266,14 @@ def _purge_log(open_ledger: Opener, url: str, **request: Any) -> Ledger:
 _ROLES = {0: "request", 1: "purge", 2: "zeroize", 3: "purge", 4: "zeroize"}
 
 
-def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
-    """A certificate of job 7 holding the entries `indices`, every claim what they show (as the API's
-    `kvguard.api.certificates.issue` computes it)."""
+def _certificate(
+    ledger: Ledger,
+    indices: list[int],
+    roles: dict[int, str] = _ROLES,
+    engines_expected: int = 2,
+) -> dict[str, Any]:
+    """A certificate of job 7 holding the entries `indices` (in `roles`), every claim what they
+    show (as the API's `kvguard.api.certificates.issue` computes it)."""
     signed = ledger.checkpoint()
     size = ledger.size
     records = {r.index: r for r in ledger.query(limit=100).records}
@@ -277,7 +282,7 @@ def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
         leaf = records[i].leaf
         entries.append(
             {
-                "role": _ROLES[i],
+                "role": roles[i],
                 "index": i,
                 "leaf": base64.b64encode(leaf).decode(),
                 "inclusion_proof": [
@@ -285,7 +290,7 @@ def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
                 ],
             }
         )
-        objs.append((_ROLES[i], i, erasure.parse_leaf(leaf)))
+        objs.append((roles[i], i, erasure.parse_leaf(leaf)))
     purges = [erasure.purge_entry(i, o) for r, i, o in objs if r == "purge"]
     zeroizes = [erasure.zeroize_entry(i, o) for r, i, o in objs if r == "zeroize"]
     coverage = erasure.cover(purges, zeroizes)
@@ -297,7 +302,12 @@ def _certificate(ledger: Ledger, indices: list[int]) -> dict[str, Any]:
         "certificate_id": f"{ORIGIN}/purges/7/certificate@{size}",
         "issuer": {"ledger_origin": ORIGIN},
         "requested_by": {"principal": "key:abc"},
-        "job": {"job_id": 7, "status": "done", "engines_expected": 2, "no_live_engines": False},
+        "job": {
+            "job_id": 7,
+            "status": "done",
+            "engines_expected": engines_expected,
+            "no_live_engines": False,
+        },
         "selector": {"kind": "tenant", "tenant_tag": "tt_acme", "value": None},
         "media": {
             "type": MEDIA_TYPE,
@@ -321,6 +331,90 @@ def test_the_whole_certificate_verifies(
     ledger = _purge_log(open_ledger, sqlite_url)
     assert (
         verify_certificate(_certificate(ledger, [0, 1, 2, 3, 4]), [key.verifier_key()]).engines == 2
+    )
+
+
+def test_an_earlier_jobs_entries_under_the_same_id_do_not_certify_a_later_job(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey
+) -> None:
+    """Job ids repeat when a control database is restored or recreated while the ledger goes on
+    (found by a review): a month after job 7's clears, a new job 7's purge quarantined blocks that
+    were never cleared; its request entry paired with the old job's purge and clear entries
+    verified, certifying the new purge with another job's clears. Entries dated before the
+    request (less the clock skew the API allows) are refused."""
+    ledger = _purge_log(open_ledger, sqlite_url)  # 0-4: job 7, a month ago
+    later = T0 + timedelta(days=30)
+    request = _request_event(engines_expected=1, ts=later)
+    ledger.append(request)  # 5: the new job 7
+    ledger.append(  # 6: its purge, whose blocks have no clear
+        AuditEvent(
+            kind="tenant.purge",
+            block_ids=[40, 41],
+            details={"command_id": 7, "engine_id": "e1", "blocks_quarantined": 2,
+                     "blocks_active_doomed": 0},
+            ts=later + timedelta(seconds=1),
+        )
+    )  # fmt: skip
+    roles = {5: "request", 1: "purge", 2: "zeroize", 6: "purge"}
+    forged = _certificate(ledger, [5, 1, 2], roles, engines_expected=1)
+    with pytest.raises(VerificationError, match="entry 1: dated before its job was requested"):
+        verify_certificate(forged, [key.verifier_key()])
+    # The new job's own purge, without a clear: not covered (as before).
+    with pytest.raises(VerificationError, match="covered by a zeroize entry"):
+        verify_certificate(_certificate(ledger, [5, 6], roles, 1), [key.verifier_key()])
+    # An engine's clock up to the API's skew behind the request's is still the job's.
+    ledger2 = _purge_log(open_ledger, sqlite_url.replace(".db", "-2.db"))
+    requested = T0 + timedelta(seconds=5)
+    early = requested - erasure.JOB_ENTRY_LEAD + timedelta(seconds=1)
+    ledger2.append(_request_event(engines_expected=1, ts=requested))  # 5
+    ledger2.append(  # 6, 7: a purge dated by a slow clock, and its clear
+        AuditEvent(
+            kind="tenant.purge",
+            block_ids=[40],
+            details={"command_id": 7, "engine_id": "e3", "blocks_quarantined": 1,
+                     "blocks_active_doomed": 0},
+            ts=early,
+        )
+    )  # fmt: skip
+    ledger2.append(_clear("e3", [40], early + timedelta(seconds=1)))
+    roles2 = {5: "request", 6: "purge", 7: "zeroize"}
+    assert verify_certificate(_certificate(ledger2, [5, 6, 7], roles2, 1), [key.verifier_key()])
+
+
+def _request_event(*, engines_expected: int, ts: Any) -> AuditEvent:
+    return AuditEvent(
+        kind="admin.action",
+        scope_tag="tt_acme",
+        details={
+            "action": "purge.create",
+            "outcome": "ok",
+            "principal": "key:abc",
+            "role": "tenant_admin",
+            "job_id": 7,
+            "purge_kind": "tenant",
+            "engines_expected": engines_expected,
+        },
+        payload={"tenant_id": "acme"},
+        ts=ts,
+    )
+
+
+def _clear(engine: str, blocks: list[int], ts: Any) -> AuditEvent:
+    return AuditEvent(
+        kind="block.zeroize",
+        scope_tag="st_acme",
+        block_ids=blocks,
+        details={
+            "engine_id": engine,
+            "handover": False,
+            "method": "torch",
+            "device": "cpu",
+            "verify_mode": "full",
+            "verified": True,
+            "block_count": len(blocks),
+            "bytes_cleared": 4096 * len(blocks),
+        },
+        ts=ts,
     )
 
 
