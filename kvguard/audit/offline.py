@@ -334,9 +334,32 @@ def _verify_entries(
     selection: str | None = None,
 ) -> dict[int, bytes]:
     """Check entries.jsonl (the renderings follow: `_verify_renderings`). Leaf hashes by index."""
+    selected = _in_selection(selection)
     if full:
-        return _verify_full(d, cp, progress, parallel)
-    return _verify_proven_lines(d, cp, progress, complete, _in_selection(selection))
+        hashes = _verify_full(d, cp, progress, parallel)
+        if selected is not None:  # a filtered bundle is held to its selection on both paths
+            _check_full_selection(d, selected)
+        return hashes
+    return _verify_proven_lines(d, cp, progress, complete, selected)
+
+
+def _check_full_selection(d: Path, selected: Callable[[dict[str, Any]], bool]) -> None:
+    """`--full` of a filtered bundle: every line's event (each line already proven canonical, its
+    embedded event the leaf's) is one the signed selection names, and none is foreign (found by a
+    review: `--full` accepted a bundle labelled one tenant's that held every tenant's entries)."""
+    with ExitStack() as stack:
+        for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
+            obj = json.loads(line)
+            _check_selected(obj["event"], selected, _where(number, obj["index"]))
+
+
+def _check_selected(
+    event: dict[str, Any] | None, selected: Callable[[dict[str, Any]], bool], where: str
+) -> None:
+    if event is None:  # filtered exports leave foreign leaves out: no filter selects them
+        raise VerificationError(f"{where}: a foreign entry in a filtered bundle")
+    if not selected(event):
+        raise VerificationError(f"{where}: an entry outside the manifest's selection")
 
 
 # The filters `kvguard audit export` (`scope_tag`) and the API's export (`scope_tags`) sign.
@@ -486,12 +509,9 @@ def _verify_proven_lines(
                         else "a leaf that is not a kvguard event is carried as one"
                     )
                 )
-            if selected is not None and not foreign:
-                event = bundle.leaf_event(leaf)
-                if event is None or not selected(event):
-                    raise VerificationError(
-                        f"{_where(number, index)}: an entry outside the manifest's selection"
-                    )
+            if selected is not None:  # foreign lines too: filtered exports never carry one
+                event = None if foreign else bundle.leaf_event(leaf)
+                _check_selected(event, selected, _where(number, index))
             hashes[index] = merkle.leaf_hash(leaf)
             previous = index
             if progress is not None and number % _PROGRESS_EVERY == 0:
@@ -631,6 +651,8 @@ def _consistency_lines(
             if not isinstance(obj, dict) or not isinstance(obj.get("proof"), list):
                 raise VerificationError("not a consistency line (an object with a proof list)")
             old_note, proof_b64 = obj["old_checkpoint"], obj["proof"]
+            if not isinstance(old_note, str):  # a list or object here was a traceback (a review)
+                raise VerificationError("old_checkpoint is not a signed note")
             proof = [b64decode_strict(p, "proof hash") for p in proof_b64]
             if note.signed_by_any(old_note, verifiers):
                 old = parse_checkpoint(note.open_note(old_note, verifiers)[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -53,8 +54,9 @@ def _verify(bundle: Path, key: SigningKey, **kw: Any) -> Any:
     return verify_bundle(bundle, [key.verifier_key()], origin=ORIGIN, parallel=False, **kw)
 
 
-def _resign_manifest(bundle: Path, key: SigningKey) -> None:
-    """What an exporter holding the log's key can do: sign a manifest for whatever it wrote."""
+def _resign_manifest(bundle: Path, key: SigningKey, selection: str | None = None) -> None:
+    """What an exporter holding the log's key can do: sign a manifest for whatever it wrote
+    (`selection`: labelled so)."""
     m = parse_manifest(note.split_note((bundle / "manifest").read_text())[0])
     files = {
         p.name: file_digest(p)
@@ -62,7 +64,8 @@ def _resign_manifest(bundle: Path, key: SigningKey) -> None:
         if p.is_file() and p.name not in {"checkpoint", "manifest"}
     }
     lines = sum(1 for _ in (bundle / "entries.jsonl").open())
-    text = format_manifest(Manifest(m.origin, m.size, m.root, m.selection, lines, files, m.proofs))
+    chosen = m.selection if selection is None else selection
+    text = format_manifest(Manifest(m.origin, m.size, m.root, chosen, lines, files, m.proofs))
     (bundle / "manifest").write_text(note.join_note(text, [key.signature_line(text)]))
 
 
@@ -282,6 +285,69 @@ def test_entries_outside_the_signed_selection_are_refused(
     with pytest.raises(VerificationError):
         report = _verify(b, key)
         raise AssertionError(f"valid: {report.entries} entries, selection {report.selection}")
+
+
+def test_full_verification_holds_a_filtered_bundle_to_its_selection(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    """Found by a review: `--full` skipped the selection check, so a complete export with its
+    manifest re-signed as one tenant's (`filtered {"scope_tag":"st-tenant1"}`) verified under
+    `--full` while the plain path refused it."""
+    ledger = _ledger(open_ledger, sqlite_url)
+    ledger.export(tmp_path / "b")
+    _resign_manifest(tmp_path / "b", key, selection='filtered {"scope_tag":"st-tenant1"}')
+    for full in (False, True):
+        with pytest.raises(VerificationError, match="outside the manifest's selection"):
+            report = _verify(tmp_path / "b", key, full=full)
+            raise AssertionError(f"full={full}: valid, {report.entries} entries")
+
+
+def test_a_filtered_bundle_carries_no_foreign_entry(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    """Found by a review: a foreign line (`"event":null`, bytes that are no kvguard event) in a
+    tenant's filtered bundle verified with a warning; filtered exports never carry one, so
+    arbitrary bytes rode along in one tenant's bundle."""
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many([make_event(i) for i in range(4)])
+    with ledger.store.engine.begin() as conn:
+        leaf = b"raw prompt text: secret"
+        conn.exec_driver_sql(
+            "INSERT INTO ledger_entries (idx, leaf, leaf_hash, kind, ts_us) "
+            "SELECT size, ?, ?, 'block.alloc', 0 FROM ledger_head",
+            (leaf, hashlib.sha256(b"\x00" + leaf).digest()),
+        )
+    ledger.append_many([make_event(i) for i in range(5, 8)])
+    ledger.export(tmp_path / "all", renderings=False)
+    ledger.export(tmp_path / "t1", scope_tag="st-tenant1", renderings=False)
+    b = tmp_path / "t1"
+    lines = {json.loads(x)["index"]: x for x in (b / "entries.jsonl").open()}
+    (foreign,) = [x for x in (tmp_path / "all" / "entries.jsonl").open() if '"event":null' in x]
+    lines[json.loads(foreign)["index"]] = foreign
+    (b / "entries.jsonl").write_text("".join(lines[i] for i in sorted(lines)))
+    _resign_manifest(b, key)
+    with pytest.raises(VerificationError, match="a foreign entry in a filtered bundle"):
+        _verify(b, key)
+    with pytest.raises(VerificationError):  # --full: not the complete log either
+        _verify(b, key, full=True)
+
+
+def test_an_old_checkpoint_of_the_wrong_type_is_named_not_a_python_error(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    """Found by a review: `"old_checkpoint": ["a"]` in consistency.jsonl raised AttributeError
+    (a traceback from `kvguard verify`), and no key is needed to write it."""
+    ledger = _ledger(open_ledger, sqlite_url)
+    ledger.checkpoint()
+    ledger.export(tmp_path / "b")
+    path = tmp_path / "b" / "consistency.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    for wrong in (["a"], {"a": 1}, 7):
+        obj = json.loads(lines[0])
+        obj["old_checkpoint"] = wrong
+        path.write_text(json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n")
+        with pytest.raises(VerificationError, match=r"consistency\.jsonl line 1: old_checkpoint"):
+            _verify(tmp_path / "b", key)
 
 
 # --- FINDING 5 (low): unclear or misattributed error messages -----------------------------
