@@ -7,6 +7,20 @@ error string may end up in a log line, an HTTP response or an audit export (G6).
 
 from __future__ import annotations
 
+import re
+from typing import Final
+
+# What a secret pasted into a document looks like: kvguard's API keys, or a run of token characters
+# longer than any name (tenant ids, field names and tags have at most 64).
+_SECRET_SHAPED: Final = re.compile(r"kvg_[A-Za-z0-9_-]{16,}|[A-Za-z0-9_+/=-]{65,}")
+REDACTED_PART: Final = "<redacted>"
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with every secret-shaped run (`_SECRET_SHAPED`) replaced by `REDACTED_PART`: for
+    messages that quote a document back to its author (a key pasted as a field name)."""
+    return _SECRET_SHAPED.sub(REDACTED_PART, text)
+
 
 class KvguardError(Exception):
     """Base class of every error kvguard raises on purpose."""
@@ -54,6 +68,10 @@ class PolicyValidationError(PolicyError):
 
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
+        # The paths and messages quote the document (its keys, YAML tags, short values): a secret
+        # pasted into it is masked, as the API masks it in a request body's field paths (found by
+        # a review: the dashboard's policy form echoed an API key given as a field name).
+        problems = [(mask_secrets(path), mask_secrets(msg)) for path, msg in problems]
         self.problems = problems
         lines = [f"{source}: {path}: {msg}" for path, msg in problems]
         super().__init__("\n".join(lines) if lines else f"{source}: invalid policy")

@@ -103,7 +103,8 @@ def _unstorable(where: str) -> ApiError:
 
 def _declared_length(scope: Scope) -> int | None:
     value = _header(scope, b"content-length")
-    return int(value) if value is not None and value.strip().isdigit() else None
+    digits = value.strip() if value is not None else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 def _has_unstorable_json(body: bytes) -> bool:

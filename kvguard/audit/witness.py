@@ -245,7 +245,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/add-checkpoint":
             return self._send(WitnessResponse(404, b"not found\n", TEXT_CONTENT_TYPE))
         raw_length = self.headers.get("Content-Length")
-        if raw_length is None or not raw_length.isdigit():
+        if raw_length is None or not (raw_length.isascii() and raw_length.isdigit()):
             self.close_connection = True
             return self._send(WitnessResponse(411, b"Content-Length required\n", TEXT_CONTENT_TYPE))
         if int(raw_length) > MAX_REQUEST_BYTES:

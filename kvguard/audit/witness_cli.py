@@ -53,7 +53,7 @@ def parse_log_option(value: str) -> tuple[str, note.Verifier]:
 def parse_listen(value: str) -> tuple[str, int]:
     """`HOST:PORT` or `[IPv6]:PORT`; port 0 picks a free port (printed once listening)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"--listen must be HOST:PORT, not {value!r}")
     return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 

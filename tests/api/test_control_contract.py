@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
@@ -24,6 +25,46 @@ from tests.api.conftest import ApiEnv
 from tests.api.purge_support import SimEngine, scope
 
 POLICY = "/v1/tenants/{}/policy"
+
+
+def _raw_put(
+    env: ApiEnv, who: str, path: str, headers: dict[bytes, bytes]
+) -> tuple[int, dict[str, Any]]:
+    """PUT `{"policy": {}, "reason": "r"}` with header bytes as a server passes them (httpx
+    re-encodes non-ASCII ones): straight to the ASGI app."""
+    body = json.dumps({"policy": {}, "reason": "r"}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "PUT",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+        "headers": [
+            (b"host", b"testserver"),
+            (b"authorization", f"Bearer {env.keys[who]}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *headers.items(),
+        ],
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    anyio.run(env.client.app, scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return int(start["status"]), json.loads(text)
 
 
 def _put(env: ApiEnv, who: str, tenant: str, policy: dict[str, Any], **kw: Any) -> Any:
@@ -128,6 +169,12 @@ def test_if_match_guards_a_read_modify_write(make_env: Callable[..., ApiEnv], an
     assert [c.version for c in env.services.policies.history()] == [1, 2]
     garbage = _put(env, "admin", "acme", {}, headers={"If-Match": "yesterday"})
     assert garbage.status_code == 412
+    # Latin-1 bytes str.isdigit() takes for digits (`²`, `¹`), which int() refuses: a 412, not a
+    # 422 that echoed the header (found by a review).
+    for raw in (b'"\xb2"', b"\xb9"):
+        status, answer = _raw_put(env, "admin", POLICY.format("acme"), {b"if-match": raw})
+        assert status == 412, answer
+        assert "If-Match must be a policy version ETag" in answer["message"]
     # The current version's tag, but weak: If-Match compares strongly, so it never matches.
     assert _put(env, "admin", "acme", {}, headers={"If-Match": 'W/"2"'}).status_code == 412
     assert (

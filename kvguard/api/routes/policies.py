@@ -191,7 +191,8 @@ def if_match(header: str | None, body_version: int | None) -> int | None:
     if value.startswith("W/"):  # If-Match compares strongly: a weak tag never matches (RFC 9110)
         raise PreconditionFailedError("If-Match takes the strong ETag of a version, not W/...")
     value = value.strip('"')
-    if not value.isdigit() or len(value) > 18:
+    # ASCII digits only: `²` is a digit to str.isdigit and not to int() (a 422 echoing it)
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise PreconditionFailedError('If-Match must be a policy version ETag such as "12"')
     expected = int(value)
     if body_version is not None and body_version != expected:
