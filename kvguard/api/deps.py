@@ -172,8 +172,11 @@ class Action:
         )
 
     def committed(self) -> None:
-        """The `ok_event` committed with its change: log it as `done` does."""
+        """The `ok_event` committed with its change: log it as `done` does. An error after this
+        is not the call's outcome (its change stands): no failure entry contradicts the `ok` one
+        (found by a review: a read failing after a purge committed recorded `failed` beside it)."""
         self.access.services.actions.log(self.access.principal, self.name, "ok")
+        self.delivered = True
 
     def recorded(self) -> None:
         """The `ok_event` was appended to the ledger itself, in the transaction of what it

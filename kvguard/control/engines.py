@@ -148,7 +148,11 @@ class EngineRegistry:
     def register(
         self, engine_id: str, *, model: str, block_size: int, num_blocks: int, now: float
     ) -> None:
-        """Add (or restart) an engine row."""
+        """Add (or restart) an engine row. Registering again an engine that has not stopped (a
+        retry after an outage that hid the first commit) keeps its start: it was live from then,
+        and a purge job dated in between waits for it (found by a review: the later start took
+        it out of the job's expected engines, and the job read `done` with fewer engines than its
+        request entry recorded)."""
         values = {
             "model": model,
             "block_size": block_size,
@@ -160,7 +164,15 @@ class EngineRegistry:
             "totals": "{}",
         }
         with self._engine.begin() as conn:
-            conn.execute(sa.delete(EngineRow).where(EngineRow.engine_id == engine_id))
+            # The delete reads the prior row: a write first, so SQLite takes its write lock at once
+            # (a read first, then a write, fails at once when another writer holds the lock).
+            prior = conn.execute(
+                sa.delete(EngineRow)
+                .where(EngineRow.engine_id == engine_id)
+                .returning(EngineRow.started_at, EngineRow.stopped_at)
+            ).first()
+            if prior is not None and prior.stopped_at is None:
+                values["started_at"] = min(float(prior.started_at), now)
             conn.execute(sa.insert(EngineRow).values(engine_id=engine_id, **values))
 
     def heartbeat(

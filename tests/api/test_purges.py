@@ -143,6 +143,38 @@ def test_status_moves_from_queued_to_running_to_done(
     assert [o for _, o in _actions(env, "purge.certificate")] == ["conflict", "ok"]
 
 
+def test_a_committed_purge_is_answered_202_when_its_status_cannot_be_read(
+    make_env: Callable[..., ApiEnv], any_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the database failing between the purge's commit and the read of its
+    status answered 503 "retry later" (a retry queues a second purge) and recorded a `failed`
+    purge.create entry next to the committed `ok` one. The job stands: 202 with its id, one
+    request entry, and the job runs."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from kvguard.api.routes import purges as route  # noqa: PLC0415
+
+    env = make_env(any_db)
+    engine = SimEngine(env.services, "engine-one")
+    engine.cache(scope("acme"), [0, 1])
+    real, calls = route.jobs.job_report, []
+
+    def flaky(access: Any, job_id: int) -> Any:
+        calls.append(job_id)
+        if len(calls) == 1:
+            raise sa.exc.OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+        return real(access, job_id)
+
+    monkeypatch.setattr(route.jobs, "job_report", flaky)
+    r = _purge(env, "admin", kind="tenant", value="acme")
+    assert r.status_code == 202, r.text
+    assert r.json() == {"job_id": 1, "status": "queued", "engines_expected": 1}
+    env.services.deliver()
+    assert [outcome for _, outcome in _actions(env, "purge.create")] == ["ok"]
+    assert engine.run_commands() == 1 and engine.zeroize() == (0, 1)
+    assert _job(env, 1)["status"] == "done"
+
+
 def test_a_job_with_no_live_engine_is_done_with_nothing_to_clear(env: ApiEnv) -> None:
     stale = SimEngine(env.services, "engine-gone")
     env.services.engines.stop(stale.engine_id, time.time() - 60)

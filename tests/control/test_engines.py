@@ -166,3 +166,21 @@ def test_a_heartbeat_behind_another_sqlite_writer_fails_fast(sqlite_url: str) ->
         assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000  # restored
     other.dispose()
     registry.engine.dispose()
+
+
+def test_registering_a_running_engine_again_keeps_its_start(registry) -> None:
+    """A registration retried after an outage hid its commit (found by a review): the engine was
+    live from the first one, so a purge job dated in between still waits for it. A stopped
+    engine registering again starts anew."""
+    from kvguard.control.engines import expected_engines  # noqa: PLC0415
+
+    registry.register("e1", model="m", block_size=16, num_blocks=8, now=100.0)
+    registry.register("e1", model="m", block_size=16, num_blocks=8, now=103.0)  # the retry
+    (info,) = registry.engines()
+    assert info.started_at == 100.0 and info.last_seen == 103.0
+    assert expected_engines(registry.engines(), 101.0, 10.0) == {"e1"}
+    registry.stop("e1", now=110.0)
+    registry.register("e1", model="m", block_size=16, num_blocks=8, now=120.0)
+    (info,) = registry.engines()
+    assert info.started_at == 120.0 and info.stopped_at is None
+    assert expected_engines(registry.engines(), 115.0, 10.0) == set()

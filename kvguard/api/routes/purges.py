@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio.to_thread
+import sqlalchemy as sa
 from fastapi import APIRouter, Path, Query, status
 from fastapi.responses import JSONResponse
 
@@ -20,6 +21,7 @@ from kvguard.api import purge_jobs as jobs
 from kvguard.api.deps import READERS, TENANT_WRITERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.offload import OneHopRoute
+from kvguard.api.purge_jobs import PurgeStatus
 from kvguard.api.purge_schemas import (
     ErasureCertificate,
     PurgeCreate,
@@ -33,7 +35,7 @@ from kvguard.control.commands import PurgeSelector
 from kvguard.control.db import read_connection
 from kvguard.control.engines import expected_engines
 from kvguard.control.publish import submit_purge
-from kvguard.errors import ConflictError, PermissionDeniedError, VerificationError
+from kvguard.errors import ConflictError, KvguardError, PermissionDeniedError, VerificationError
 from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.api.purges")
@@ -54,21 +56,29 @@ async def create_purge(
     body: PurgeCreate, action: Annotated[Action, audited("purge.create", *TENANT_WRITERS)]
 ) -> PurgeCreated:
     """Queue a purge for every engine. Poll `GET /v1/purges/{job_id}` until it is `done`."""
-    job_id = await anyio.to_thread.run_sync(_submit, body, action)
-    # The request's entry in the ledger, so that the status below can see it; awaited on the event
-    # loop, so no request thread sits idle while the outbox drains (on a thread, a purge held one
-    # of the eight for the whole drain: docs/benchmarks.md, 2026-11-27, tenth session).
-    await action.access.services.deliver_async()
-    action.drained = True  # nothing is written after this
-    report = await anyio.to_thread.run_sync(jobs.job_report, action.access, job_id)
+    job_id, expected = await anyio.to_thread.run_sync(_submit, body, action)
+    # Nothing is written after this: a drain that fails leaves the entry in the outbox, which the
+    # next drain delivers (the answer does not wait for a second try).
+    action.drained = True
+    try:
+        # The request's entry in the ledger, so that the status below can see it; awaited on the
+        # event loop, so no request thread sits idle while the outbox drains (on a thread, a purge
+        # held one of the eight for the whole drain: docs/benchmarks.md, 2026-11-27).
+        await action.access.services.deliver_async()
+        report = await anyio.to_thread.run_sync(jobs.job_report, action.access, job_id)
+    except (KvguardError, sa.exc.SQLAlchemyError, OSError) as exc:
+        # The job and its request entry committed: every engine runs it. An outage now must not
+        # answer 503 "retry later", whose retry queues a second purge (found by a review).
+        _log.warning("purge queued; its status could not be read", error=type(exc).__name__)
+        return PurgeCreated(job_id=job_id, status=PurgeStatus.QUEUED, engines_expected=expected)
     return PurgeCreated(
         job_id=job_id, status=report.status, engines_expected=report.engines_expected
     )
 
 
-def _submit(body: PurgeCreate, action: Action) -> int:
+def _submit(body: PurgeCreate, action: Action) -> tuple[int, int]:
     """Check the caller may purge `body`'s target and store the job with its `admin.action`
-    entry; returns the job id."""
+    entry; returns the job id and the number of engines it waits for."""
     access, services = action.access, action.access.services
     tenant = body.tenant()
     if tenant is None and access.visible is not None:
@@ -105,7 +115,7 @@ def _submit(body: PurgeCreate, action: Action) -> int:
         ],
     )
     action.committed()
-    return job_id
+    return job_id, expected
 
 
 @router.get("", response_model=PurgeJobPage)
