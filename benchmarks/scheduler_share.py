@@ -9,7 +9,8 @@ out of the total while `on_new_request` was taken out of it, and the gate was co
 the share read a few tenths of a point too high.) Each batch size runs a
 plain engine and a governed one, each in its own child process, on the same workload: `batch`
 requests of 16 tenants (84-token prompts sharing a per-tenant 64-token prefix, 32 tokens out), all
-admitted at once (`max_num_seqs` = batch), the pool large enough for all of them. Reported per step:
+admitted at once (`max_num_seqs` = batch), the pool large enough for all of them (`--max-tokens`
+changes the 32 tokens out). Reported per step:
 vLLM's scheduler time in the plain engine, the governed engine's scheduler time with kvguard's part
 taken out, kvguard's part, and kvguard's share of the governed engine's own scheduler time, in
 wall time and in the scheduler thread's CPU time (wall time on this shared 2-core machine includes
@@ -55,13 +56,14 @@ def workload(batch: int) -> list[tuple[str, list[int]]]:
     return items
 
 
-def engine_kwargs(batch: int) -> dict[str, object]:
+def engine_kwargs(batch: int, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
+    per_request = -(-(84 + max_tokens) // BLOCK) + 4  # the request's blocks, and room to spare
     return {
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "block_size": BLOCK,
-        "kv_cache_memory_bytes": max(64, batch * 8) * 32 * 1024,  # 32 KiB blocks, 8 per request
+        "kv_cache_memory_bytes": max(64, batch * per_request) * 32 * 1024,  # 32 KiB blocks
         "max_model_len": 512,
         "max_num_seqs": batch,
         "max_num_batched_tokens": max(2048, batch * 96),
@@ -92,7 +94,7 @@ class _Clock:
         setattr(cls, name, timed)
 
 
-def child(mode: str, batch: int, out: Path, repeats: int) -> None:
+def child(mode: str, batch: int, out: Path, repeats: int, max_tokens: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams  # noqa: PLC0415
@@ -104,8 +106,8 @@ def child(mode: str, batch: int, out: Path, repeats: int) -> None:
     clock.wrap(Scheduler, "schedule", step=True)
     clock.wrap(Scheduler, "update_from_output")
     clock.wrap(Scheduler, "add_request")  # vLLM's per-request intake; kvguard's on_new_request
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    run, g = open_engine(mode, workload(batch), params, engine_kwargs(batch))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    run, g = open_engine(mode, workload(batch), params, engine_kwargs(batch, max_tokens))
     guard = g.connector.scheduler_guard if g is not None else None
     if guard is not None:
         guard.timer.cpu = True
@@ -141,9 +143,15 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=3, help="measured runs of the workload per child (default 3)"
     )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=MAX_TOKENS,
+        help=f"tokens out per request (default {MAX_TOKENS}: a short-output, high-churn workload)",
+    )
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.batch, args.out, args.repeats)
+        child(args.child, args.batch, args.out, args.repeats, args.max_tokens)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,7 +162,7 @@ def main() -> None:
                     out = Path(tmp) / f"{mode}-{batch}-{r}.json"
                     command = [
                         *(sys.executable, __file__, "--child", mode, "--batch", str(batch)),
-                        *("--repeats", str(args.repeats)),
+                        *("--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens)),
                     ]
                     subprocess.run(
                         [*command, "--out", str(out)],
@@ -181,6 +189,7 @@ def main() -> None:
                 rows.append((batch, clock_name, plain, own, kvg, share, kvg / plain))
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}"
+        f"; {args.max_tokens} tokens out per request"
     )
     print(
         f"{'batch':>6}{'clock':>6}{'plain sched us/step':>21}{'governed, vLLM part':>21}"
