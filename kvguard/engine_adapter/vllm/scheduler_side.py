@@ -93,6 +93,10 @@ def _repair_reason(exc: CustodyError) -> str:
 
 
 _VERIFY_RANK = {Verify.NONE: 0, Verify.SAMPLE: 1, Verify.FULL: 2}
+# Tags remembered (tag -> tenant: announced, and each event's audit level) before those nothing
+# refers to any more are forgotten (`_forget_idle_tags`): a session scope has a tag of its own, so
+# an engine serving a conversation per session would otherwise grow this map without bound.
+TAGS_KEPT = 1 << 16
 _ACTIVE = BlockStatus.ACTIVE
 _KEEPS_HASH = frozenset((BlockStatus.ACTIVE, BlockStatus.CACHED))  # released blocks' hashes go
 __all__ = ["UNGOVERNED_TENANT", "SchedulerGuard", "open_scheduler_guard"]
@@ -133,6 +137,8 @@ def open_scheduler_guard(
 
 class SchedulerGuard:
     """Custody and policy for one vLLM scheduler (see the module docstring)."""
+
+    _tags_kept = 0  # tags still in use at the last `_forget_idle_tags`
 
     def __init__(
         self,
@@ -887,6 +893,8 @@ class SchedulerGuard:
         self.reporter.cache_ages(ages)
         with self.timer.phase("ledger_submit"):
             selected = self.bridge.select(events)  # by the audit levels in force now, once
+            if len(self._tag_tenant) > max(TAGS_KEPT, 2 * self._tags_kept):  # all selected now
+                self._forget_idle_tags()
             batch = [*self._unsent, *selected] if self._unsent else selected
             try:
                 self.bridge.submit(batch)
@@ -901,6 +909,16 @@ class SchedulerGuard:
         if self._unsent:
             _log.info("audit ledger taking entries again", recorded_late=len(self._unsent))
             self._unsent = []
+
+    def _forget_idle_tags(self) -> None:
+        """Keep only the tags custody still refers to (running requests, blocks' owners, pending
+        handover clears); called once every event made so far has been selected, so no event
+        waits for the level of a forgotten tag. One that comes back is announced again (the
+        registry ignores a repeat). O(pool), once per `TAGS_KEPT` new tags at most (found by a
+        review: a tag per session scope grew the map without bound)."""
+        live = self._c.tags_in_use()
+        self._tag_tenant = {t: n for t, n in self._tag_tenant.items() if t in live}
+        self._tags_kept = len(self._tag_tenant)
 
     @property
     def ledger_refusing(self) -> bool:
