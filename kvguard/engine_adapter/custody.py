@@ -44,7 +44,6 @@ from kvguard.policy import TenantPolicy, ZeroizeOn
 from kvguard.policy.decisions import expired_at, expiry_deadline, must_zeroize_owned
 from kvguard.zeroize.plan import digest_block_ids
 
-_COUNTED = (BlockStatus.ACTIVE, BlockStatus.CACHED)
 _HELD = (BlockStatus.ACTIVE, BlockStatus.CACHED, BlockStatus.QUARANTINED)  # a tenant's, by quota
 _FREE, _ACTIVE, _CACHED = BlockStatus.FREE, BlockStatus.ACTIVE, BlockStatus.CACHED
 _QUARANTINED = BlockStatus.QUARANTINED
@@ -607,7 +606,11 @@ class Custody:
         tenant = rec.owner.tenant_id
         policy = self._policy(tenant)
         retention = policy.retention
-        self._retention_of[tenant] = (retention.ttl_s, retention.idle_s)
+        # Only a tenant's first cached block sets what its blocks were scheduled with: a later one
+        # cached under a changed retention must not hide the change from the next sweep, which
+        # reschedules the tenant's older blocks (found by a review: a block cached right after a
+        # retention cut kept every older block on its old, longer deadline).
+        self._retention_of.setdefault(tenant, (retention.ttl_s, retention.idle_s))
         number = next(self._entry_numbers)
         self._expiry_entry[rec.block_id] = number
         deadline = expiry_deadline(policy, rec.created_at, rec.last_used_at)
@@ -635,6 +638,7 @@ class Custody:
             live = [bid for _, n, bid in self._by_age.get(tenant, ()) if entries.get(bid) == n]
             for bid in live:  # a snapshot: rescheduling pushes onto the same heap
                 self._schedule_expiry(self._blocks[bid])
+            self._retention_of[tenant] = (retention.ttl_s, retention.idle_s)
 
     def purge(
         self, selector: PurgeSelector, now: float, *, details: Details | None = None
@@ -687,12 +691,19 @@ class Custody:
         out: list[int] = []
         for rec in self._blocks:
             owner = rec.owner
-            if owner is None or rec.status not in _COUNTED:
+            if owner is None or rec.status is _QUARANTINED:
                 continue
             if self._verdict(verdicts, shareable, owner):
                 continue
             if rec.status is BlockStatus.CACHED:
                 self._cache_ages.append(CacheAge(CacheExit.EVICTED, now - rec.created_at))
+                self._quarantine(rec, now)
+                out.append(rec.block_id)
+            elif rec.status is _FREE:
+                # Residue left in the free pool under `cross_scope`, which the next owner of its
+                # domain would get uncleared: its owner no longer shares it (as a purge does; found
+                # by a review: a tenant that withdrew from the public scope, or was disabled, left
+                # its tail blocks to the next public request).
                 self._quarantine(rec, now)
                 out.append(rec.block_id)
             else:
@@ -934,7 +945,10 @@ class Custody:
         rec.holders.add(rid)
         rec.last_used_at = now
         req.blocks.append(rec.block_id)
-        if req.doomed:
+        # A doomed request dooms its own blocks, not another member's shared prefix it reuses: the
+        # purge or policy change did not select that owner, whose cache stays (found by a review:
+        # a doomed request resuming after a preemption destroyed another member's group prefix).
+        if req.doomed and rec.owner is not None and rec.owner.tenant_id == req.scope.tenant_id:
             self._doom(rec)
 
     def _engine_evicted(self, rec: BlockRecord, now: float) -> None:

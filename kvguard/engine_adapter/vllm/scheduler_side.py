@@ -409,6 +409,19 @@ class SchedulerGuard:
         # (`make_private`) and hits nothing either way (found by a review).
         request.skip_reading_prefix_cache = False
 
+    def _requota(self, rid: str) -> None:
+        """A request that has not started waits for the quota of the version in force now: a
+        lowered or new quota holds it, a lifted one lets it go (found by a review: a queued
+        request kept the cap of its admission, and one admitted without a quota ran past a quota
+        that appeared while it waited)."""
+        env = self._envelopes.get(rid)
+        policy = self.policies.policy_for(env.scope.tenant_id) if env is not None else None
+        if policy is not None and policy.quota.max_blocks is not None:
+            self._quota_again(rid)
+        elif self._quota_wait.pop(rid, None) is not None:
+            self._quota_tenant.pop(rid, None)
+            self._deferred.discard(rid)
+
     def may_schedule(self, request: Any) -> bool:
         """False while running this request would take its tenant past its quota: vLLM leaves it
         waiting and schedules other tenants' requests past it, so a tenant's flood holds at most its
@@ -817,9 +830,11 @@ class SchedulerGuard:
             return may_reuse(policies, owner, owner)
 
         self._c.retire_unshareable(shareable, now)
+        self._last_sweep = float("-inf")  # a shorter retention applies at the next step
         for rid in list(self._envelopes):
             if rid not in self._begun:  # a running request is checked again if it is preempted
                 self._recheck(rid)
+                self._requota(rid)
         self._hold_quarantined()
         self._forward(self._c.take_events())
 
