@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from kvguard.audit import merkle, note
 from kvguard.audit.checkpoint import Checkpoint, b64decode_strict, parse_checkpoint
@@ -96,6 +96,9 @@ class AddCheckpointRequest(NamedTuple):
     checkpoint: Checkpoint
 
 
+MAX_TREE_SIZE: Final = (1 << 63) - 1
+
+
 def parse_add_checkpoint(body: bytes) -> AddCheckpointRequest:
     """Parse an add-checkpoint request body (tlog-witness); raises VerificationError if malformed."""
     if len(body) > MAX_REQUEST_BYTES:
@@ -114,7 +117,12 @@ def parse_add_checkpoint(body: bytes) -> AddCheckpointRequest:
     if any(len(h) != merkle.HASH_SIZE for h in proof):
         raise VerificationError("a consistency proof line is not a SHA-256 hash")
     checkpoint = parse_checkpoint(note.split_note(signed)[0])
-    return AddCheckpointRequest(int(lines[0][4:]), proof, signed, checkpoint)
+    old_size = int(lines[0][4:])  # at most 19 digits (`_DECIMAL`)
+    if checkpoint.size > MAX_TREE_SIZE or old_size > MAX_TREE_SIZE:
+        # uint64 in C2SP, a signed 64-bit integer in the witness's state (SQLite): a size past it
+        # was a 500 (found by a review); no log grows that large.
+        raise VerificationError(f"tree sizes above {MAX_TREE_SIZE} are not witnessed")
+    return AddCheckpointRequest(old_size, proof, signed, checkpoint)
 
 
 def _check_consistency(
@@ -248,7 +256,9 @@ class _Handler(BaseHTTPRequestHandler):
         if raw_length is None or not (raw_length.isascii() and raw_length.isdigit()):
             self.close_connection = True
             return self._send(WitnessResponse(411, b"Content-Length required\n", TEXT_CONTENT_TYPE))
-        if int(raw_length) > MAX_REQUEST_BYTES:
+        # Length first: int() refuses more than 4,300 digits with a ValueError (a dropped
+        # connection and a traceback, found by a review), and no body this size is accepted.
+        if len(raw_length) > len(str(MAX_REQUEST_BYTES)) or int(raw_length) > MAX_REQUEST_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a next request
             return self._send(WitnessResponse(413, b"request too large\n", TEXT_CONTENT_TYPE))
         body = self.rfile.read(int(raw_length))

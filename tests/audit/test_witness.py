@@ -412,8 +412,24 @@ def test_http_routes_and_limits(served: str, witness: Witness) -> None:
     big = _http(served, "POST", "/add-checkpoint", b"", **{"Content-Length": "70000"})
     assert big.status == 413
     assert _http(served, "POST", "/add-checkpoint", b"old 0\n\n").status == 400
+    # A Content-Length past int()'s 4,300 digits dropped the connection with a traceback (a
+    # review): too large, like any other.
+    huge = _http(served, "POST", "/add-checkpoint", b"", **{"Content-Length": "9" * 5000})
+    assert huge.status == 413
     origin_hash = hashlib.sha256(ORIGIN.encode()).hexdigest()
     assert _http(served, "GET", f"/{origin_hash}/checkpoint").status == 404
+
+
+def test_a_size_past_a_signed_64_bit_integer_is_refused_not_a_500(
+    served: str, key: SigningKey
+) -> None:
+    """C2SP sizes are uint64, the witness's state a signed 64-bit integer: a validly signed
+    checkpoint of size 2^63 was a 500 (found by a review)."""
+    for size in (1 << 63, (1 << 64) - 1):
+        text = format_checkpoint(Checkpoint(ORIGIN, size, b"\x00" * 32))
+        signed = note.join_note(text, [key.signature_line(text)])
+        assert _http(served, "POST", "/add-checkpoint", _body(0, [], signed)).status == 400
+        assert _http(served, "POST", "/add-checkpoint", _body(size, [], signed)).status == 400
 
 
 def test_client_retries_from_the_witness_size_after_409(
