@@ -164,6 +164,10 @@ class Custody:
         """Blocks the tenant has cached now (O(1), from the running tally)."""
         return self._tally.get((tenant_id, BlockStatus.CACHED), 0)
 
+    def cached_tenants(self) -> list[str]:
+        """The tenants with blocks cached now (O(tenants))."""
+        return [t for t in self._by_age if self.tenant_cached(t)]
+
     def tenant_active(self, tenant_id: str) -> int:
         """Blocks held by the tenant's running requests now (O(1), from the running tally)."""
         return self._tally.get((tenant_id, BlockStatus.ACTIVE), 0)

@@ -125,3 +125,16 @@ def test_a_doomed_request_resuming_keeps_another_members_prefix(make_guard: Any)
     assert f.pool.blocks[5].block_hash == "h5"  # b's prefix stays in vLLM's index
     assert guard.custody.record(8).doomed  # r's own block is
     guard.custody.check_invariants()
+
+
+def test_a_lowered_quota_reclaims_the_tenants_cache_at_once(make_guard: Any) -> None:
+    """A quota lowered below what a tenant holds cached is applied when the version arrives, not
+    at the tenant's next allocation (a review's suspicion)."""
+    guard, f = make_guard(_policy(a={"quota": {"max_blocks": 10}}))
+    for block in (1, 2, 3, 4):
+        _cache(guard, f, "a", block)
+    assert guard.custody.tenant_cached("a") == 4
+    guard.use_policy(_policy(a={"quota": {"max_blocks": 2}}), 2)
+    assert guard.custody.tenant_cached("a") == 2  # the oldest two are quarantined
+    assert {guard.custody.record(b).status for b in (1, 2)} == {BlockStatus.QUARANTINED}
+    guard.custody.check_invariants()

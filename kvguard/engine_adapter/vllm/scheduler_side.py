@@ -830,6 +830,8 @@ class SchedulerGuard:
             return may_reuse(policies, owner, owner)
 
         self._c.retire_unshareable(shareable, now)
+        for tenant in self._c.cached_tenants():  # a lowered quota reclaims its cache at once
+            self._c.reclaim_over_quota(tenant, now)
         self._last_sweep = float("-inf")  # a shorter retention applies at the next step
         for rid in list(self._envelopes):
             if rid not in self._begun:  # a running request is checked again if it is preempted
