@@ -133,6 +133,13 @@ def create_app(
         # header (a poisoned `Location` behind a proxy that passes `Host` through): an unknown
         # path is a 404 with the documented error body; `/dashboard` redirects by a path.
         redirect_slashes=False,
+        # No Swagger UI or ReDoc pages: they run third-party scripts (a CDN's, unpinned, with
+        # inline script and no CSP) on the dashboard's origin, where any script can read a
+        # signed-in admin's pages and post their forms (found by a review). The schema stays at
+        # /openapi.json (and in docs/openapi.json) for any OpenAPI viewer.
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     app.state.services = services
     errors.install(app)
