@@ -8,6 +8,7 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvguard.api.purge_jobs import JobReport, PurgeEngineState, PurgeStatus
+from kvguard.api.text import PlainLine
 from kvguard.control.commands import PurgeKind
 from kvguard.control.tenants import TENANT_ID_PATTERN
 
@@ -19,7 +20,7 @@ class PurgeCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: PurgeKind
-    value: str = Field(
+    value: PlainLine = Field(
         min_length=1,
         max_length=256,
         pattern=r"^[^\x00-\x1f\x7f]+$",

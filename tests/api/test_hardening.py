@@ -492,3 +492,23 @@ def test_serve_with_workers_hands_each_worker_the_checked_settings(
         assert app.state.services.config.db_url == db
     finally:
         app.state.services.close()
+
+
+def test_names_and_reasons_refuse_control_and_format_characters(env: ApiEnv) -> None:
+    """A right-to-left override makes a name read as another and a terminal escape rewrites an
+    operator's screen: both were stored and shown as typed (found by a review). Refused with a
+    422 naming the field, never echoing it; a reason may still span lines."""
+    spoof, escape = "Acme\u202egnp.exe", "x\x1b[31mred"
+    cases = [
+        ("POST", "/v1/tenants", {"tenant_id": "t1", "display_name": spoof}, "display_name"),
+        ("POST", "/v1/tenants", {"tenant_id": "t2", "display_name": "a\nb"}, "display_name"),
+        ("POST", "/v1/tenants/globex/disable", {"reason": escape}, "reason"),
+        ("POST", "/v1/purges", {"kind": "model", "value": "m\u202eodel"}, "value"),
+        ("PUT", "/v1/policies", {"policy": {}, "reason": "ok\u2066hidden"}, "reason"),
+    ]
+    for method, path, body, field in cases:
+        r = env.call("admin", method, path, json=body)
+        assert r.status_code == 422, (path, r.text)
+        assert field in r.text and "\u202e" not in r.text and "\x1b" not in r.text, r.text
+    ok = env.call("admin", "POST", "/v1/tenants/globex/disable", json={"reason": "line 1\nline 2"})
+    assert ok.status_code == 200, ok.text

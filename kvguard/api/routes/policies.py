@@ -41,6 +41,7 @@ from kvguard.api.deps import (
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.offload import OneHopRoute
 from kvguard.api.services import Services
+from kvguard.api.text import PlainText
 from kvguard.audit.events import AuditEvent
 from kvguard.control.policy_seed import policy_change_event
 from kvguard.control.publish import PolicyBase, PolicyEdit, PolicyWrite
@@ -90,7 +91,7 @@ class PolicyPut(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: PolicySet
-    reason: str = ReasonField
+    reason: PlainText = ReasonField
     expected_version: int | None = ExpectedVersionField
 
 
@@ -105,7 +106,7 @@ class TenantPolicyPut(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: TenantPolicy
-    reason: str = ReasonField
+    reason: PlainText = ReasonField
     expected_version: int | None = ExpectedVersionField
 
 

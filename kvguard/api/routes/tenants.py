@@ -11,6 +11,7 @@ from kvguard.api.deps import ADMINS, READERS, Access, Action, audited, require
 from kvguard.api.errors import ERROR_RESPONSES
 from kvguard.api.offload import OneHopRoute
 from kvguard.api.routes.policies import edit_tenant, store_policy
+from kvguard.api.text import PlainLine, PlainText
 from kvguard.control.commands import PurgeKind, PurgeSelector
 from kvguard.control.engines import expected_engines
 from kvguard.control.tenants import TENANT_ID_PATTERN
@@ -26,7 +27,7 @@ class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenant_id: str = TenantIdField
-    display_name: str = Field(default="", max_length=256)
+    display_name: PlainLine = Field(default="", max_length=256)
 
 
 class TenantPublic(BaseModel):
@@ -50,7 +51,7 @@ class TenantPage(BaseModel):
 class DisableRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(min_length=1, max_length=500)
+    reason: PlainText = Field(min_length=1, max_length=500)
 
 
 class DisableResult(BaseModel):
