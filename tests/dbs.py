@@ -86,3 +86,17 @@ def migrate_and_grant(owner_url: str, app_role: str) -> None:
                 conn.exec_driver_sql(statement)
     finally:
         engine.dispose()
+
+
+def sqlite_with_tenants(path: os.PathLike[str] | str, *tenants: str) -> str:
+    """The URL of a control database at `path` with `tenants` registered: what `kvguard purge`
+    needs (an existing database, and a registered tenant for a tenant or session purge)."""
+    from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
+
+    url = f"sqlite:///{path}"
+    engine = sa.create_engine(url)
+    registry = TenantRegistry(engine)
+    for tenant in tenants:
+        registry.create(tenant, display_name=tenant, created_by="test")
+    engine.dispose()
+    return url

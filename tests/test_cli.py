@@ -8,6 +8,7 @@ from kvguard.cli import app
 from kvguard.control.commands import CommandQueue
 from kvguard.control.keys import TenantKeys
 from kvguard.isolation import Keyring
+from tests.dbs import sqlite_with_tenants
 
 runner = CliRunner()
 
@@ -67,7 +68,12 @@ def test_tenant_key_create_list_revoke(tmp_path) -> None:
 
 
 def test_purge_command_is_queued_and_usage_errors_exit_2(tmp_path) -> None:
-    url = f"sqlite:///{tmp_path / 'c.db'}"
+    missing = f"sqlite:///{tmp_path / 'typo.db'}"  # a mistyped path: refused, nothing created
+    assert runner.invoke(app, ["purge", "--db", missing, "--model", "m"]).exit_code == 2
+    assert not (tmp_path / "typo.db").exists()
+    url = sqlite_with_tenants(tmp_path / "c.db", "acme")
+    unknown = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme-typo"])
+    assert unknown.exit_code == 1, unknown.output  # as the API's 404: an erasure of nothing
     result = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme"])
     assert result.exit_code == 0, result.output
     (command,) = CommandQueue.open(url).pending_after(0)

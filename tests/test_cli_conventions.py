@@ -29,6 +29,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.cli import app
 from kvguard.control.tenants import TenantRegistry
 from tests.audit.conftest import make_event
+from tests.dbs import sqlite_with_tenants
 
 runner = CliRunner()
 ORIGIN = "log.kvguard.test/conventions"
@@ -137,7 +138,9 @@ def test_tenant_key_commands_report_json(tmp_path: Path) -> None:
 
 
 def test_purge_reports_json(tmp_path: Path) -> None:
-    queued = ok_json(["purge", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--tenant", "acme"])
+    queued = ok_json(
+        ["purge", "--db", sqlite_with_tenants(tmp_path / "c.db", "acme"), "--tenant", "acme"]
+    )
     assert queued == {
         "acks": [],
         "command_id": 1,
@@ -388,7 +391,8 @@ def test_unknown_keys_and_tenants_exit_1(tmp_path: Path) -> None:
 
 
 def test_an_unacknowledged_purge_exits_1(tmp_path: Path) -> None:
-    args = ["purge", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--tenant", "acme", "--wait", "0.3"]
+    url = sqlite_with_tenants(tmp_path / "c.db", "acme")
+    args = ["purge", "--db", url, "--tenant", "acme", "--wait", "0.3"]
     failed = failed_json(args, 1)
     assert failed["command_id"] == 1 and failed["acks"] == []
 

@@ -28,6 +28,7 @@ from kvguard.cli import app
 from kvguard.errors import ConfigError
 from kvguard.isolation.keyring import Keyring
 from tests.audit.conftest import make_event
+from tests.dbs import sqlite_with_tenants
 
 runner = CliRunner()
 ORIGIN = "log.kvguard.test/review"
@@ -272,7 +273,8 @@ def test_F11_ctrl_c_while_waiting_still_reports_the_queued_purge(
 
     monkeypatch.setattr("kvguard.control.cli.time.sleep", interrupted)
     db = tmp_path / "c.db"
-    args = ["purge", "--db", f"sqlite:///{db}", "--tenant", "acme", "--wait", "5", "--json"]
+    args = ["purge", "--db", sqlite_with_tenants(db, "acme"), "--tenant", "acme", "--wait", "5"]
+    args.append("--json")
     result = runner.invoke(app, args)
     assert _commands(db) == 1  # it was queued
     assert result.exit_code != 0
@@ -364,3 +366,29 @@ def test_F13_checkpoint_out_does_not_follow_a_symlink(tmp_path: Path) -> None:
     assert victim.read_text() == "precious\n", "the symlink's target was overwritten"
     assert victim.stat().st_mode & 0o777 == 0o644, "the symlink's target was chmod-ed"
     assert result.exit_code == 2, result.output
+
+
+def test_audit_commands_give_up_on_a_database_server_that_never_answers(tmp_path: Path) -> None:
+    """A PostgreSQL address that accepts connections and never answers (a partition, a wrong
+    port): `audit verify-db` waited forever on a plain engine without the connect timeout every
+    other command has (found by a review). Now exit 2 within seconds, naming no password."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # never accepted: the handshake completes, no byte ever comes back
+        port = silent.getsockname()[1]
+        url = f"postgresql+psycopg://postgres:hunter2@127.0.0.1:{port}/x"
+        SigningKey.generate("log.example").save(tmp_path / "sign.key")
+        env = {**os.environ, "KVGUARD_SIGNING_KEY_FILE": str(tmp_path / "sign.key")}
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "kvguard.cli", "audit", "verify-db", "--db", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    assert done.returncode == 2, done.stderr
+    assert time.monotonic() - started < 45
+    assert "hunter2" not in done.stdout + done.stderr

@@ -118,7 +118,12 @@ def _require_ledger(url: str, json_output: bool) -> None:
     import sqlalchemy as sa  # noqa: PLC0415 - `kvguard verify` must not load SQL
 
     from kvguard.audit import schema as t  # noqa: PLC0415
-    from kvguard.audit.db import UNESCAPED_AT, missing_sqlite_file, unescaped_at  # noqa: PLC0415
+    from kvguard.audit.db import (  # noqa: PLC0415
+        UNESCAPED_AT,
+        create_engine,
+        missing_sqlite_file,
+        unescaped_at,
+    )
     from kvguard.cli_output import safe_url  # noqa: PLC0415
 
     try:
@@ -136,9 +141,18 @@ def _require_ledger(url: str, json_output: bool) -> None:
             EXIT_USAGE,
             json_output,
         )
-    engine = sa.create_engine(url)
+    # The ledger's own engine settings: on PostgreSQL a connect timeout and keepalives (a plain
+    # engine waited forever on a server that accepts connections and never answers: a review).
+    engine = create_engine(url)
     try:
         has_ledger = sa.inspect(engine).has_table(t.head.name)
+    except sa.exc.SQLAlchemyError as exc:
+        raise fail(
+            f"database {where} cannot be read ({type(exc).__name__}): check --db / "
+            "KVGUARD_DB_URL and that the server is up",
+            EXIT_USAGE,
+            json_output,
+        ) from None
     finally:
         engine.dispose()
     if not has_ledger:

@@ -233,7 +233,16 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     with reporting(json_output, db_url=db):
         # Only a tenant or session purge's entry names a tenant (by its tag).
         tagger = _tenant_tagger() if selector.kind.value in ("tenant", "session") else None
+        # The database the engines poll, never a new one at a mistyped path (a purge queued there
+        # reaches no engine and exited 0: found by a review).
+        _require_existing(db)
         queue = CommandQueue.open(db)
+        named = selector.value if selector.kind.value == "tenant" else selector.tenant_id
+        if named is not None:
+            # As the API answers 404: a mistyped tenant id is an erasure of nothing, exit 1.
+            from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
+
+            TenantRegistry(queue.engine).require(named)
         command_id = _submit_recorded_purge(queue, selector, by, tenant_tag=tagger)
         if tagger is None and selector.kind.value in ("tenant", "session"):
             typer.echo(NO_TENANT_TAG, err=True)
