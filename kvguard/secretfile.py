@@ -59,6 +59,12 @@ def write_secret_file(path: str | Path, data: bytes, *, overwrite: bool = False)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if overwrite:
+        if p.is_symlink():
+            # The rename would replace the link, leaving the file it points to (the one engines
+            # read) as it was: a rotation reported done that rotated nothing (found by a review).
+            raise SecretFileError(
+                f"secret file {p} is a symbolic link; give the file it points to instead"
+            )
         _replace(p, data)
     else:
         try:

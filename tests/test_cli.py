@@ -32,6 +32,18 @@ def test_salt_keyring_create_and_rotate(tmp_path) -> None:
     assert first.secret("k1").hex() not in result.output
 
 
+def test_salt_keyring_rotation_refuses_a_link(tmp_path) -> None:
+    """Rotating through a symbolic link replaced the link with a rotated file and left the file
+    the engines read unrotated, reported done (found by a review): refused, nothing changed."""
+    real = tmp_path / "secrets" / "salt.keys"
+    assert runner.invoke(app, ["keys", "salt-keyring", "--out", str(real)]).exit_code == 0
+    link = tmp_path / "salt.keys"
+    link.symlink_to(real)
+    result = runner.invoke(app, ["keys", "salt-keyring", "--out", str(link), "--rotate", "k2"])
+    assert result.exit_code == 2 and "symbolic link" in result.output, result.output
+    assert link.is_symlink() and Keyring.load(real).active == "k1"
+
+
 def test_salt_keyring_refuses_to_overwrite(tmp_path) -> None:
     out = tmp_path / "salt.keys"
     runner.invoke(app, ["keys", "salt-keyring", "--out", str(out)])
