@@ -173,11 +173,13 @@ def test_policy_commands_report_json() -> None:
 def test_audit_commands_report_json(tmp_path: Path) -> None:
     led = make_ledger(tmp_path)
     signed = ok_json(["audit", "checkpoint", *led.common(), "--out", str(tmp_path / "cp")])
-    assert set(signed) == {"checkpoint", "cosigned_by", "origin", "out", "root", "tree_size"}
+    assert set(signed) == {
+        "checkpoint", "cosigned_by", "delivered", "origin", "out", "root", "tree_size"
+    }  # fmt: skip
     assert (signed["origin"], signed["tree_size"], signed["cosigned_by"]) == (ORIGIN, 30, [])
     assert (tmp_path / "cp").read_text() == signed["checkpoint"]
     exported = ok_json(["audit", "export", *led.common(), "--out", str(tmp_path / "b")])
-    assert set(exported) == {"checkpoint", "complete", "entries", "path", "tree_size"}
+    assert set(exported) == {"checkpoint", "complete", "delivered", "entries", "path", "tree_size"}
     assert (exported["entries"], exported["tree_size"], exported["complete"]) == (30, 30, True)
     checked = ok_json(["audit", "verify-db", *led.common(), "--max-unsigned-age", "0"])
     assert checked["valid"] is True and checked["entries"] == 30 and checked["checkpoints"] == 1
@@ -187,6 +189,21 @@ def test_audit_commands_report_json(tmp_path: Path) -> None:
     assert (verified["origin"], verified["tree_size"], verified["entries"]) == (ORIGIN, 30, 30)
     assert verified["root_recomputed"] is True
     assert verified["saved_checkpoint"] == str(tmp_path / "kept")
+
+
+def test_checkpoint_and_export_deliver_what_the_command_line_queued(tmp_path: Path) -> None:
+    """Operator changes made on the command line (a key, a purge) wait in the control outbox
+    for the admin API to deliver them; without a server running, `audit export` said `complete`
+    with 0 entries and `audit checkpoint` signed size 0 (found by a review)."""
+    led = make_ledger(tmp_path, entries=0)
+    ok_json(["keys", "create", "--role", "auditor", "--db", led.url])
+    url = sqlite_with_tenants(tmp_path / "ledger.db", "acme")
+    assert url == led.url
+    ok_json(["purge", "--db", led.url, "--tenant", "acme"])
+    signed = ok_json(["audit", "checkpoint", *led.common()])
+    assert (signed["delivered"], signed["tree_size"]) == (2, 2)
+    exported = ok_json(["audit", "export", *led.common(), "--out", str(tmp_path / "b")])
+    assert (exported["delivered"], exported["entries"], exported["complete"]) == (0, 2, True)
 
 
 def test_demo_without_vllm_reports_a_json_error(monkeypatch: pytest.MonkeyPatch) -> None:

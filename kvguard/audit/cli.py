@@ -111,6 +111,23 @@ def _open(
     return Ledger.open(db, origin=origin, signing_key=keys, witnesses=endpoints)
 
 
+def _deliver_outbox(ledger: Ledger) -> int:
+    """Append the operator changes waiting in the control outbox (keys made or revoked, purges
+    queued on the command line) before signing: the admin API delivers them, and without a
+    server running they never reached a checkpoint or an export, which read as complete (found
+    by a review). A database without the control tables (a ledger of its own) has none. Returns
+    how many were delivered."""
+    import sqlalchemy as sa  # noqa: PLC0415 - `kvguard verify` must not load SQL
+
+    from kvguard.control.outbox import Outbox  # noqa: PLC0415
+    from kvguard.control.schema import OutboxRow  # noqa: PLC0415
+
+    engine = ledger.store.engine
+    if not sa.inspect(engine).has_table(OutboxRow.__tablename__):
+        return 0
+    return Outbox(engine).drain(ledger)
+
+
 def _require_ledger(url: str, json_output: bool) -> None:
     """Fail (exit 2, naming the URL with its password masked) unless `url` names an existing
     database that holds the ledger's tables; creates nothing (SQLite makes a missing file on
@@ -201,6 +218,7 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
     with reporting(json_output, db_url=db):
         ledger = _open(db, origin, key, witness, json_output)
         try:
+            delivered = _deliver_outbox(ledger)
             signed = ledger.checkpoint()
             outcome = ledger.last_cosigning
         finally:
@@ -215,6 +233,7 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         "root": base64.b64encode(cp.root).decode(),
         "cosigned_by": outcome.cosigned if outcome is not None else [],
         "out": out,
+        "delivered": delivered,
     }
     emit(result, json_output, signed)
 
@@ -251,6 +270,7 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
     with reporting(json_output, db_url=db):
         ledger = _open(db, origin, key, witness, json_output, existing=True)
         try:
+            delivered = _deliver_outbox(ledger)
             with progress("exporting", "entries", json_output=json_output) as update:
                 summary = ledger.export(
                     out,
@@ -269,6 +289,7 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         "entries": summary.entries,
         "complete": summary.complete,
         "checkpoint": summary.checkpoint,
+        "delivered": delivered,
     }
     human = f"exported {summary.entries} entries of {summary.tree_size} to {summary.path}"
     emit(result, json_output, human)

@@ -89,7 +89,7 @@ def _submit_recorded_purge(
     tenant_tag: Callable[[str], str] | None = None,
 ) -> int:
     """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
-    the admin API, or the next `kvguard` process that opens the ledger, delivers it).
+    the admin API, or the next `kvguard audit checkpoint` / `export`, delivers it).
 
     The entry records what `POST /v1/purges` records, so the job's erasure certificate verifies
     (`kvguard.audit.certificate`): the requester as the job names it (`cli:<by>`), the engines
