@@ -242,24 +242,7 @@ def _purge_log(open_ledger: Opener, url: str, **request: Any) -> Ledger:
                 ts=T0 + timedelta(seconds=1 + n),
             )
         )
-        ledger.append(
-            AuditEvent(
-                kind="block.zeroize",
-                scope_tag="st_acme",
-                block_ids=blocks,
-                details={
-                    "engine_id": engine,
-                    "handover": False,
-                    "method": "torch",
-                    "device": "cpu",
-                    "verify_mode": "full",
-                    "verified": True,
-                    "block_count": len(blocks),
-                    "bytes_cleared": 4096 * len(blocks),
-                },
-                ts=T0 + timedelta(seconds=3 + n),
-            )
-        )
+        ledger.append(_clear(engine, blocks, T0 + timedelta(seconds=3 + n)))
     return ledger
 
 
