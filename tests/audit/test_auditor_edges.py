@@ -210,24 +210,7 @@ def _purge_log(open_ledger: Opener, url: str, **request: Any) -> Ledger:
     """A purge job 7 of tenant tt_acme on two engines: request, then purge and clear per engine
     (`request`: details of the request entry replaced)."""
     ledger = open_ledger(url)
-    ledger.append(
-        AuditEvent(
-            kind="admin.action",
-            scope_tag="tt_acme",
-            details={
-                "action": "purge.create",
-                "outcome": "ok",
-                "principal": "key:abc",
-                "role": "tenant_admin",
-                "job_id": 7,
-                "purge_kind": "tenant",
-                "engines_expected": 2,
-                **request,
-            },
-            payload={"tenant_id": "acme"},
-            ts=T0,
-        )
-    )
+    ledger.append(_request_event(ts=T0, **{"engines_expected": 2, **request}))
     for n, (engine, blocks) in enumerate([("e1", [5, 6]), ("e2", [9])]):
         ledger.append(
             AuditEvent(
@@ -364,7 +347,8 @@ def test_an_earlier_jobs_entries_under_the_same_id_do_not_certify_a_later_job(
     assert verify_certificate(_certificate(ledger2, [5, 6, 7], roles2, 1), [key.verifier_key()])
 
 
-def _request_event(*, engines_expected: int, ts: Any) -> AuditEvent:
+def _request_event(*, ts: Any, **details: Any) -> AuditEvent:
+    """Job 7's `purge.create` entry (tenant tt_acme), `details` replacing or adding fields."""
     return AuditEvent(
         kind="admin.action",
         scope_tag="tt_acme",
@@ -375,7 +359,7 @@ def _request_event(*, engines_expected: int, ts: Any) -> AuditEvent:
             "role": "tenant_admin",
             "job_id": 7,
             "purge_kind": "tenant",
-            "engines_expected": engines_expected,
+            **details,
         },
         payload={"tenant_id": "acme"},
         ts=ts,

@@ -15,7 +15,6 @@ Over the fakes of test_scheduler_guard.py. Each test failed before its fix:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,7 +26,14 @@ from kvguard.engine_adapter.records import BlockStatus
 from kvguard.isolation import Share
 from kvguard.policy import PolicySet
 from tests.engine_adapter.conftest import scope_for
-from tests.engine_adapter.test_scheduler_guard import BLOCK, _group, make_guard, request, schedule
+from tests.engine_adapter.test_scheduler_guard import (
+    BLOCK,
+    _group,
+    make_guard,
+    request,
+    resumed,
+    schedule,
+)
 
 __all__ = ["make_guard"]  # the fixture, used by name
 
@@ -113,14 +119,7 @@ def test_a_doomed_request_resuming_keeps_another_members_prefix(make_guard: Any)
     f.pool.blocks[5].block_hash, f.pool.blocks[6].block_hash = "h5", "h6"
     guard.build_step(schedule(new=[(b, [5, 6, 7], 0)]))
     guard.request_finished(b)
-    step = schedule()
-    step.scheduled_cached_reqs = SimpleNamespace(
-        req_ids=[r.request_id],
-        new_block_ids=[([5, 6, 8],)],
-        resumed_req_ids={r.request_id},
-        num_computed_tokens=[32],
-    )
-    guard.build_step(step)
+    guard.build_step(resumed(r, [5, 6, 8], 32))
     assert not guard.custody.record(5).doomed and not guard.custody.record(6).doomed
     assert f.pool.blocks[5].block_hash == "h5"  # b's prefix stays in vLLM's index
     assert guard.custody.record(8).doomed  # r's own block is

@@ -40,6 +40,17 @@ def _client(server, key: str):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
+def _group_client(server, keys, tenant: str) -> openai.OpenAI:
+    """An openai client of `tenant` (a fresh inference key) asking for the `docs` share group."""
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1",
+        api_key=keys.issue(tenant).api_key,
+        max_retries=0,
+        timeout=120,
+        default_headers={"X-KVGuard-Share": "group:docs"},
+    )
+
+
 def _cached(usage) -> int:
     details = usage.prompt_tokens_details
     return int(details.cached_tokens or 0) if details is not None else -1
@@ -436,13 +447,7 @@ def test_a_member_reuses_only_the_listed_prefix_of_another_members_running_reque
     tk = server.keys()
 
     def client(tenant: str) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=server.base_url + "/v1",
-            api_key=tk.issue(tenant).api_key,
-            max_retries=0,
-            timeout=120,
-            default_headers={"X-KVGuard-Share": "group:docs"},
-        )
+        return _group_client(server, tk, tenant)
 
     prefix_tokens = len(served_mod.group_prefix_ids())
     a, b = client("shr-a"), client("shr-b")
@@ -556,13 +561,7 @@ def test_each_share_group_member_reads_its_own_group_entries_and_not_the_other_m
     since = datetime.now(UTC).isoformat()
 
     def client(tenant: str) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=server.base_url + "/v1",
-            api_key=tk.issue(tenant).api_key,
-            max_retries=0,
-            timeout=120,
-            default_headers={"X-KVGuard-Share": "group:docs"},
-        )
+        return _group_client(server, tk, tenant)
 
     prompt = f"{served_mod.GROUP_PREFIX} {' '.join(['ya ye yi yo yu'] * 40)}"
     client("shr-a").completions.create(model=server.model, prompt=prompt, max_tokens=1)

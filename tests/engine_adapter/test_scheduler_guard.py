@@ -207,6 +207,18 @@ def schedule(
     )
 
 
+def resumed(r: Any, blocks: list[int], computed: int) -> Any:
+    """A schedule in which preempted request `r` resumes on `blocks`, `computed` tokens hit."""
+    step = schedule()
+    step.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=[r.request_id],
+        new_block_ids=[(blocks,)],
+        resumed_req_ids={r.request_id},
+        num_computed_tokens=[computed],
+    )
+    return step
+
+
 @pytest.fixture
 def make_guard(tmp_path: Any) -> Any:
     def make(policy: PolicySet | None = None, blocks: int = 32) -> tuple[SchedulerGuard, Any]:
@@ -852,14 +864,7 @@ def test_a_preempted_request_of_a_narrowed_group_that_still_qualifies_dooms_noth
     guard.request_finished(b)
     assert guard.custody is not None
     assert guard._envelopes[r.request_id].scope.share is Share.GROUP
-    step = schedule()
-    step.scheduled_cached_reqs = SimpleNamespace(
-        req_ids=[r.request_id],
-        new_block_ids=[([5, 6, 8],)],
-        resumed_req_ids={r.request_id},
-        num_computed_tokens=[32],
-    )
-    guard.build_step(step)
+    guard.build_step(resumed(r, [5, 6, 8], 32))
     assert not guard.custody.record(5).doomed and not guard.custody.record(6).doomed
     assert f.pool.blocks[5].block_hash == "h5"
 
