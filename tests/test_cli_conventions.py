@@ -116,6 +116,7 @@ def test_key_file_commands_report_json(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_admin_key_commands_report_json(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'k.db'}"
+    ok_json(["db", "migrate", "--db", db])  # a --db database is not made by `keys create`
     created = ok_json(["keys", "create", "--role", "auditor", "--label", "ci", "--db", db])
     assert set(created) == {"api_key", "key_id", "label", "role", "tenant_id"}
     assert created["api_key"].startswith(f"kvg_adm_{created['key_id']}_")  # shown once, on purpose
@@ -134,7 +135,12 @@ def test_tenant_key_commands_report_json(tmp_path: Path) -> None:
     (row,) = listed["keys"]
     assert row["key_id"] == created["key_id"] and created["api_key"] not in json.dumps(listed)
     revoked = ok_json(["keys", "tenant-key", "revoke", created["key_id"], "--db", url])
-    assert revoked == {"key_id": created["key_id"], "revoked": True, "tenant_id": "acme"}
+    assert revoked == {
+        "key_id": created["key_id"],
+        "revoked": True,
+        "tenant_id": "acme",
+        "already_revoked": False,
+    }
 
 
 def test_purge_reports_json(tmp_path: Path) -> None:

@@ -25,8 +25,11 @@ from kvguard.errors import ConfigError, VerificationError
 from kvguard.logging import capture_stdlib_logging, export_server_logging
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
     from kvguard.api.auth import ApiKeys
     from kvguard.api.services import ApiConfig
+    from kvguard.control.keys import IssuedApiKey
 
 MIN_CHECKPOINT_INTERVAL_S: Final = 1.0
 MAX_CHECKPOINT_INTERVAL_S: Final = 86_400.0  # a day; `threading.Event.wait` overflows far beyond
@@ -286,10 +289,12 @@ def create_key_command(
 ) -> None:
     """Create an admin API key; it is printed once and only a keyed hash of it is kept.
 
-    Exit 0 ok; 2 usage or environment (role, --tenant, database)."""
+    Exit 0 ok; 1 --tenant names no registered tenant; 2 usage or environment (role, --tenant,
+    database: a `--db` SQLite file that does not exist is refused, not created)."""
     from kvguard.api.auth import Role  # noqa: PLC0415
     from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
     from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
+    from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
 
     try:
         chosen = Role(role)
@@ -297,12 +302,22 @@ def create_key_command(
         roles = ", ".join(r.value for r in Role)
         raise fail(f"--role must be one of {roles}", EXIT_USAGE, json_output) from None
     with reporting(json_output):
-        url = resolve_db_url(db)
+        # The embedded default is created on first use (the README's first command); a database
+        # named with --db is not: a mistyped path would get a key no server ever reads.
+        url = resolve_db_url(db, existing=db is not None)
     with reporting(json_output, db_url=url):
         keys = _open_keys(url)
+
+        def create(conn: sa.Connection) -> IssuedApiKey:
+            if tenant is not None and chosen is Role.TENANT_ADMIN:
+                # A key bound to an id no tenant has yet would govern whichever tenant is later
+                # registered under it (a typo today, someone else's tenant tomorrow).
+                TenantRegistry(keys.engine).get(tenant, conn=conn)
+            return keys.create(chosen, tenant_id=tenant, label=label, conn=conn)
+
         issued = record_operator_change(
             keys.engine,
-            lambda conn: keys.create(chosen, tenant_id=tenant, label=label, conn=conn),
+            create,
             lambda i: operator_event(
                 "api_key.create",
                 tenant_id=tenant,

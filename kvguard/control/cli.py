@@ -326,15 +326,24 @@ def tenant_key_revoke(
     url = _resolved(db, json_output)
     with reporting(json_output, db_url=url):
         keys = _tenant_keys(url)
-        info = record_operator_change(
+        info, revoked_now = record_operator_change(
             keys.engine,
-            lambda conn: keys.revoke(key_id, conn=conn),
-            lambda revoked: operator_event(
-                "inference_key.revoke", tenant_id=revoked.tenant_id, key_id=key_id
+            lambda conn: keys.revoke_once(key_id, conn=conn),
+            lambda done: operator_event(
+                "inference_key.revoke",
+                tenant_id=done[0].tenant_id,
+                key_id=key_id,
+                already_revoked=not done[1],  # a repeat revokes nothing
             ),
         )
-    result = {"key_id": key_id, "tenant_id": info.tenant_id, "revoked": True}
-    emit(result, json_output, f"tenant key {key_id} revoked")
+    result = {
+        "key_id": key_id,
+        "tenant_id": info.tenant_id,
+        "revoked": True,
+        "already_revoked": not revoked_now,
+    }
+    human = "was already revoked" if not revoked_now else "revoked"
+    emit(result, json_output, f"tenant key {key_id} {human}")
 
 
 @tenant_key_app.command("list")

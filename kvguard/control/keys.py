@@ -296,16 +296,24 @@ class TenantKeys:
     ) -> TenantKeyInfo:
         """Revoke a key (idempotent); with `tenant_id`, only that tenant's key. NotFoundError if
         there is no such key (for that tenant). With `conn`, inside the caller's transaction."""
+        return self.revoke_once(key_id, tenant_id=tenant_id, conn=conn)[0]
+
+    def revoke_once(
+        self, key_id: str, *, tenant_id: str | None = None, conn: sa.Connection | None = None
+    ) -> tuple[TenantKeyInfo, bool]:
+        """`revoke`, and whether this call revoked the key (False: it was revoked already, and
+        the caller's record of the call says so instead of dating the revocation again)."""
         if conn is None:
             with write_transaction(self._engine) as own:
-                return self.revoke(key_id, tenant_id=tenant_id, conn=own)
-        where = [TenantKeyRow.key_id == key_id]
+                return self.revoke_once(key_id, tenant_id=tenant_id, conn=own)
+        where = [TenantKeyRow.key_id == key_id, sa.not_(TenantKeyRow.revoked)]
         if tenant_id is not None:
             where.append(TenantKeyRow.tenant_id == tenant_id)
         done = conn.execute(sa.update(TenantKeyRow).where(*where).values(revoked=True)).rowcount
-        if done != 1:
+        found = self.list(tenant_id, key_id=key_id, conn=conn)
+        if not found:
             raise NotFoundError("tenant key not found")
-        return self.list(tenant_id, key_id=key_id, conn=conn)[0]
+        return found[0], done == 1
 
     def list(
         self,

@@ -5,17 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from kvguard.api.auth import ApiKeys, Role
 from kvguard.audit.db import create_engine
 from kvguard.cli import app
+from kvguard.control.db import open_engine
+from kvguard.control.schema import AdminKeyRow, OutboxRow
+from kvguard.control.tenants import TenantRegistry
 
 runner = CliRunner()
 
 
 def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'k.db'}"
+    TenantRegistry(open_engine(db)).create("acme", display_name="Acme", created_by="test")
     result = runner.invoke(
         app, ["keys", "create", "--role", "tenant_admin", "--tenant", "acme", "--db", db]
     )
@@ -37,7 +42,7 @@ def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
         (["--role", "tenant_admin"], 2, "needs --tenant"),
         (["--role", "admin", "--tenant", "acme"], 2, "needs --tenant"),
         # an environment error (docs/cli.md): 2, was 1 before issue 13, item 5
-        (["--role", "admin", "--db", "sqlite:////nonexistent/dir/x.db"], 2, "cannot open database"),
+        (["--role", "admin", "--db", "sqlite:////nonexistent/dir/x.db"], 2, "does not exist"),
     ],
 )
 def test_keys_create_refuses_bad_input(
@@ -45,10 +50,39 @@ def test_keys_create_refuses_bad_input(
 ) -> None:
     if "--db" not in args:
         args = [*args, "--db", f"sqlite:///{tmp_path / 'k.db'}"]
+        TenantRegistry(open_engine(args[-1])).create("acme", display_name="A", created_by="t")
     result = runner.invoke(app, ["keys", "create", *args])
     assert result.exit_code == code, result.output
     assert says in result.output
     assert "Traceback" not in result.output
+
+
+def test_keys_create_needs_an_existing_database_and_a_registered_tenant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped --db path is refused, not made into a new database holding a key no server
+    reads; a tenant_admin key only for a registered tenant (a key bound to a free id would govern
+    whichever tenant is registered under it later). Nothing is stored by a refusal."""
+    typo = tmp_path / "kvguatd.db"
+    result = runner.invoke(app, ["keys", "create", "--role", "admin", "--db", f"sqlite:///{typo}"])
+    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+    assert not typo.exists()
+
+    db = f"sqlite:///{tmp_path / 'k.db'}"
+    TenantRegistry(open_engine(db)).create("acme", display_name="Acme", created_by="test")
+    args = ["keys", "create", "--role", "tenant_admin", "--tenant", "acme-typo", "--db", db]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 1 and "Traceback" not in refused.output, refused.output
+    with open_engine(db).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(AdminKeyRow)).scalar() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(OutboxRow)).scalar() == 0
+
+    # The embedded default (no --db) is still made on first use: the README's first command.
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path / "fresh"))
+    monkeypatch.delenv("KVGUARD_DB_URL", raising=False)
+    first = runner.invoke(app, ["keys", "create", "--role", "admin"])
+    assert first.exit_code == 0, first.output
+    assert (tmp_path / "fresh").is_dir()
 
 
 def test_serve_refuses_to_start_without_secrets(

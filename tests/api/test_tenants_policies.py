@@ -155,6 +155,8 @@ def test_inference_keys_create_list_revoke_and_scoping(env) -> None:
     revoked = env.call("acme", "POST", url)
     assert revoked.status_code == 200 and revoked.json()["revoked"] is True
     assert env.services.inference_keys.tenant_for(body["api_key"]) is None  # next request: 401
+    again = env.call("acme", "POST", url)  # idempotent, and recorded as a repeat
+    assert again.status_code == 200 and again.json()["revoked"] is True
     assert env.call("admin", "POST", "/v1/tenants/nobody/inference-keys").status_code == 404
     env.call("admin", "POST", "/v1/tenants/globex/disable", json={"reason": "test"})
     assert env.call("admin", "POST", "/v1/tenants/globex/inference-keys").status_code == 409
@@ -163,6 +165,12 @@ def test_inference_keys_create_list_revoke_and_scoping(env) -> None:
     actions = [(r.event.details["action"], r.event.details["outcome"]) for r in page.records]
     assert ("inference_key.create", "ok") in actions
     assert ("inference_key.revoke", "ok") in actions
+    revokes = [
+        d
+        for d in (r.event.details for r in page.records)
+        if d["action"] == "inference_key.revoke" and d["outcome"] == "ok"
+    ]
+    assert [d.get("already_revoked") for d in revokes] == [None, True]
     assert body["api_key"] not in str([r.leaf for r in page.records])
 
 

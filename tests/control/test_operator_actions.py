@@ -37,16 +37,18 @@ def test_cli_changes_reach_the_ledger_with_their_entries(tmp_path: Path) -> None
     for args in (
         ["keys", "revoke", admin_key_id, "--db", url],
         ["keys", "tenant-key", "revoke", tenant_key_id, "--db", url],
+        ["keys", "tenant-key", "revoke", tenant_key_id, "--db", url],  # again: idempotent
     ):
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.output
+    assert "was already revoked" in result.output
     secrets = [line for out in outputs for line in out.split() if line.startswith("kvg_")]
     assert len(secrets) == 2
 
     engine = open_engine(url)
     with engine.connect() as conn:
         pending = conn.execute(sa.select(OutboxRow.event)).scalars().all()
-    assert len(pending) == 5 and not any(s in e for s in secrets for e in pending)
+    assert len(pending) == 6 and not any(s in e for s in secrets for e in pending)
 
     config, _key = make_config(tmp_path, url)
     services = Services.open(config)  # drains what the CLI left
@@ -64,7 +66,10 @@ def test_cli_changes_reach_the_ledger_with_their_entries(tmp_path: Path) -> None
             "purge.create",
             "api_key.revoke",
             "inference_key.revoke",
+            "inference_key.revoke",
         ]
+        # The repeat is recorded as what it was, not as a second revocation.
+        assert cli[4]["already_revoked"] is False and cli[5]["already_revoked"] is True
         assert cli[2]["principal"] == "cli:oncall" and cli[2]["job_id"] == 1
         assert "acme" not in json.dumps(cli)  # the tenant id only in the erasable payloads
     finally:

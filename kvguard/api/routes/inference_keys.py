@@ -103,6 +103,11 @@ def revoke_inference_key(
     services.tenants.get(access.tenant(tenant_id))
     action.tenant_id = tenant_id
     with services.write() as conn:
-        info = services.inference_keys.revoke(key_id, tenant_id=tenant_id, conn=conn)
-        action.done(conn, key_id=key_id)
+        info, revoked_now = services.inference_keys.revoke_once(
+            key_id, tenant_id=tenant_id, conn=conn
+        )
+        if revoked_now:
+            action.done(conn, key_id=key_id)
+        else:  # a repeated call is recorded as what it was: it did not revoke the key again
+            action.done(conn, key_id=key_id, already_revoked=True)
     return InferenceKeyPublic.of(info)
