@@ -27,9 +27,10 @@ from sqlalchemy.exc import IntegrityError
 from kvguard.control.db import ensure_schema, read_connection, write_transaction
 from kvguard.control.schema import TenantRow
 from kvguard.errors import ConfigError, ConflictError, NotFoundError
+from kvguard.isolation.scope import TENANT_ID_PATTERN
 
-# Tenant ids travel in URL paths and file names: no slashes, no spaces, no control characters.
-TENANT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+__all__ = ["TENANT_ID_PATTERN", "Tenant", "TenantRegistry", "check_tenant_id"]
+
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
 

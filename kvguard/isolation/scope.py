@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 from functools import cached_property
-from typing import NewType, Self
+from typing import Final, NewType, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TenantId = NewType("TenantId", str)
+# What a registered tenant's id may be (they travel in URL paths and file names: no slashes, no
+# spaces, no control characters), and so what a policy document may name. kvguard's own pseudo
+# tenants (ungoverned traffic) use a character outside it: no tenant can ever be registered, or
+# given a policy, under their ids.
+TENANT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 SessionId = NewType("SessionId", str)
 GroupId = NewType("GroupId", str)
 

@@ -7,14 +7,17 @@ location (`tenants.acme.`). Every rule closes a way a document could look strict
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
+from kvguard.isolation.scope import TENANT_ID_PATTERN
 from kvguard.policy.enums import MAX_REUSE, Classification, Reuse, Verify, ZeroizeOn
 
 if TYPE_CHECKING:  # the models call these rules from their validators, so they import this module
     from kvguard.policy.models import PolicySet, TenantPolicy
 
 Problem = tuple[str, str]
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
 
 def tenant_problems(policy: TenantPolicy) -> list[Problem]:
@@ -94,6 +97,20 @@ def _restricted_problems(policy: TenantPolicy) -> list[Problem]:
 def policy_set_problems(policy_set: PolicySet) -> list[Problem]:
     """Rules that relate tenants, the default and share groups to each other."""
     problems: list[Problem] = []
+    for position, tenant_id in enumerate(policy_set.tenants, start=1):
+        if not _TENANT_ID.fullmatch(tenant_id):
+            # A name no tenant can be registered under ("acme " for "acme") would leave the tenant
+            # on the default while the document reads as if it were restricted. By position, not
+            # by name: an error never echoes a value the caller sent.
+            problems.append(
+                (
+                    "tenants",
+                    f"entry {position} is not a tenant id (1-128 letters, digits and . _ : @ -, "
+                    "starting with a letter or digit): no tenant could ever get it",
+                )
+            )
+    if problems:
+        return problems  # the rules below name tenants by their keys
     if policy_set.default.groups:
         problems.append(
             (

@@ -172,6 +172,26 @@ def test_ungoverned_traffic_shares_one_tag(make_guard: Any) -> None:
     guard.custody.check_invariants()
 
 
+def test_no_tenant_can_take_over_ungoverned_traffic(make_guard: Any) -> None:
+    """Ungoverned traffic's pseudo tenant is no tenant id: none can be registered under it, and a
+    tenant under the id it once had ("kvguard:ungoverned", found by a review) has its own tag,
+    apart from ungoverned requests' (which then went to that tenant's ledger view and policy)."""
+    from kvguard.control.tenants import check_tenant_id  # noqa: PLC0415
+    from kvguard.engine_adapter.vllm.intake import UNGOVERNED_TENANT  # noqa: PLC0415
+    from kvguard.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError):
+        check_tenant_id(UNGOVERNED_TENANT)
+    guard, _f = make_guard()
+    r = request("a", BLOCK)
+    r.sampling_params = SimpleNamespace(extra_args=None, max_tokens=1)  # no envelope
+    guard.on_new_request(r)
+    guard.build_step(schedule(new=[(r, [1], 0)]))
+    (ungoverned,) = [t for t, who in guard._tag_tenant.items() if who == UNGOVERNED_TENANT]
+    lookalike = check_tenant_id("kvguard:ungoverned")  # a valid id, an ordinary tenant
+    assert guard._tag(scope_for(lookalike)) != ungoverned
+
+
 def test_a_shared_domains_tier_entries_carry_each_members_own_tag() -> None:
     """The offload tier binds the shared domain's tag into its ciphertexts (every member opens
     them), but a member's spill and restore entries carry its own tag: the domain's tag names no

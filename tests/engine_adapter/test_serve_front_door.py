@@ -147,7 +147,7 @@ def test_beam_search_is_refused_at_the_front_door(server) -> None:
     routes). With `use_beam_search`, vLLM builds fresh SamplingParams for every beam step without
     `extra_args`: the envelope is dropped and every step arrived as ungoverned traffic, outside the
     tenant's policy (its engine-side quota, `quota.when_full: wait`, held none of it) and recorded
-    under `kvguard:ungoverned` scopes instead of the tenant's. Refused until the envelope can
+    under `kvguard/ungoverned` scopes instead of the tenant's. Refused until the envelope can
     travel with beam steps."""
     key = server.keys().issue("initech").api_key
     beam = {

@@ -4,7 +4,7 @@ through which it cannot are refused (an independent review against the real serv
 running as ungoverned traffic).
 
 Evidence is the ledger: every `block.alloc` entry the request made, with its scope tag resolved
-through `scope_tags`, belongs to the tenant that sent it, never to `kvguard:ungoverned`.
+through `scope_tags`, belongs to the tenant that sent it, never to `kvguard/ungoverned`.
 
 What the review found (each test below failed on the code it was written against):
 - `/generative_scoring`: vLLM builds its own `SamplingParams(max_tokens=1, ...)` for every item,

@@ -126,6 +126,28 @@ def test_policy_set_cross_references() -> None:
 
 
 @pytest.mark.parametrize(
+    "name",
+    [
+        "acme ",
+        "\uff41\uff43\uff4d\uff45",
+        "acme\u200b",
+        "x" * 129,
+        "-acme",
+        "a/b",
+        "kvguard/ungoverned",
+    ],
+)
+def test_a_tenant_entry_no_tenant_could_ever_have_is_refused(name: str) -> None:
+    """A typo ("acme " for "acme", a full-width or zero-width character, a name too long) would
+    leave the tenant on the default while the document reads as if it set its policy; the error
+    names the entry's position, never the name. kvguard's own pseudo tenant is no tenant id."""
+    with pytest.raises(ValidationError, match="entry 2 is not a tenant id") as caught:
+        policy_set({"acme": {}, name: {"classification": "restricted"}})
+    assert name not in str(caught.value)
+    assert policy_set({"acme": {}, "a.b_c:d@e-f": {}}).tenants  # every allowed character
+
+
+@pytest.mark.parametrize(
     ("group", "expected"),
     [
         ({"prefixes": []}, "at least 1 item"),

@@ -14,7 +14,10 @@ from typing import Any, Final
 
 from kvguard.isolation.scope import CacheConfig, ModelRef, Scope, Share, TokenizerRef
 
-UNGOVERNED_TENANT: Final = "kvguard:ungoverned"
+# Outside TENANT_ID_PATTERN (the "/"): no registered tenant, and no policy entry, can ever share it
+# (found by a review: a tenant registered as "kvguard:ungoverned" took over every ungoverned
+# request's tag, ledger view and policy).
+UNGOVERNED_TENANT: Final = "kvguard/ungoverned"
 
 
 def make_private(request: Any, *, skip_reading: bool = True) -> None:
