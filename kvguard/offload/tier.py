@@ -108,8 +108,8 @@ class EncryptedTier:
             raise ValueError("the offload tier's budget must be positive")
         self._keys = keys
         self._budget = budget_bytes
-        # A subdirectory of its own, locked while this process lives; what killed engines left in
-        # `directory` is deleted first (kvguard.offload.tierdir).
+        # A subdirectory of its own in `directory`/kvguard-tier, locked while this process lives;
+        # what killed engines left there is deleted first (kvguard.offload.tierdir).
         self._home = TierDirectory(directory) if directory is not None else None
         self._dir = self._home.path if self._home is not None else None
         self._clock = clock
@@ -181,8 +181,9 @@ class EncryptedTier:
         where = f"scope tag {address.scope_tag}, position {address.position}"
         try:
             sealed = entry.data if entry.data is not None else self._read(entry)
-        except OSError as exc:  # an I/O error, a replaced file: never served, recomputed
-            self._forget_entry(address, entry)
+        except OSError as exc:  # an I/O error, a deleted or replaced file: recomputed
+            if not self._forget_entry(address, entry):
+                return None  # dropped by another thread since the lookup: gone, not unreadable
             raise TierReadError(
                 f"offloaded block unreadable ({where}, {type(exc).__name__}): recompute"
             ) from None
@@ -194,10 +195,11 @@ class EncryptedTier:
                 f"offloaded block failed authentication ({where}): recompute"
             ) from None
 
-    def _forget_entry(self, address: BlockAddress, entry: _Entry) -> None:
-        """Drop `entry` (if the address still holds it): what cannot be served is not kept."""
+    def _forget_entry(self, address: BlockAddress, entry: _Entry) -> bool:
+        """Drop `entry` (if the address still holds it): what cannot be served is not kept.
+        Whether it was still held."""
         with self._lock:
-            self._drop(address.key(), only=entry)
+            return self._drop(address.key(), only=entry).entries > 0
 
     def discard(self, address: BlockAddress) -> Removal:
         """Delete one entry (budget or expiry decided elsewhere); nothing when it is not held."""
@@ -269,9 +271,9 @@ class EncryptedTier:
 
     @staticmethod
     def _read(entry: _Entry) -> bytes:
-        if entry.path is None:
-            return b""
-        try:
-            return entry.path.read_bytes()
-        except FileNotFoundError:
-            return b""  # fails authentication like any other damage
+        """The entry's ciphertext from its file. A file that is gone raises (an `io` failure, as
+        the docs say), never reads as b"": that would fail authentication and be recorded as
+        tampering (a review)."""
+        if entry.path is None:  # forgotten (dropped, shredded) since `get` looked it up
+            raise FileNotFoundError("the entry's file was deleted with the entry")
+        return entry.path.read_bytes()

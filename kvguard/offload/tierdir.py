@@ -2,17 +2,24 @@
 
 A tier's ciphertexts are unreadable once its process is gone (the epoch secrets behind their keys
 live only in that process's memory, `kvguard.offload.keys`), and a clean stop deletes them. A
-process that is killed (kill -9, OOM killer, power loss) cannot: its files stay behind in the
-configured directory, undecryptable but taking disk space, and nothing would ever delete them. Two
-engine processes may also be pointed at the same directory.
+process that is killed (kill -9, OOM killer, power loss) cannot: its files stay behind, undecryptable
+but taking disk space, and nothing would ever delete them. Two engine processes may also be pointed
+at the same directory.
 
-So each tier claims a subdirectory of its own, `tier-<pid>-<random>/`, beside a lock file
-`tier-<pid>-<random>.lock` on which it holds an exclusive `flock` for its whole life. The kernel
-releases that lock when the process dies, however it dies. At start, a tier sweeps the directory:
-every `tier-*.lock` it can lock belongs to a process that is gone, and its subdirectory is deleted
-(then the lock file); a live engine's lock cannot be taken, so its files are never touched. Also
-deleted: subdirectories without a lock file, half-made claims nobody holds, and `*.kvb` files at the
-top level (kvguard 0.1 wrote them there without any lock).
+The configured directory may be shared with other programs (/dev/shm, /tmp): kvguard creates it if
+missing but never changes its mode and never deletes anything in it (a review: a sweep there made
+/dev/shm 0700 and deleted other programs' `tier-*` directories and `*.kvb` files). Its files live in
+a subdirectory of its own, `kvguard-tier/` (0700), refused (ConfigError) when it is a symbolic link,
+not a directory, owned by another user, or group- or world-writable: whoever could write there could
+plant names for the sweep.
+
+In it, each tier claims a subdirectory `tier-<pid>-<12 hex>/`, beside a lock file
+`tier-<pid>-<12 hex>.lock` on which it holds an exclusive `flock` for its whole life. The kernel
+releases that lock when the process dies, however it dies. At start, a tier sweeps `kvguard-tier/`:
+every lock file it can lock belongs to a process that is gone, and its subdirectory is deleted (then
+the lock file); a live engine's lock cannot be taken, so its files are never touched. Also deleted:
+subdirectories without a lock file and half-made claims nobody holds. The sweep deletes only names
+of exactly the form it creates (`_NAME`); anything else there is left alone.
 
 The claim cannot be confused with a dead one: the lock file is created under a temporary name,
 locked, and only then renamed to its final name, and the subdirectory is made after that; a sweeper
@@ -25,16 +32,22 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from kvguard.errors import ConfigError
 from kvguard.logging import get_logger
-from kvguard.secretfile import private_dir
 
+SUBDIR: Final = "kvguard-tier"
 PREFIX: Final = "tier-"
+_HEX: Final = 12
+# Exactly the names `_claim` makes, so the sweep never deletes anything it did not create.
+_NAME: Final = re.compile(rf"{PREFIX}[0-9]+-[0-9a-f]{{{_HEX}}}")
 _CLAIM_TRIES: Final = 8
 _log = get_logger("kvguard.offload.tierdir")
 
@@ -55,8 +68,8 @@ class TierDirectory:
 
     def __init__(self, root: str | Path) -> None:
         # An operator may point the offload directory at another disk through a link: followed here,
-        # deliberately (private_dir refuses links where the path may be chosen by someone else).
-        self.root = private_dir(Path(root).resolve())
+        # deliberately; kvguard's own subdirectory in it is never a link (`own_dir`).
+        self.root = own_dir(Path(root).resolve())
         self.swept = sweep(self.root)
         if self.swept.entries:
             _log.warning(
@@ -82,10 +95,39 @@ class TierDirectory:
         self._fd = -1
 
 
+def own_dir(configured: Path) -> Path:
+    """kvguard's subdirectory of the configured offload directory, created 0700 if missing. The
+    configured directory is created if missing and otherwise left as it is (it may be /dev/shm).
+    Raises ConfigError when the subdirectory is not one only this user can write to."""
+    configured.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = configured / SUBDIR
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem is not None:
+        raise ConfigError(
+            f"offload directory: {path} {problem}; kvguard keeps its tier files there and deletes "
+            f"what stopped engines left in it (remove it, or set offload_dir elsewhere)"
+        )
+    return path
+
+
 def sweep(root: Path) -> Swept:
-    """Delete what processes that are gone left in `root`; never a live process's files."""
+    """Delete what processes that are gone left in `root` (kvguard's own subdirectory); never a
+    live process's files, never a name that `_claim` does not make."""
     total = Swept()
     for lock in sorted(root.glob(f"{PREFIX}*.lock")):
+        if not _NAME.fullmatch(lock.name.removesuffix(".lock")):
+            continue
         fd = _try_lock(lock)
         if fd is None:
             continue  # a live engine's, or one another sweeper is deleting right now
@@ -96,22 +138,22 @@ def sweep(root: Path) -> Swept:
         finally:
             os.close(fd)
     for sub in sorted(root.glob(f"{PREFIX}*")):
-        if sub.is_dir() and not (root / f"{sub.name}.lock").exists():
+        if _NAME.fullmatch(sub.name) and not (root / f"{sub.name}.lock").exists():
             total += _remove_tree(sub)  # its owner's lock file is gone: an interrupted sweep
     for tmp in sorted(root.glob(f".{PREFIX}*.tmp")):
+        if not _NAME.fullmatch(tmp.name[1:].removesuffix(".tmp")):
+            continue
         fd = _try_lock(tmp)
         if fd is not None:  # a claim whose process died before finishing it
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             os.close(fd)
-    for stray in sorted(root.glob("*.kvb")):  # kvguard 0.1 kept its files here, unlocked
-        total += _remove_file(stray)
     return total
 
 
 def _claim(root: Path) -> tuple[Path, int]:
     for _ in range(_CLAIM_TRIES):
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(_HEX // 2)}"
         tmp = root / f".{name}.tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:

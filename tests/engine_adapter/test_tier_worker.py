@@ -101,7 +101,9 @@ def test_disk_entries_are_private_files_without_plaintext(tmp_path) -> None:
     plain = bytes(worker.tier.copier.read([3])[0])
     disk = TierOrder(3, order(3, 0).key, "st_a", to_disk=True)
     worker.on_step(GuardStepMeta(step=1, spill=(disk,)))
-    (path,) = list((tmp_path / "tier").glob("*/*.kvb"))  # in this process's own subdirectory
+    (path,) = list(
+        (tmp_path / "tier").glob("kvguard-tier/*/*.kvb")
+    )  # in this process's own subdirectory
     assert path.stat().st_mode & 0o777 == 0o600
     assert path.parent.stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "tier").stat().st_mode & 0o777 == 0o700

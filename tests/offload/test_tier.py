@@ -58,7 +58,7 @@ def test_roundtrip_in_memory_and_on_disk(tier: EncryptedTier) -> None:
 
 def entry_files(root: Path) -> list[Path]:
     """The tier's ciphertext files under its directory (in its per-process subdirectory)."""
-    return sorted(root.glob("*/*.kvb"))
+    return sorted(root.glob("kvguard-tier/*/*.kvb"))
 
 
 def test_disk_files_are_private_and_hold_no_plaintext(tier: EncryptedTier, tmp_path: Path) -> None:
@@ -229,4 +229,4 @@ def test_expiry_and_close(keyring: Keyring, tmp_path: Path) -> None:
     assert tier.get(addr(position=0)) is None and tier.get(addr(position=1)) == b"new"
     tier.close()
     assert len(tier) == 0 and tier._keys.domains() == []
-    assert list((tmp_path / "t").iterdir()) == []  # its subdirectory and lock file too
+    assert list((tmp_path / "t" / "kvguard-tier").iterdir()) == []  # its subdirectory and lock

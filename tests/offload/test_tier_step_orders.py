@@ -281,3 +281,39 @@ def test_a_report_looks_only_at_the_domains_it_is_about() -> None:
     assert report is not None
     h.tier.on_report(report)
     assert len(looked) <= 1
+
+
+def test_a_disk_respill_cancelled_by_a_revoked_disk_leaves_no_phantom(tmp_path: Any) -> None:
+    """The worker's disk spill replaced the memory entry at its key; the revocation drops the key:
+    the index must forget the old entry too (it counted against the quota, promised a restore that
+    missed, and a purge's figures disagreed with its `key.shred`)."""
+    mem = {"offload": {"allowed": True, "disk": False, "ttl_s": 1000}}
+    disk = {"offload": {"allowed": True, "disk": True, "ttl_s": 1000}}
+    h = Harness(
+        policies(a=mem), directory=str(tmp_path), restore_us_per_block=1, prefill_us_per_token=100
+    )
+    w = _worker(tmp_path)
+    req = h.finish("r1", "a", [1, 2], 2)
+    h.evict([1, 2])
+    run_step(h, w)
+    assert len(h.tier.index) == worker_entries(w) == 2  # in memory
+    h.policy = policies(a=disk)
+    h.tier.on_policy()
+    h.finish("r2", "a", [5], 1)
+    h.evict([5])  # the same hash as block 1, spilled again: to disk
+    report = _run_orders(w, h.tier.take_orders())
+    h.policy = policies(a=mem)
+    h.tier.on_policy()  # disk revoked before the report came back
+    assert report is not None
+    h.tier.on_report(report)
+    run_step(h, w)
+    assert len(h.tier.index) == worker_entries(w) == 1  # was: 2 != 1
+    assert [e for e in w.tier.tier._entries.values() if e.path is not None] == []
+    again = FakeRequest("r3", req.block_hashes, req.num_tokens)
+    assert h.tier.match(again, scope_for("a"), 0, None) == 0  # the first block is gone
+    h.tier.events.clear()
+    figures = h.tier.purge(PurgeSelector(PurgeKind.TENANT, "a"), command_id=7)
+    run_step(h, w)
+    shreds = [e.details for e in h.tier.events if e.kind is EventKind.KEY_SHRED]
+    assert figures["tier_entry_count"] == sum(int(d["entry_count"] or 0) for d in shreds) == 1
+    assert figures["tier_bytes"] == sum(int(d["bytes_deleted"] or 0) for d in shreds)

@@ -14,7 +14,7 @@ import pytest
 
 from kvguard.isolation.keyring import Keyring
 from kvguard.offload import BlockAddress, EncryptedTier, OffloadKeys
-from kvguard.offload.tierdir import TierDirectory, sweep
+from kvguard.offload.tierdir import SUBDIR, TierDirectory, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,15 +66,16 @@ def killed_engine(directory: Path) -> None:
 def test_entries_of_a_killed_engine_are_deleted_at_the_next_start(tmp_path: Path) -> None:
     root = tmp_path / "offload"
     killed_engine(root)
-    assert len(list(root.glob("tier-*/*.kvb"))) == 3  # nobody cleaned up after kill -9
+    own = root / SUBDIR
+    assert len(list(own.glob("tier-*/*.kvb"))) == 3  # nobody cleaned up after kill -9
     tier = open_tier(root)
     assert (tier.swept.entries, tier.swept.bytes) == (3, 3 * (1000 + 16))
-    assert list(root.glob("*/*.kvb")) == []
+    assert list(own.glob("*/*.kvb")) == []
     mine = tier._home
     assert mine is not None
-    assert sorted(p.name for p in root.iterdir()) == sorted([mine.path.name, mine.lock_path.name])
+    assert sorted(p.name for p in own.iterdir()) == sorted([mine.path.name, mine.lock_path.name])
     tier.close()
-    assert list(root.iterdir()) == []
+    assert list(own.iterdir()) == []
 
 
 def test_a_live_engines_files_are_never_swept(tmp_path: Path) -> None:
@@ -86,27 +87,28 @@ def test_a_live_engines_files_are_never_swept(tmp_path: Path) -> None:
     assert first.get(addr(0)) == b"a" * 500
     second.put(addr(0), b"b" * 500, to_disk=True)  # same address, its own subdirectory
     assert first.get(addr(0)) == b"a" * 500 and second.get(addr(0)) == b"b" * 500
-    assert sweep(root).entries == 0  # both locks are held
+    assert sweep(root / SUBDIR).entries == 0  # both locks are held
     second.close()
     assert first.get(addr(0)) == b"a" * 500
     first.close()
-    assert list(root.iterdir()) == []
+    assert list((root / SUBDIR).iterdir()) == []
 
 
 def test_interrupted_states_are_swept(tmp_path: Path) -> None:
     root = tmp_path / "offload"
-    root.mkdir()
-    (root / "old.kvb").write_bytes(b"x" * 10)  # kvguard 0.1 wrote its files here, unlocked
-    orphan = root / "tier-1-aaaa"  # a subdirectory whose lock file an interrupted sweep removed
+    own = root / SUBDIR
+    own.mkdir(parents=True, mode=0o700)
+    orphan = own / "tier-1-00000000aaaa"  # a subdirectory whose lock an interrupted sweep removed
     orphan.mkdir()
     (orphan / "e.kvb").write_bytes(b"y" * 20)
-    (root / ".tier-2-bbbb.tmp").write_bytes(b"")  # a claim its process never finished
+    (orphan / "f.kvb").write_bytes(b"x" * 10)
+    (own / ".tier-2-00000000bbbb.tmp").write_bytes(b"")  # a claim its process never finished
     home = TierDirectory(root)
     assert (home.swept.entries, home.swept.bytes) == (2, 30)
-    assert sorted(p.name for p in root.iterdir()) == sorted([home.path.name, home.lock_path.name])
+    assert sorted(p.name for p in own.iterdir()) == sorted([home.path.name, home.lock_path.name])
     home.close()
     home.close()  # idempotent
-    assert list(root.iterdir()) == []
+    assert list(own.iterdir()) == []
 
 
 def test_a_claim_is_locked_before_it_is_visible(tmp_path: Path) -> None:
@@ -133,7 +135,7 @@ def test_an_offload_directory_given_as_a_link_is_used_where_it_points(tmp_path: 
     link = tmp_path / "offload"
     link.symlink_to(disk)
     home = TierDirectory(link)
-    assert home.path.parent == disk
+    assert home.path.parent == disk / SUBDIR
     assert home.path.is_dir()
     home.close()
-    assert list(disk.iterdir()) == []
+    assert list((disk / SUBDIR).iterdir()) == []

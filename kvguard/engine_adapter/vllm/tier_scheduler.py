@@ -404,7 +404,9 @@ class SchedulerTier:
             policy = self._policy_for(tenant)
             if order.to_disk and not policy.offload.disk:
                 # Ordered before a version revoked disk and already with the worker (vLLM's async
-                # scheduling builds the next step before this report): not kept (a review).
+                # scheduling builds the next step before this report): not kept (a review). Its
+                # `put` replaced any entry at the key, which leaves the index with it (a review).
+                self.index.remove(order.key)
                 revoked.append(entry)
                 continue
             evicted.extend(self.index.add(entry, tenant_cap=policy.offload.max_bytes))
