@@ -27,6 +27,7 @@ from kvguard.logging import is_sensitive_name
 EVENT_SCHEMA_VERSION: Final = 1
 MAX_TEXT = 200  # a detail longer than this reads like free text (a prompt), not a fact
 MAX_BLOCK_IDS = 4096
+MAX_BLOCK_ID: Final = (1 << 63) - 1  # the largest id the ledger's block index (a BIGINT) holds
 _MAX_DETAILS = 64
 
 DetailValue = str | int | float | bool | None
@@ -152,8 +153,11 @@ class AuditEvent(BaseModel):
     def _block_ids(cls, ids: list[int]) -> list[int]:
         if any(i < 0 for i in ids):
             raise ValueError("block ids are non-negative")
-        if any(i.bit_length() > MAX_INT_BITS for i in ids):
-            raise ValueError(f"a block id of over {MAX_INT_BITS} bits")
+        if any(i > MAX_BLOCK_ID for i in ids):
+            # The block index column is a BIGINT: an entry naming a larger id would validate and
+            # then fail every insert, and the writer, retrying it as an outage, would store
+            # nothing after it (found by a review: one such entry stopped the ledger for good).
+            raise ValueError("a block id past 2**63 - 1 (the ledger's block index holds 64 bits)")
         return ids
 
     @field_validator("details")

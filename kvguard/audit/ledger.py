@@ -169,12 +169,14 @@ class Ledger:
         self._writer.submit(event)
 
     def refusing(self) -> bool:
-        """Whether a submission would be refused now (`BackgroundWriter.refusing`)."""
+        """Whether a submission would be refused, or have to wait, now
+        (`BackgroundWriter.refusing`)."""
         return self._writer.refusing()
 
-    def submit_many(self, events: Sequence[Entry]) -> None:
-        """Queue several events at once, in order (one lock round trip for an engine step)."""
-        self._writer.submit_many(events)
+    def submit_many(self, events: Sequence[Entry], *, wait: bool = True) -> None:
+        """Queue several events at once, in order (one lock round trip for an engine step);
+        `wait=False`: refused rather than waiting for room (`BackgroundWriter.submit_many`)."""
+        self._writer.submit_many(events, wait=wait)
 
     def flush(self, timeout: float | None = 30.0) -> None:
         """Wait until every submitted event is durable."""

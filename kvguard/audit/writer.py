@@ -97,10 +97,12 @@ class BackgroundWriter:
         when the queue is full, or when the writer is closed."""
         self.submit_many((event,))
 
-    def submit_many(self, events: Sequence[Entry]) -> None:
+    def submit_many(self, events: Sequence[Entry], *, wait: bool = True) -> None:
         """Enqueue `events` in order, taking the lock once (an engine step's entries). Under
         `fail_closed` a queue without room for all of them refuses all of them; under `block` the
-        call waits for room (a group larger than the whole queue is let in once the queue is empty)."""
+        call waits for room (a group larger than the whole queue is let in once the queue is empty).
+        `wait=False` refuses instead of waiting under either policy: a caller that must never wait
+        on the database (vLLM's scheduler thread) keeps what was refused and submits it later."""
         if not events:
             return
         with self._cond:
@@ -108,7 +110,7 @@ class BackgroundWriter:
                 raise LedgerUnavailableError("the ledger writer is closed")
             room = max(self._capacity - len(events), 0)
             while len(self._queue) > room:
-                if self._overflow is Overflow.FAIL_CLOSED:
+                if self._overflow is Overflow.FAIL_CLOSED or not wait:
                     raise LedgerUnavailableError(
                         f"ledger queue full ({self._capacity} events not yet durable): refusing work"
                     )
@@ -123,12 +125,11 @@ class BackgroundWriter:
                 self._cond.notify_all()
 
     def refusing(self) -> bool:
-        """Whether `submit` would refuse one more entry now (closed, or `fail_closed` with a full
-        queue), without queueing anything: an engine asks before it starts new work (G7)."""
+        """Whether one more entry would be refused now, or (`block`) have to wait for room: closed,
+        or a full queue. Queues nothing: an engine asks before it starts new work (G7), and a
+        full queue under `block` means the ledger is not taking entries either."""
         with self._cond:
-            if self._closed:
-                return True
-            return self._overflow is Overflow.FAIL_CLOSED and len(self._queue) >= self._capacity
+            return self._closed or len(self._queue) >= self._capacity
 
     @property
     def pending(self) -> int:

@@ -61,7 +61,7 @@ AUDITED: Final[dict[AuditLevel, frozenset[EventKind]]] = {
 
 
 class Submitter(Protocol):
-    def submit_many(self, events: Sequence[Entry]) -> None: ...
+    def submit_many(self, events: Sequence[Entry], *, wait: bool = True) -> None: ...
 
     def refusing(self) -> bool: ...
 
@@ -188,9 +188,11 @@ class LedgerBridge:
         return pending
 
     def submit(self, pending: Sequence[PendingEvent]) -> int:
-        """Submit selected events, all or nothing: under `fail_closed` a full queue refuses the
-        whole batch (`LedgerUnavailableError`, G7). Returns the number of ledger entries."""
-        self._ledger.submit_many(pending)
+        """Submit selected events, all or nothing: a full queue refuses the whole batch
+        (`LedgerUnavailableError`, G7), under `block` too: this runs on vLLM's scheduler thread,
+        which must never wait for the database (waiting froze every tenant's running requests
+        for the whole outage, found by a review). Returns the number of ledger entries."""
+        self._ledger.submit_many(pending, wait=False)
         entries = sum(_parts(p.event, p.per_entry) for p in pending)
         self.submitted += entries
         return entries

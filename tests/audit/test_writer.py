@@ -192,3 +192,20 @@ def test_periodic_checkpoints_follow_growth(sqlite_url: str, open_ledger: Opener
             sizes = [row.size for row in ledger.store.checkpoints(conn)]
         time.sleep(0.02)
     assert sizes == [5, 6]
+
+
+def test_an_event_the_ledger_cannot_store_is_refused_when_made(
+    db_url: str, open_ledger: Opener
+) -> None:
+    """The block index is a BIGINT: an entry naming a larger block id validated, then failed
+    every insert, and the writer, retrying it as an outage, stored nothing after it (found by a
+    review). It is refused when made; the largest id the column holds is stored."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    with pytest.raises(ValidationError, match="2\\*\\*63 - 1"):
+        make_event(0, block_ids=[1 << 63])
+    ledger = open_ledger(db_url, batch_interval=0.01)
+    ledger.submit(make_event(0, block_ids=[(1 << 63) - 1]))
+    ledger.submit(make_event(1))
+    ledger.flush(timeout=10)
+    assert ledger.size == 2

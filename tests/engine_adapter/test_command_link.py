@@ -200,13 +200,13 @@ def test_a_purge_run_while_the_ledger_refuses_entries_is_acknowledged_and_record
     real = f.ledger.submit_many
     submitted: list[Any] = []
 
-    def full(events: Any) -> None:
+    def full(events: Any, *, wait: bool = True) -> None:
         if events:
             raise LedgerUnavailableError("ledger queue full: refusing work")
 
-    def recording(events: Any) -> None:
+    def recording(events: Any, *, wait: bool = True) -> None:
         submitted.extend(events)
-        real(events)
+        real(events, wait=wait)
 
     f.ledger.submit_many = full
     b = request("b", BLOCK)

@@ -41,7 +41,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events = []
 
-    def submit_many(self, events) -> None:
+    def submit_many(self, events, *, wait: bool = True) -> None:
         self.events.extend(expand(events))
 
     def refusing(self) -> bool:
@@ -195,7 +195,7 @@ def test_request_ids_vllm_generated_are_recorded_as_they_are(rid: str | None) ->
 def test_the_bridge_queues_sources_and_counts_the_entries_they_become() -> None:
     ledger = Recorder()
     queued: list = []
-    ledger.submit_many = queued.extend  # type: ignore[method-assign]
+    ledger.submit_many = lambda events, wait=True: queued.extend(events)  # type: ignore[method-assign]
     bridge = LedgerBridge(ledger, lambda _tag: AuditLevel.FULL)
     events = [
         CustodyEvent(EventKind.ALLOC, 1.0, "st_a", "r", (1, 2, 3), {}),  # full: one entry a block

@@ -111,10 +111,10 @@ class RefusingLedger(FakeLedger):
         super().__init__()
         self.refuse = False
 
-    def submit_many(self, events: Any) -> None:
+    def submit_many(self, events: Any, *, wait: bool = True) -> None:
         if self.refuse:
             raise LedgerUnavailableError("full")
-        super().submit_many(events)
+        super().submit_many(events, wait=wait)
 
     def refusing(self) -> bool:
         return self.refuse

@@ -146,7 +146,7 @@ class FakeLedger:
     def submit(self, event: Any) -> None:
         self.entries.append(event)
 
-    def submit_many(self, events: Any) -> None:
+    def submit_many(self, events: Any, *, wait: bool = True) -> None:
         self.entries.extend(expand(events))  # built here, as the ledger's writer thread would
 
     def refusing(self) -> bool:

@@ -10,7 +10,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `signing_key_file` | checkpoint signing key (0600) | required with `ledger_url` |
 | `more_signing_key_files` | other signing key files during a rotation (each signs) | `[]` |
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
-| `ledger_overflow` | `block` or `fail_closed` | `fail_closed` |
+| `ledger_overflow` | `block` or `fail_closed` (the step loop never waits under either: docs/vllm.md) | `fail_closed` |
 | `ledger_commit_interval_s` | seconds between the ledger writer's group commits: longer means fewer commits (less CPU taken from the engine) and more entries lost if the process is killed | `0.05` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
 | `commands_url` | control database: commands (`kvguard purge`, the admin API), engine registry and cache statistics (`kvguard.control.engines`) | `ledger_url` |

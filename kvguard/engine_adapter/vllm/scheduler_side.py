@@ -32,7 +32,6 @@ from itertools import compress
 from typing import Any
 
 from kvguard.audit.ledger import Ledger
-from kvguard.audit.writer import Overflow
 from kvguard.engine_adapter.custody import Custody
 from kvguard.engine_adapter.ledger_bridge import LedgerBridge, PendingEvent
 from kvguard.engine_adapter.records import (
@@ -473,10 +472,10 @@ class SchedulerGuard:
         return self._gate_open
 
     def _probe_refuses(self) -> bool:
-        """Whether the ledger would refuse an entry now (asked without queueing anything). Only
-        `fail_closed` refuses; under `block` a submission waits for room instead."""
-        if self.options.ledger_overflow != Overflow.FAIL_CLOSED.value:
-            return False
+        """Whether the ledger would refuse an entry now (asked without queueing anything), under
+        either `ledger_overflow`: the step loop never waits for room, and each tenant's
+        `on_ledger_unavailable` decides what happens to its new requests meanwhile (under
+        `block` a `fail_closed` tenant was admitted and then hung, found by a review)."""
         try:
             self.bridge.probe()
         except LedgerUnavailableError:
