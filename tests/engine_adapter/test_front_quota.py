@@ -151,10 +151,93 @@ async def test_a_route_counts_the_prompt_it_runs_and_never_a_decoy_field() -> No
     vLLM's tokenizer (no app state here) every string counts its characters, an upper bound."""
     long_prompt = "x" * 900
     decoy = {"prompt": long_prompt, "messages": [{"role": "user", "content": "hi"}]}
-    assert (await prompt_tokens({"path": "/v1/completions"}, decoy))[0] == 900
-    assert (await prompt_tokens({"path": "/v1/chat/completions"}, decoy))[0] == len("userhi")
-    assert (await prompt_tokens({"path": "/invocations"}, decoy))[0] == 900
-    assert (await prompt_tokens({"path": "/v1/completions"}, {"prompt": [1, 2, 3]}))[0] == 3
+    assert (await prompt_tokens({"path": "/v1/completions"}, decoy))[0] == (900,)
+    assert (await prompt_tokens({"path": "/v1/chat/completions"}, decoy))[0] == (len("userhi"),)
+    assert (await prompt_tokens({"path": "/invocations"}, decoy))[0] == (900,)
+    assert (await prompt_tokens({"path": "/v1/completions"}, {"prompt": [1, 2, 3]}))[0] == (3,)
     responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "abc"}]}]}
     expected = len("user") + len("input_text") + len("abc")
-    assert (await prompt_tokens({"path": "/v1/responses"}, responses))[0] == expected
+    assert (await prompt_tokens({"path": "/v1/responses"}, responses))[0] == (expected,)
+
+
+async def _post_to(client, key, path, body):
+    return await client.post(path, json=body, headers={"authorization": f"Bearer {key}"})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/completions", "/invocations"])
+async def test_a_batched_prompt_counts_every_item_as_its_own_request(app, path) -> None:
+    """vLLM runs each item of `prompt: [...]` as its own request, with its own `max_tokens` x `n`
+    outputs (reviewer's finding: 50 one-token prompts with max_tokens 31 counted as one sequence,
+    3 blocks, where the engine needs 50, so a 4-block reject quota admitted them)."""
+    keys, held, client, _, _ = app
+    held.release.set()
+    batch = {"model": "tiny", "prompt": [[i + 1] for i in range(50)], "max_tokens": 31}
+    never = await _post_to(client, keys["acme"], path, batch)
+    assert never.status_code == 400 and "needs 50 KV blocks" in never.json()["error"]["message"]
+    texts = {"model": "tiny", "prompt": ["x" * 20] * 3, "max_tokens": 20}  # 3 x 40 tokens: 6
+    assert (await _post_to(client, keys["acme"], path, texts)).status_code == 400
+    fits = {"model": "tiny", "prompt": [[7] * 20] * 2, "max_tokens": 20}  # 2 x 40 tokens: 4
+    assert (await _post_to(client, keys["acme"], path, fits)).status_code == 200
+    # the refused batches never reached the engine
+    assert [r["prompt"] for r in held.reached] == [fits["prompt"]]
+
+
+@pytest.mark.anyio
+async def test_a_batched_prompt_counts_each_item_its_own_output_and_sequences() -> None:
+    scope = {"path": "/v1/completions"}
+    body = {"prompt": [[1], [1, 2, 3], "abcd"], "max_tokens": 31, "n": 2}
+    prompts, _ = await prompt_tokens(scope, body)
+    assert prompts == (1, 3, 4)
+    # (1 + 31) -> 1, (3 + 31) -> 2, (4 + 31) -> 2 blocks of 32; times n
+    assert blocks_needed(body, prompts, 0, 32, "/v1/completions") == 10
+    # without max_tokens vLLM fills each request up to the model length: 2 blocks each
+    assert blocks_needed({"prompt": []}, prompts, 64, 32, "/v1/completions") == 6
+    assert blocks_needed({"max_tokens": 31}, 1, 0, 32, "/v1/completions") == 1  # one prompt
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"documents": [{"title": "d", "text": "lorem ipsum " * 1000}]},
+        {"response_format": {"type": "json_schema", "json_schema": {"d": "lorem " * 1000}}},
+        {"chat_template_kwargs": {"documents": [{"text": "lorem ipsum " * 1000}]}},
+        {"reasoning_effort": "lorem " * 1000},
+        {"tool_choice": {"type": "function", "function": {"name": "lorem" * 1000}}},
+    ],
+    ids=["documents", "response_format", "chat_template_kwargs", "scalar", "tool_choice"],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations"])
+async def test_chat_fields_a_template_renders_count_toward_a_reject_quota(app, path, extra) -> None:
+    """Renderers put more of a chat body into the prompt than `messages` (vLLM's
+    `build_chat_params`: documents, reasoning_effort, response_format, tool_choice; reviewer's
+    finding: a 1,000-word document beside a one-word message ran under a 4-block reject quota
+    while the same text as a message was refused). Every field that is not a scalar sampling
+    option counts the characters of its JSON text."""
+    keys, held, client, _, _ = app
+    held.release.set()
+    short = [{"role": "user", "content": "summarise"}]
+    body = {"model": "tiny", "max_tokens": 8, "messages": short, **extra}
+    response = await _post_to(client, keys["acme"], path, body)
+    assert response.status_code == 400 and "can never run" in response.text
+    plain = {"model": "tiny", "max_tokens": 8, "temperature": 0.5, "stream": False}
+    ok = await _post_to(client, keys["acme"], path, {**plain, "messages": short})
+    assert ok.status_code == 200  # sampling options count nothing
+    assert len(held.reached) == 1  # the refused request never reached the engine
+
+
+@pytest.mark.anyio
+async def test_chat_fields_count_their_json_text_and_sampling_options_nothing() -> None:
+    scope = {"path": "/v1/chat/completions"}
+    messages = [{"role": "user", "content": "hi"}]
+    options = {"model": "tiny", "max_tokens": 8, "n": 2, "temperature": 0.1, "stream": True}
+    assert (await prompt_tokens(scope, {**options, "messages": messages}))[0] == (len("userhi"),)
+    rendered = {"documents": [{"text": "ab", "n": [1, None, 2.5]}], "response_format": {}}
+    expected = len("userhi") + sum(len(json.dumps(v)) for v in rendered.values())
+    assert (await prompt_tokens(scope, {"messages": messages, **rendered}))[0] == (expected,)
+    deep: object = "x"
+    for _ in range(100_000):  # deeper than `json.dumps` recurses: counted, never a 500
+        deep = [deep]
+    counted = (await prompt_tokens(scope, {"messages": messages, "documents": deep}))[0]
+    assert counted[0] > 100_000

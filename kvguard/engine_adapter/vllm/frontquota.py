@@ -7,9 +7,11 @@ there stops the engine core), so a tenant that wants a fast, clear refusal inste
 `when_full: reject`, and the front end refuses before the engine sees the request:
 
 - it counts the blocks the request needs, `ceil((prompt tokens + max_tokens) / block size)` per
-  sequence, the prompt tokenized by vLLM's own tokenization service (`app.state.
+  sequence, for each prompt of a batch (vLLM runs each item of `prompt: [...]` as its own request),
+  the prompt tokenized by vLLM's own tokenization service (`app.state.
   serving_tokenization`: the same chat template and tokenizer the engine will use), `max_tokens`
-  defaulting to what vLLM fills in (the model's length less the prompt);
+  defaulting to what vLLM fills in (the model's length less the prompt); what the chat template
+  renders besides `messages` (`documents`, `response_format`, ...) counts its characters;
 - it holds, per tenant, the blocks of that tenant's requests in flight through this front end (from
   admission until the response has been sent or the client has gone), an upper bound of what they
   can occupy in the engine: prefix hits and early stops only make the real figure smaller;
@@ -25,11 +27,13 @@ engine still holds every tenant to it by making requests wait.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import zip_longest
 from typing import Any, Final
 
 from kvguard.audit.events import AuditEvent, EventKind
@@ -51,6 +55,23 @@ _CHAT_FIELDS: Final = (
     "chat_template_kwargs",
     "tools",
 )
+# Chat body fields vLLM reads only as sampling or serving options: a scalar value of one counts
+# nothing. Every other field beside the tokenized ones counts the characters of its JSON text,
+# since renderers put more of the body into the prompt than the tokenization service takes
+# (`ChatCompletionRequest.build_chat_params`: `documents`, `reasoning_effort`, `response_format`,
+# `tool_choice`; reviewer's finding: a 1,000-word `documents` entry ran under a 4-block reject
+# quota). An unknown field counts: over-counting refuses early, under-counting runs past the quota.
+_OPTIONS: Final = frozenset(
+    {
+        "model", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
+        "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
+        "length_penalty", "logprobs", "top_logprobs", "prompt_logprobs", "stream", "user",
+        "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+        "include_stop_str_in_output", "echo", "add_special_tokens", "priority", "request_id",
+        "cache_salt", "truncate_prompt_tokens", "truncation_side", "parallel_tool_calls",
+        "include_reasoning", "stream_interval", "return_tokens_as_token_ids", "return_token_ids",
+    }
+)  # fmt: skip
 # What each governed route reads as its prompt and its output length (vLLM's own request types):
 # a field another route reads counts nothing here, as it counts nothing in the engine (a decoy
 # `messages` on /v1/completions must not replace the prompt that runs).
@@ -98,12 +119,16 @@ class InFlight:
             self._held.pop(reservation.tenant, None)
 
 
-async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) -> tuple[int, int]:
-    """(prompt tokens over every prompt of the request, the model's maximum length; 0 when
-    unknown), read the way the request's route reads its body: `messages` on the chat routes,
+async def prompt_tokens(
+    scope: MutableMapping[str, Any], doc: dict[str, Any]
+) -> tuple[tuple[int, ...], int]:
+    """(prompt tokens of each request vLLM makes of this one, the model's maximum length; 0 when
+    unknown): one count per item of a batched `prompt` on /v1/completions, one count elsewhere;
+    read the way the request's route reads its body: `messages` on the chat routes,
     `prompt` on /v1/completions, the larger of both on /invocations (vLLM picks the request type
     from the body there), `input` on /v1/responses and the pooling routes, with a top-level `system`
-    on /v1/messages and `instructions` and `tools` on /v1/responses. Tokenized by vLLM's
+    on /v1/messages and `instructions` and `tools` on /v1/responses, and on the chat routes every
+    other field the chat template can render (`_OPTIONS`). Tokenized by vLLM's
     own service; what it cannot tokenize counts the characters of its strings, an upper bound (a
     token is at least one character), so an unusual body can never make a request look smaller
     than it is."""
@@ -112,17 +137,23 @@ async def prompt_tokens(scope: MutableMapping[str, Any], doc: dict[str, Any]) ->
     config = getattr(state, "vllm_config", None)
     max_len = int(getattr(getattr(config, "model_config", None), "max_model_len", 0) or 0)
     route = _route(scope)
-    counts: list[int] = []
+    readings: list[tuple[int, ...]] = []
     if route in _CHAT_ROUTES or (route == "/invocations" and "messages" in doc):
-        counts.append(await _chat_tokens(scope, serving, doc))
+        readings.append((await _chat_tokens(scope, serving, doc),))
     if route in _TEXT_ROUTES or (route == "/invocations" and "prompt" in doc):
-        counts.append(await _text_tokens(scope, serving, doc.get("model"), doc.get("prompt")))
+        readings.append(await _text_tokens(scope, serving, doc.get("model"), doc.get("prompt")))
     if route not in _CHAT_ROUTES and route not in _TEXT_ROUTES and route != "/invocations":
         # /v1/responses renders `instructions` and `tools` too; pooling routes read `input`
         # (an upper bound; a body without `input` counts as a whole).
         rendered = [doc.get(k) for k in ("input", "instructions", "tools")]
-        counts.append(_characters(rendered if "input" in doc else doc))
-    return max(counts, default=0), max_len
+        readings.append((_characters(rendered if "input" in doc else doc),))
+    return _widest(readings), max_len
+
+
+def _widest(readings: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The largest count any reading puts at each position: never fewer blocks than the reading
+    vLLM picks (/invocations), since blocks grow with every count and with the number of them."""
+    return tuple(max(column) for column in zip_longest(*readings, fillvalue=0)) or (0,)
 
 
 def _route(scope: MutableMapping[str, Any]) -> str:
@@ -168,38 +199,54 @@ def _count(value: object) -> int | None:
 async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[str, Any]) -> int:
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest  # noqa: PLC0415
 
+    # /v1/messages renders a top-level `system` and Anthropic-format `tools` (not the tokenizer's
+    # format) into the prompt too: counted with the other rendered fields below.
     anthropic = _route(scope) == "/v1/messages"
-    # /v1/messages renders a top-level `system` and Anthropic-format `tools` into the prompt too:
-    # counted by their characters (an upper bound), the messages by vLLM's tokenizer.
-    extra = _characters([doc.get("system"), doc.get("tools")]) if anthropic else 0
     names = tuple(k for k in _CHAT_FIELDS if k != "tools") if anthropic else _CHAT_FIELDS
     fields = {k: doc[k] for k in names if k in doc}
     request = _validated(TokenizeChatRequest, fields)
     counted = None if request is None else await _tokenize(scope, serving, request)
-    if counted is None:
-        counted = _characters([fields.get("messages"), fields.get("tools")])
-    return counted + extra
+    if counted is None:  # the messages by their characters, every other field as rendered below
+        counted, fields = _characters(doc.get("messages")), {}
+    # `prompt` is the completion reading (counted on its own on /invocations; vLLM's chat request
+    # ignores it): a decoy there counts nothing.
+    counted_above = {*fields, "messages", "prompt"}
+    rendered = [
+        value
+        for key, value in doc.items()
+        if key not in counted_above and not (key in _OPTIONS and _scalar(value))
+    ]
+    return counted + sum(_json_characters(value) for value in rendered)
+
+
+def _scalar(value: object) -> bool:
+    return value is None or isinstance(value, str | int | float)
 
 
 async def _text_tokens(
     scope: MutableMapping[str, Any], serving: Any, model: object, prompt: object
-) -> int:
+) -> tuple[int, ...]:
+    """One count per request vLLM makes of `prompt`: each item of a list of strings or of
+    token-id lists runs as its own request, with its own output (reviewer's finding: summed into
+    one count, 50 one-token prompts counted 3 blocks where the engine takes 50)."""
     if isinstance(prompt, list) and _is_token_ids(prompt):
-        return len(prompt)
-    if isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
-        return sum(len(p) for p in prompt)
+        return (len(prompt),)
+    items = prompt if isinstance(prompt, list) and prompt else [prompt]
+    return tuple([await _one_prompt(scope, serving, model, item) for item in items])
+
+
+async def _one_prompt(
+    scope: MutableMapping[str, Any], serving: Any, model: object, item: object
+) -> int:
+    if isinstance(item, list) and _is_token_ids(item):
+        return len(item)
     from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: PLC0415
         TokenizeCompletionRequest,
     )
 
-    total = 0
-    for text in prompt if isinstance(prompt, list) else [prompt]:
-        request = _validated(TokenizeCompletionRequest, {"model": model, "prompt": text})
-        counted = None if request is None else await _tokenize(scope, serving, request)
-        if counted is None:
-            return _characters(prompt)
-        total += counted
-    return total
+    request = _validated(TokenizeCompletionRequest, {"model": model, "prompt": item})
+    counted = None if request is None else await _tokenize(scope, serving, request)
+    return _characters(item) if counted is None else counted
 
 
 def _validated(model: Any, fields: dict[str, Any]) -> Any:
@@ -246,19 +293,50 @@ def _characters(value: object) -> int:
     return total
 
 
+def _json_characters(value: object) -> int:
+    """Characters of `value` as JSON text (ASCII-escaped, default separators), what a template
+    renders with `tojson`, and at least the characters of its strings as rendered as text. A walk
+    with its own stack, as `_characters`: `json.dumps` recurses and would raise on a deep body."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list | dict):  # brackets and ", " between items
+            total += 2 + 2 * max(len(item) - 1, 0)
+        if isinstance(item, dict):  # each key and its ": "
+            total += sum(len(json.dumps(str(key))) + 2 for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        else:
+            total += len(json.dumps(item))
+    return total
+
+
 def blocks_needed(
-    doc: dict[str, Any], prompt: int, max_len: int, block_size: int, route: str = ""
+    doc: dict[str, Any],
+    prompts: int | Sequence[int],
+    max_len: int,
+    block_size: int,
+    route: str = "",
 ) -> int:
-    """Blocks for every sequence of the request: (prompt + output) rounded up, times `n`. The
-    output is what the route reads (`output_tokens`; what vLLM fills in when absent); pooling
-    routes generate none."""
+    """Blocks for every sequence of the request: for each prompt (`prompt_tokens`; an int is one
+    prompt), (prompt + output) rounded up, times `n`. The output is what the route reads
+    (`output_tokens`; what vLLM fills in for each prompt when absent); pooling routes generate
+    none."""
+    counts = (prompts,) if isinstance(prompts, int) else tuple(prompts) or (0,)
     if route and route not in _GENERATING:
-        return max(math.ceil(prompt / block_size), 1)
-    output = output_tokens(doc, route)
-    if output is None:
-        output = max(max_len - prompt, 1) if max_len else 1  # what vLLM fills in
+        return sum(max(math.ceil(prompt / block_size), 1) for prompt in counts)
+    asked = output_tokens(doc, route)
     sequences = _count(doc.get("n")) or 1  # `6.0` and `"6"` are six sequences to vLLM
-    return math.ceil((prompt + output) / block_size) * sequences
+    per_prompt = [math.ceil((p + _output(asked, p, max_len)) / block_size) for p in counts]
+    return sum(per_prompt) * sequences
+
+
+def _output(asked: int | None, prompt: int, max_len: int) -> int:
+    """The output tokens vLLM gives one prompt: what the request asks, else what vLLM fills in."""
+    if asked is not None:
+        return asked
+    return max(max_len - prompt, 1) if max_len else 1
 
 
 class FrontQuota:
