@@ -20,7 +20,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final, NewType
+from typing import Any, Final, NewType
 
 from kvguard.errors import ConfigError, UnknownKeyError
 from kvguard.logging import register_secret
@@ -119,10 +119,12 @@ class Keyring:
     @classmethod
     def from_json(cls, data: bytes, *, source: str = "keyring") -> Keyring:
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, object_pairs_hook=_unique)
             keys = {str(k): base64.b64decode(v, validate=True) for k, v in doc["keys"].items()}
             active = str(doc["active"])
             tag_kid = doc.get("tag_kid")
+        except _RepeatedKeyError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
         except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
             # The exception text could quote key material: report only its type.
             raise ConfigError(
@@ -135,3 +137,22 @@ class Keyring:
     def load(cls, path: str | Path) -> Keyring:
         """Load a keyring file after checking it is readable by its owner only."""
         return cls.from_json(read_secret_file(path), source=str(path))
+
+
+class _RepeatedKeyError(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all distinct: a hand-merged keyring naming a key id (or
+    `active`) twice would lose one of them silently, and the next rotation would write the file
+    back without it (found by a review). Refused naming the position, never a name or a value."""
+    out: dict[str, Any] = {}
+    for position, (name, value) in enumerate(pairs, start=1):
+        if name in out:
+            raise _RepeatedKeyError(
+                f"a JSON object repeats a name (its entry {position}): one of the two would be "
+                "lost; merge the keyring by hand"
+            )
+        out[name] = value
+    return out

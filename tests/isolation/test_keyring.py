@@ -55,3 +55,23 @@ def test_repr_and_wipe_hide_key_material() -> None:
     ring.wipe()
     with pytest.raises(UnknownKeyError):
         ring.secret("k1")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        '{{"active":"k1","keys":{{"k1":"{a}","k1":"{b}"}}}}',  # a key id twice: one key lost
+        '{{"active":"k1","active":"k2","keys":{{"k1":"{a}","k2":"{b}"}}}}',  # the active id moved
+    ],
+)
+def test_a_keyring_naming_anything_twice_is_refused(template: str) -> None:
+    """A hand-merged keyring that names a key id, or `active`, twice loaded with the last of them
+    (a key silently gone, the next rotation writing the file back without it; found by a review).
+    Refused, naming neither the name nor the key."""
+    import base64  # noqa: PLC0415
+
+    a, b = (base64.b64encode(bytes([i]) * 32).decode() for i in (1, 2))
+    with pytest.raises(ConfigError, match="repeats a name") as caught:
+        Keyring.from_json(template.format(a=a, b=b).encode())
+    assert a not in str(caught.value) and b not in str(caught.value)
+    assert "k1" not in str(caught.value) and "active" not in str(caught.value)
