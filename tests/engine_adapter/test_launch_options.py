@@ -138,3 +138,14 @@ def test_a_password_with_a_bare_at_sign_is_refused_not_logged_as_a_host(
     assert "SECRETTAIL9" not in safe_url(bad) and "Tr0ub4dor" not in safe_url(bad)
     good = bad.replace("Tr0ub4dor@SECRETTAIL9", "Tr0ub4dor%40SECRETTAIL9")
     assert "SECRETTAIL9" not in safe_url(good)
+
+
+def test_runtime_lora_loading_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter loaded at run time (a resolver plugin, on the first request naming it) would run
+    under the base model's scope: the front door chose it before vLLM knew the adapter."""
+    config = _config(tmp_path)
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with pytest.raises(ConfigError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        vllm_args(str(tiny_llama_dir()), ["--load-format", "dummy"], config)
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    assert vllm_args(str(tiny_llama_dir()), ["--load-format", "dummy"], config)

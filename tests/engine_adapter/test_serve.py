@@ -496,3 +496,50 @@ async def test_the_share_keyword_is_read_case_insensitively_ids_as_sent(tenant_k
         assert response.status_code == 200, response.text
         scope = read_envelope(downstream.bodies[-1]["vllm_xargs"]).scope
         assert scope.group_id == group, asked  # `docs` is no group of acme's: narrowed
+
+
+@pytest.mark.anyio
+async def test_routes_behind_a_root_path_are_classified_as_the_router_dispatches(
+    tenant_keys,
+) -> None:
+    """vLLM's `--root-path` behind a proxy that keeps the prefix: the middleware classified the raw
+    path, so every route was refused, health probes included (found by a review). It classifies
+    the path the router dispatches (less `root_path`); what is refused stays refused."""
+    from fastapi import FastAPI  # noqa: PLC0415
+
+    api = FastAPI(root_path="/api")
+    reached: list[str] = []
+
+    @api.get("/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    @api.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        reached.append("completions")
+        return {"salted": "cache_salt" in body}
+
+    @api.post("/reset_prefix_cache")
+    async def reset() -> dict:  # a route kvguard refuses
+        reached.append("reset")
+        return {}
+
+    api.add_middleware(
+        KVGuardMiddleware,
+        keys=tenant_keys,
+        deriver=SaltDeriver(Keyring.generate()),
+        policies=PolicySet(),
+        model=ModelRef(id="tiny", revision="1"),
+        cache=CacheConfig(kv_dtype="auto", block_size=32),
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://kvguard")
+    key = {"authorization": f"Bearer {tenant_keys.issue('acme').api_key}"}
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+    assert (await client.get("/api/health")).status_code == 200
+    assert (await client.post("/api/v1/completions", json=body)).status_code == 401
+    served = await client.post("/api/v1/completions", json=body, headers=key)
+    assert served.status_code == 200 and served.json() == {"salted": True}
+    refused = await client.post("/api/reset_prefix_cache", headers=key)
+    assert refused.status_code == 403 and "not served" in refused.text
+    assert (await client.post("/apix/v1/completions", json=body, headers=key)).status_code == 403
+    assert reached == ["completions"]

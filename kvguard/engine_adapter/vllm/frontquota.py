@@ -39,7 +39,7 @@ from typing import Any, Final
 from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
-from kvguard.engine_adapter.vllm.routes import route_path
+from kvguard.engine_adapter.vllm.routes import scope_route
 from kvguard.errors import KvguardError
 from kvguard.isolation.salts import SaltDeriver
 from kvguard.logging import get_logger
@@ -157,7 +157,7 @@ def _widest(readings: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _route(scope: MutableMapping[str, Any]) -> str:
-    return route_path(str(scope.get("path", "")))
+    return scope_route(scope)
 
 
 def output_tokens(doc: dict[str, Any], route: str) -> int | None:

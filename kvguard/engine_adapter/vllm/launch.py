@@ -107,9 +107,18 @@ def refuse_owned_options(vllm_argv: list[str], model: str = "model") -> Namespac
     kvguard owns that they set. Judged on what vLLM's parser made of them against what it makes of
     none, not on their spelling: the parser also takes `--api_key` or an abbreviation such as
     `--enable-log-req`."""
+    import vllm.envs  # noqa: PLC0415
     from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: PLC0415
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
 
+    if vllm.envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        # An adapter a resolver plugin loads while a request is handled is known to vLLM only
+        # after kvguard's front door chose the request's scope (without it): its blocks would be
+        # shared with the base model's and missed by a purge of the adapter (found by a review).
+        raise ConfigError(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING is set: adapters loaded at run time are not in "
+            "the scope kvguard gives a request; serve them with --lora-modules (docs/vllm.md)"
+        )
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvguard engine serve"))  # type: ignore[no-untyped-call]
     args: Namespace = parser.parse_args(["--model", model, *vllm_argv])
     defaults: Namespace = parser.parse_args(["--model", model])

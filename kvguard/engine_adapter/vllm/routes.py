@@ -17,8 +17,11 @@ adds (or an endpoint plugin registers) stays closed until someone decides how it
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
+
+from starlette._utils import get_route_path  # the function the router strips root_path with
 
 
 class RouteClass(StrEnum):
@@ -79,6 +82,14 @@ POOLING_REFUSED: Final = (
 def route_path(path: str) -> str:
     """The route a request path names: a trailing slash is not a different route."""
     return path.rstrip("/") or "/"
+
+
+def scope_route(scope: MutableMapping[str, Any]) -> str:
+    """The route an ASGI request is for: its path less the app's `root_path` (vLLM's `--root-path`,
+    behind a proxy that keeps the prefix), exactly as Starlette's router strips it before it
+    dispatches. Classified on the raw path, every route behind a prefix was refused, health
+    probes included (found by a review)."""
+    return route_path(get_route_path(scope))
 
 
 def refusal(method: str, path: str) -> str:

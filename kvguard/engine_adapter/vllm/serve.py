@@ -51,7 +51,7 @@ from kvguard.engine_adapter.vllm.frontquota import (
     Reservation,
     output_tokens,
 )
-from kvguard.engine_adapter.vllm.routes import RouteClass, classify, refusal, route_path
+from kvguard.engine_adapter.vllm.routes import RouteClass, classify, refusal, scope_route
 from kvguard.engine_adapter.vllm.transport import ENVELOPE_KEY, Envelope
 from kvguard.errors import ConfigError, KvguardError, PolicyError
 from kvguard.isolation.keyring import Keyring
@@ -151,7 +151,7 @@ class KVGuardMiddleware:
                 return
             await self.app(scope, receive, send)  # lifespan
             return
-        route = classify(str(scope.get("method", "")), str(scope.get("path", "")))
+        route = classify(str(scope.get("method", "")), scope_route(scope))
         if route is RouteClass.PUBLIC:
             await self.app(scope, receive, send)
             return
@@ -163,9 +163,7 @@ class KVGuardMiddleware:
             await self._read(scope, receive, send, tenant)
             return
         if route is RouteClass.REFUSED:
-            await _reply(
-                send, 403, refusal(str(scope.get("method", "")), str(scope.get("path", "")))
-            )
+            await _reply(send, 403, refusal(str(scope.get("method", "")), scope_route(scope)))
             return
         await self._governed(scope, receive, send, tenant, headers)
 
@@ -180,7 +178,7 @@ class KVGuardMiddleware:
         if not self.policies.policy_for(tenant).enabled:
             await _reply(send, 403, f"refused by policy: {Reason.TENANT_DISABLED.value}")
             return
-        if route_path(str(scope.get("path", ""))) == "/v1/models":
+        if scope_route(scope) == "/v1/models":
             send = _models_without_paths(send)
         await self.app(scope, receive, send)
 
@@ -252,7 +250,7 @@ class KVGuardMiddleware:
             doc = _json_object(body)
             _refuse_engine_controls(doc)
             named = headers.get(ADAPTER_HEADER)
-            if named and route_path(str(scope.get("path", ""))) == "/invocations":
+            if named and scope_route(scope) == "/invocations":
                 doc["model"] = named.decode("latin-1")
             adapter = await anyio.to_thread.run_sync(self._adapter, scope, doc)  # reads files
         except ValueError as exc:
@@ -264,7 +262,7 @@ class KVGuardMiddleware:
             raise _RefusedError(403, f"refused by policy: {decision.reason.value}")
         quota = self.policies.policy_for(tenant).quota
         if quota.max_blocks is None or quota.when_full is not QuotaFull.REJECT:
-            route = route_path(str(scope.get("path", "")))
+            route = scope_route(scope)
             self._check_quota(tenant, doc, engine.cache.block_size, route)
             return self._rewrite(doc, Envelope(decision.scope, decision.use_cache)), None
         held = await self._quota.hold(
