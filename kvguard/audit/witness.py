@@ -22,9 +22,12 @@ evidence of log misbehaviour ("the witness MAY log the request") and never cosig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import re
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,6 +70,15 @@ _log = get_logger("kvguard.audit.witness")
 MAX_REQUEST_BYTES = 64 * 1024  # a checkpoint, 63 proof lines and a few signatures fit in 16 KiB
 # tlog-witness: "The client MUST NOT send more than 63 consistency proof lines".
 MAX_PROOF_HASHES = 63
+# Connections served at once, and how long one may stay open whatever it sends: idle or dripping
+# clients each held a thread for as long as they kept sending within the 30 s silence limit (300
+# idle connections made 171 threads, found by a review). A log sends one request per connection.
+MAX_CONNECTIONS: Final = 64
+CONNECTION_DEADLINE_S: Final = 60.0
+_BUSY: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\n\r\n"
+)
 SIZE_CONTENT_TYPE = "text/x.tlog.size"
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 _DECIMAL = re.compile(r"(0|[1-9][0-9]{0,18})")
@@ -236,10 +248,37 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(
-        self, address: tuple[str, int], witness: Witness, clock: Callable[[], float]
+        self,
+        address: tuple[str, int],
+        witness: Witness,
+        clock: Callable[[], float],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        connection_deadline_s: float = CONNECTION_DEADLINE_S,
     ) -> None:
         super().__init__(address, _Handler)
         self.witness, self.clock = witness, clock
+        self.connection_deadline_s = connection_deadline_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to `max_connections`; past that a 503 at once."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -248,6 +287,23 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 30  # seconds of silence before a connection is dropped (slow-client guard)
     server_version = "kvguard-witness"
     sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        # Past the deadline the socket is shut down: a read or write in progress ends at once.
+        self._deadline = threading.Timer(self.server.connection_deadline_s, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self) -> None:
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        with contextlib.suppress(OSError):  # a connection the deadline shut down
+            super().finish()
 
     def do_POST(self) -> None:
         if self.path != "/add-checkpoint":
@@ -294,10 +350,24 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(
-    witness: Witness, host: str, port: int, *, clock: Callable[[], float] = time.time
+    witness: Witness,
+    host: str,
+    port: int,
+    *,
+    clock: Callable[[], float] = time.time,
+    max_connections: int = MAX_CONNECTIONS,
+    connection_deadline_s: float = CONNECTION_DEADLINE_S,
 ) -> ThreadingHTTPServer:
-    """An HTTP server answering `POST /add-checkpoint` (and monitor `GET /<hash>/checkpoint`)."""
-    return _Server((host, port), witness, clock)
+    """An HTTP server answering `POST /add-checkpoint` (and monitor `GET /<hash>/checkpoint`):
+    at most `max_connections` at once (a 503 past them), each closed after
+    `connection_deadline_s` whatever it is doing."""
+    return _Server(
+        (host, port),
+        witness,
+        clock,
+        max_connections=max_connections,
+        connection_deadline_s=connection_deadline_s,
+    )
 
 
 def serve(

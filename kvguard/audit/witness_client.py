@@ -15,11 +15,13 @@ the witness's verifier key ("The client MUST ignore any cosignatures from unknow
 from __future__ import annotations
 
 import base64
+import functools
 import re
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -33,7 +35,8 @@ from kvguard.errors import KvguardError, VerificationError
 ConsistencyProof = Callable[[int, int], list[bytes]]
 
 _MAX_RESPONSE_BYTES = 64 * 1024
-_MAX_PARALLEL = 16
+# A witness's whole exchange (a 409 and its retry included) ends within this many `timeout`s.
+_DEADLINE_TIMEOUTS = 3
 _SIZE_BODY = re.compile(r"(0|[1-9][0-9]{0,18})\n")
 
 
@@ -113,15 +116,47 @@ def request_cosignatures(
     text, sigs = note.split_note(signed_note)
     job = _Submission(signed_note, text, parse_checkpoint(text).size, consistency_proof, timeout)
     sizes = dict(known_sizes or {})
-    outcomes: dict[str, WitnessOutcome] = {}
-    if endpoints:
-        with ThreadPoolExecutor(min(len(endpoints), _MAX_PARALLEL)) as pool:
-            done = pool.map(lambda e: job.submit(e, sizes.get(e.name, 0)), endpoints)
-            outcomes = dict(zip(names, done, strict=True))
+    outcomes = _within(
+        _DEADLINE_TIMEOUTS * timeout,
+        {e.name: functools.partial(job.submit, e, sizes.get(e.name, 0)) for e in endpoints},
+    )
     fresh = {(e.name, e.verifier.key_id) for e in endpoints if outcomes[e.name].cosignature}
     lines = [note.signature_line(n, r[:4], r[4:]) for n, r in sigs if (n, r[:4]) not in fresh]
     lines += [o.cosignature for o in outcomes.values() if o.cosignature is not None]
     return CosignOutcome(note.join_note(text, lines), outcomes)
+
+
+def _within(
+    deadline_s: float, calls: dict[str, Callable[[], WitnessOutcome]]
+) -> dict[str, WitnessOutcome]:
+    """Run each call on a thread of its own; a call not done within `deadline_s` (from the start of
+    all of them) is an `error` outcome. `timeout` bounds each socket operation only: a witness
+    that sent its answer a byte at a time, just within it, held the checkpoint for as long as it
+    liked (found by a review). A late call's thread is a daemon, left to end with its socket's
+    timeout; its outcome is not used."""
+    results: dict[str, WitnessOutcome] = {}
+    lock = threading.Lock()
+
+    def run(name: str, call: Callable[[], WitnessOutcome]) -> None:
+        try:
+            outcome = call()
+        except Exception as exc:  # one witness's failure is its outcome, never the checkpoint's
+            outcome = WitnessOutcome(Status.ERROR, f"failed: {type(exc).__name__}")
+        with lock:
+            results[name] = outcome
+
+    threads = [
+        threading.Thread(target=run, args=item, name=f"kvguard-witness-{n}", daemon=True)
+        for n, item in enumerate(calls.items())
+    ]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + deadline_s
+    for thread in threads:
+        thread.join(max(end - time.monotonic(), 0.0))
+    late = WitnessOutcome(Status.ERROR, f"no answer within {deadline_s:g} s")
+    with lock:
+        return {name: results.get(name, late) for name in calls}
 
 
 class _Answer(NamedTuple):

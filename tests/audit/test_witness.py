@@ -394,6 +394,39 @@ def served(witness: Witness) -> Iterator[str]:
     server.server_close()
 
 
+def test_the_witness_caps_connections_and_their_lifetime(witness: Witness) -> None:
+    """Idle or dripping clients each held a thread while they sent something every 29 s (300 idle
+    connections made 171 threads, found by a review): past `max_connections` a connection gets a
+    503 at once, and each is closed after `connection_deadline_s`, idle or not."""
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    server = make_server(
+        witness, "127.0.0.1", 0, clock=lambda: float(NOW), max_connections=2,
+        connection_deadline_s=1.0,
+    )  # fmt: skip
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = server.server_address[:2]
+    try:
+        idle = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        time.sleep(0.2)  # both accepted and holding their threads
+        with socket.create_connection(address, timeout=5) as third:
+            assert third.recv(100).startswith(b"HTTP/1.1 503")
+        started = time.monotonic()
+        idle[0].sendall(b"POST /add-checkpoint HTTP/1.1\r\nContent-Length: 10")  # dripping
+        for conn in idle:
+            assert conn.recv(100) == b""  # closed by the server at its deadline
+            conn.close()
+        assert time.monotonic() - started < 3
+        time.sleep(0.2)
+        origin_hash = hashlib.sha256(ORIGIN.encode()).hexdigest()
+        url = f"http://127.0.0.1:{address[1]}"
+        assert _http(url, "GET", f"/{origin_hash}/checkpoint").status == 404  # slots came back
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _http(
     url: str, method: str, path: str, body: bytes = b"", **headers: str
 ) -> http.client.HTTPResponse:
@@ -430,6 +463,50 @@ def test_a_size_past_a_signed_64_bit_integer_is_refused_not_a_500(
         signed = note.join_note(text, [key.signature_line(text)])
         assert _http(served, "POST", "/add-checkpoint", _body(0, [], signed)).status == 400
         assert _http(served, "POST", "/add-checkpoint", _body(size, [], signed)).status == 400
+
+
+def test_a_witness_dripping_its_answer_cannot_hold_the_checkpoint(
+    served: str, wkey: WitnessKey, open_ledger: Opener, sqlite_url: str
+) -> None:
+    """`timeout` bounds each socket operation: a witness sending its answer a byte at a time,
+    within it, held `checkpoint()` for as long as it liked (found by a review). Its whole exchange
+    ends within a few timeouts; the other witnesses still cosign."""
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000:
+                if stop.is_set():
+                    return
+                conn.sendall(bytes([byte]))
+                time.sleep(0.05)
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    ledger = open_ledger(sqlite_url)
+    slow_key = WitnessKey.generate("witness.slow.example")
+    endpoints = [
+        WitnessEndpoint(f"http://127.0.0.1:{listener.getsockname()[1]}", slow_key.verifier_key()),
+        WitnessEndpoint(served, wkey.verifier_key()),
+    ]
+    started = time.monotonic()
+    try:
+        outcome = request_cosignatures(
+            endpoints, _grow(ledger, 3), ledger.consistency_proof, timeout=0.5
+        )
+    finally:
+        stop.set()
+        listener.close()
+    assert time.monotonic() - started < 5  # the drip alone would take over 50 s
+    assert outcome.witnesses[slow_key.name].status is Status.ERROR
+    assert "no answer within" in outcome.witnesses[slow_key.name].reason
+    assert outcome.cosigned == [wkey.name]
 
 
 def test_client_retries_from_the_witness_size_after_409(
