@@ -36,6 +36,7 @@ import sqlalchemy as sa
 
 from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
+from kvguard.audit.batches import BatchAppender
 from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
 from kvguard.audit.db import create_engine, read_connection, write_transaction
 from kvguard.audit.events import AuditEvent, EventKind
@@ -50,7 +51,7 @@ from kvguard.audit.timemarks import TimeMarks
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint, request_cosignatures
 from kvguard.audit.witness_client import Status as WitnessStatus
-from kvguard.audit.writer import BackgroundWriter, Entry, Overflow, PeriodicTask, expand
+from kvguard.audit.writer import BackgroundWriter, Entry, Overflow, PeriodicTask
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 from kvguard.logging import get_logger
 
@@ -124,13 +125,8 @@ class Ledger:
         engine = create_engine(url)
         upgrade(engine)
         store = LedgerStore(engine)
-        holder: list[Ledger] = []
-
-        def write(entries: Sequence[Entry]) -> None:
-            holder[0].append_many(expand(entries))
-
         writer = BackgroundWriter(
-            write,
+            BatchAppender(store),  # exactly once, also when a commit's answer is lost
             capacity=queue_capacity,
             batch_size=batch_size,
             interval=batch_interval,
@@ -138,7 +134,6 @@ class Ledger:
         )
         ledger = cls(store, origin=origin, signing_keys=keys, clock=clock, writer=writer)
         ledger.witnesses = list(witnesses)
-        holder.append(ledger)
         if checkpoint_interval is not None:
             ledger._periodic = PeriodicTask(
                 checkpoint_interval, ledger._periodic_checkpoint, "kvguard-ledger-checkpoint"

@@ -209,3 +209,41 @@ def test_an_event_the_ledger_cannot_store_is_refused_when_made(
     ledger.submit(make_event(1))
     ledger.flush(timeout=10)
     assert ledger.size == 2
+
+
+def test_a_batch_whose_commit_answer_is_lost_is_appended_once(
+    db_url: str, open_ledger: Opener
+) -> None:
+    """A commit can stand while its answer is lost (the connection drops as the COMMIT's reply is
+    on its way): the writer retried and appended the whole batch a second time (found by a
+    review: n0..n4, n0..n4). Entries with payloads too: their commitment salts are random, so a
+    batch prepared again would not even look the same."""
+    import json  # noqa: PLC0415
+
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    ledger = open_ledger(db_url, batch_interval=0.01, batch_size=10)
+    dialect = ledger.store.engine.dialect
+    real_commit, lost = dialect.do_commit, []
+
+    def commit_then_lose_the_answer(conn: object) -> None:
+        real_commit(conn)
+        if not lost:
+            lost.append(True)
+            raise sa.exc.OperationalError("COMMIT", None, Exception("connection lost"))
+
+    dialect.do_commit = commit_then_lose_the_answer  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            ledger.submit(make_event(i, payload={"note": f"p{i}"} if i % 2 else None))
+        ledger.flush(timeout=20)
+    finally:
+        dialect.do_commit = real_commit  # type: ignore[method-assign]
+    assert lost
+    ledger.submit(make_event(5))  # and the next batch goes on from there
+    ledger.flush(timeout=20)
+    with ledger.store.engine.connect() as conn:
+        leaves = conn.execute(sa.text("SELECT leaf FROM ledger_entries ORDER BY idx")).scalars()
+        notes = [json.loads(bytes(leaf))["details"]["note"] for leaf in leaves]
+    assert notes == [f"n{i}" for i in range(6)]
+    ledger.verify()
