@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 
 from kvguard.api import app as app_module
 from kvguard.api.dashboard import csrf, summaries
-from kvguard.api.dashboard.session import COOKIE
+from kvguard.api.dashboard.session import COOKIE, SECURE_COOKIE
 from kvguard.audit import note
 from kvguard.audit.certificate import verify_certificate
 from kvguard.audit.checkpoint import Checkpoint, format_checkpoint
@@ -106,14 +106,17 @@ def test_without_a_session_every_page_leads_to_the_login_form(env: ApiEnv) -> No
 
 
 def test_the_session_cookie_is_httponly_strict_and_confined_to_the_dashboard(env: ApiEnv) -> None:
+    """Over http the cookie is confined to the dashboard's path; over https it is a `__Host-`
+    cookie (Path=/ is what that prefix requires: test_dashboard_same_site_get.py)."""
     for base, secure in (("http://testserver", False), ("https://testserver", True)):
         client = TestClient(env.client.app, base_url=base, follow_redirects=False)
         r = client.post(
             "/dashboard/login", data={"api_key": env.keys["auditor"]}, headers={"Origin": base}
         )
         cookie = r.headers["set-cookie"].lower()
-        assert r.status_code == 303 and cookie.startswith(f"{COOKIE}=")
-        assert "httponly" in cookie and "samesite=strict" in cookie and "path=/dashboard" in cookie
+        name, path = (SECURE_COOKIE, "/;") if secure else (COOKIE, "/dashboard;")
+        assert r.status_code == 303 and cookie.startswith(f"{name.lower()}=")
+        assert "httponly" in cookie and "samesite=strict" in cookie and f"path={path}" in cookie
         assert ("; secure" in cookie) is secure
         assert "max-age" not in cookie and "expires" not in cookie  # a session cookie
 

@@ -81,6 +81,15 @@ def isolated(headers: Mapping[str, str]) -> bool:
     }
 
 
+def first_party(headers: Mapping[str, str]) -> bool:
+    """Whether a safe request that records in the audit ledger (the certificate download) comes
+    from this origin or was typed by the user. A navigation from another site, a sibling subdomain
+    included (it gets the SameSite=Strict cookie), passed `isolated` and recorded a certificate
+    export under the signed-in user's key (found by a review). No fetch metadata: let through, as
+    `isolated` does."""
+    return headers.get("sec-fetch-site") in {None, "same-origin", "none"}
+
+
 def bearer_key(request: Request) -> str:
     """The API key this request was authenticated with (the session middleware moved it from the
     cookie into `Authorization`, where the request gate checked it)."""

@@ -52,11 +52,18 @@ from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.api.dashboard")
 
-COOKIE: Final = "kvguard_session"
+COOKIE: Final = "kvguard_session"  # over plain http (development), on the dashboard's path
+# Over https: a name browsers accept only from this host, Secure, with no Domain and Path=/ (a
+# sibling subdomain could plant a Domain cookie of the plain name: the user then browsed as the
+# planter, or, beside a bogus one, could never sign in again; found by a review).
+SECURE_COOKIE: Final = "__Host-kvguard_session"
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 # What a cookie may hold to be bridged: printable ASCII without separators (an API key is
 # `kvg_adm_<hex>_<base64url>`); anything else is no session at all.
 _COOKIE_VALUE: Final = re.compile(r"[A-Za-z0-9_.-]{1,256}")
+# Pages whose GET records in the audit ledger (the certificate download, an `admin.action` export
+# entry): answered only to this origin's pages or a typed address (`csrf.first_party`).
+_RECORDS: Final = re.compile(rf"{PREFIX}/purges/[^/]+/certificate/?")
 _MAX_LOGIN_BYTES: Final = 4096
 _MAX_ERROR_BYTES: Final = 64 * 1024
 _CSP: Final = (
@@ -94,28 +101,35 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in scope["headers"]}
 
 
-def session_key(headers: dict[str, str]) -> str | None:
-    """The API key in the session cookie, if there is exactly one, well formed. Two are no session:
-    a sibling subdomain can plant a second cookie of the name on a narrower path, which the browser
-    sends first, and would otherwise lock the user into the planter's session."""
+def _cookie(secure: bool) -> tuple[str, str]:
+    """The session cookie's name and path: `__Host-` over https, the plain name over http."""
+    return (SECURE_COOKIE, "/") if secure else (COOKIE, PREFIX)
+
+
+def session_key(headers: dict[str, str], *, secure: bool) -> str | None:
+    """The API key in the session cookie, if there is exactly one, well formed (over https only the
+    `__Host-` cookie counts). Two are no session: a sibling subdomain can plant a second cookie of
+    the plain name on a narrower path, which the browser sends first, and would otherwise lock the
+    user into the planter's session."""
+    wanted = _cookie(secure)[0]
     found = [
         value
         for name, _, value in (
             p.strip().partition("=") for p in headers.get("cookie", "").split(";")
         )
-        if name == COOKIE
+        if name == wanted
     ]
     return found[0] if len(found) == 1 and _COOKIE_VALUE.fullmatch(found[0]) else None
 
 
 def set_session(response: Response, api_key: str, *, secure: bool) -> None:
-    response.set_cookie(
-        COOKIE, api_key, path=PREFIX, httponly=True, samesite="strict", secure=secure
-    )
+    name, path = _cookie(secure)
+    response.set_cookie(name, api_key, path=path, httponly=True, samesite="strict", secure=secure)
 
 
 def clear_session(response: Response, *, secure: bool) -> None:
-    response.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict", secure=secure)
+    name, path = _cookie(secure)
+    response.delete_cookie(name, path=path, httponly=True, samesite="strict", secure=secure)
 
 
 def error_page(status: int, message: str, fields: list[dict[str, str]] | None = None) -> Response:
@@ -173,7 +187,9 @@ class DashboardSession:
         if method not in _SAFE_METHODS and not csrf.same_origin(headers):
             await error_page(403, csrf.CROSS_ORIGIN)(scope, receive, send)
             return
-        if method in _SAFE_METHODS and not csrf.isolated(headers):
+        if method in _SAFE_METHODS and not (
+            csrf.first_party(headers) if _RECORDS.fullmatch(path) else csrf.isolated(headers)
+        ):
             await error_page(403, csrf.CROSS_ORIGIN)(scope, receive, send)
             return
         if path == STYLESHEET:
@@ -192,14 +208,16 @@ class DashboardSession:
     async def _bridge(
         self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], secure: bool
     ) -> None:
-        """Pass the request on with the session's key as its bearer credential."""
-        raw = [(k, v) for k, v in scope["headers"] if k != b"cookie"]
-        if "authorization" not in headers:
-            key = session_key(headers)
-            if key is None:
-                await RedirectResponse(LOGIN, status_code=303)(scope, receive, send)
-                return
-            raw.append((b"authorization", f"Bearer {key}".encode()))
+        """Pass the request on with the session's key as its bearer credential, whatever
+        `Authorization` the request came with: a browser sends none to these pages itself, and
+        one a proxy in front adds (its own Basic or SSO credential) made every click a failed
+        sign-in that signed the user out (found by a review)."""
+        raw = [(k, v) for k, v in scope["headers"] if k not in (b"cookie", b"authorization")]
+        key = session_key(headers, secure=secure)
+        if key is None:
+            await RedirectResponse(LOGIN, status_code=303)(scope, receive, send)
+            return
+        raw.append((b"authorization", f"Bearer {key}".encode()))
         scope["headers"] = raw  # in place: the access log outside reads the route and principal
         await self.app(scope, receive, _as_html(send, secure))
 
@@ -248,7 +266,7 @@ async def _logout(receive: Receive, headers: dict[str, str], secure: bool) -> Re
     """Sign out: clear the cookie, if the form carries the session's anti-forgery token (as every
     form does, `kvguard.api.dashboard.csrf`; otherwise any page that got past the origin check could
     end the session). Without a session there is nothing to protect, and the cookie is cleared."""
-    key = session_key(headers)
+    key = session_key(headers, secure=secure)
     if key is not None:
         form = await _small_form(receive, _MAX_LOGIN_BYTES)
         sent = (form or {}).get(csrf.FIELD, "")

@@ -192,7 +192,8 @@ def purge_detail(job_id: purges.JobId, page: Reader) -> HTMLResponse:
 def certificate(
     job_id: purges.JobId, action: Annotated[Action, audited("purge.certificate", *READERS)]
 ) -> JSONResponse:
-    """The certificate download: the API's own route, recorded in the ledger as it is there."""
+    """The certificate download: the API's own route, recorded in the ledger as it is there; only
+    from the dashboard's own pages or typed (`session.DashboardSession`, `csrf.first_party`)."""
     return purges.get_certificate(job_id, action)
 
 
