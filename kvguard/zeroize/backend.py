@@ -59,6 +59,15 @@ def check_plan(spec: KVCacheSpec, plan: ZeroizePlan) -> None:
             f"the plan was made for a cache of {plan.num_blocks} blocks, this cache has "
             f"{spec.num_blocks}; build it with plan_zeroize(ids, spec.num_blocks)"
         )
+    ids = plan.block_ids
+    # A plan built by hand, not by plan_zeroize: an id past the cache made the Triton kernel clear
+    # whatever memory follows the layer tensor, and the torch path clear nothing while its
+    # evidence counted the block (found by a review). Two C-level passes.
+    if ids and (min(ids) < 0 or max(ids) >= spec.num_blocks):
+        raise ZeroizeError(
+            f"the plan names a block outside the cache's range [0, {spec.num_blocks}); "
+            "build it with plan_zeroize(ids, spec.num_blocks)"
+        )
 
 
 class DeviceTimer:

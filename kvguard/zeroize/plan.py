@@ -23,6 +23,7 @@ import operator
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from kvguard.errors import BlockIdError
 
@@ -129,6 +130,10 @@ def _canonical_ids_python(block_ids: Iterable[int], num_blocks: int) -> tuple[in
     return tuple(ids)
 
 
+# `torch.tensor(True).__index__()` is 1: a boolean tensor is refused like a bool (a review).
+_BOOL_DTYPES: Final = frozenset({"torch.bool", "bool"})
+
+
 def _out_of_range(block_id: int, num_blocks: int) -> BlockIdError:
     return BlockIdError(f"block id {block_id} is outside the cache's range [0, {num_blocks})")
 
@@ -145,6 +150,8 @@ def _unique_ints(block_ids: Iterable[int]) -> set[int]:
     # a bug upstream, not block 1.
     if bool in kinds:
         raise BlockIdError("block ids must be integers, not booleans")
+    if any(str(getattr(x, "dtype", "")) in _BOOL_DTYPES for x in unique):
+        raise BlockIdError("block ids must be integers, not booleans")  # a torch bool tensor
     try:
         return set(map(operator.index, unique))  # numpy integers and other __index__ types
     except TypeError as exc:

@@ -137,3 +137,17 @@ def test_G2_a_late_failed_release_is_planned_again(
     delayed.gates[-1].open = True
     guard.on_worker_output(worker.take_results())
     assert f.pool.freed == [6]
+
+
+def test_caches_of_another_block_count_than_the_scheduler_are_refused() -> None:
+    """A backend that splits each scheduler block into several kernel rows registers more rows
+    than the scheduler has blocks: kvguard would clear row b for block b, the wrong bytes (found by
+    a review). Refused at registration; the same count (or none known) registers."""
+    from kvguard.errors import ZeroizeError  # noqa: PLC0415
+
+    layer = torch.zeros((NUM_BLOCKS, 2, 4, 16), dtype=torch.bfloat16)
+    split = WorkerGuard(scheduler_blocks=lambda: NUM_BLOCKS // 2)
+    with pytest.raises(ZeroizeError, match="cannot map the scheduler's block ids"):
+        split.register({"layer.0": layer})
+    for known in (NUM_BLOCKS, None):
+        WorkerGuard(scheduler_blocks=lambda known=known: known).register({"layer.0": layer})

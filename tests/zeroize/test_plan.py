@@ -98,3 +98,11 @@ def test_ten_thousand_ids_plan_in_linearithmic_time() -> None:
         best = min(best, time.perf_counter() - started)
     assert len(plan) == 10_000
     assert best < 0.050, f"planning 10,000 ids took {best * 1e3:.2f} ms"
+
+
+def test_a_boolean_tensor_is_no_block_id() -> None:
+    """`torch.tensor(True).__index__()` is 1: a boolean tensor was taken for block 1 (a review)."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(BlockIdError, match="booleans"):
+        plan_zeroize([torch.tensor(True)], num_blocks=4)
+    assert plan_zeroize([torch.tensor(3)], num_blocks=4).block_ids == (3,)

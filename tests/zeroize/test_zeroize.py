@@ -217,3 +217,18 @@ def test_the_read_back_finds_one_byte_anywhere_in_a_block(layout: KVLayout, even
             assert torch_exec.dirty_blocks(spec, [1, 4, 5]) == [4], (index, offset)
             segment[4, offset] = 0
             assert torch_exec.dirty_blocks(spec, [1, 4, 5]) == []
+
+
+@pytest.mark.parametrize("ids", [(5,), (0, 4), (-1,), (3, 1, 9)])
+def test_a_hand_built_plan_outside_the_cache_is_refused(ids: tuple[int, ...]) -> None:
+    """A `ZeroizePlan` built by hand, not by `plan_zeroize`: an id past the cache made the Triton
+    kernel clear the memory after the layer tensor, and the torch path clear nothing while its
+    evidence counted the block (found by a review). Refused before anything is cleared."""
+    from kvguard.zeroize import ZeroizePlan  # noqa: PLC0415
+
+    spec = make_cache(KVLayout.VLLM_CPU, torch.float16, num_blocks=4)
+    before = snapshot(spec)
+    with pytest.raises(ZeroizeError, match="outside the cache"):
+        zeroize(spec, ZeroizePlan(4, ids), verify="none")
+    after = snapshot(spec)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

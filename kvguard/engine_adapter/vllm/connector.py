@@ -82,8 +82,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             if options.offload_bytes > 0:
                 keyring = options.deriver().keyring
                 offload = (keyring, options.offload_bytes, options.offload_dir)
+            cache_config = vllm_config.cache_config
             self.worker_guard = WorkerGuard(
-                canary=options.canary, rank=_tensor_parallel_rank(), offload=offload
+                canary=options.canary,
+                rank=_tensor_parallel_rank(),
+                offload=offload,
+                scheduler_blocks=lambda: getattr(cache_config, "num_gpu_blocks", None),
             )
 
     # --- scheduler side -------------------------------------------------------------------------

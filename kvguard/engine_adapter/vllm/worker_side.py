@@ -26,6 +26,8 @@ and in docs/vllm.md):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvguard.engine_adapter.vllm.metadata import (
@@ -57,8 +59,12 @@ class WorkerGuard:
         zeroizer: Zeroizer = zeroize_async,
         rank: int = 0,
         offload: tuple[Keyring, int, str | None] | None = None,
+        scheduler_blocks: Callable[[], int | None] | None = None,
     ) -> None:
         self.rank = rank  # tensor-parallel rank: this worker clears its own shard of every block
+        # The scheduler's block count (vLLM's `cache_config.num_gpu_blocks`, known once the caches
+        # are sized), checked against the registered tensors' (`register`).
+        self._scheduler_blocks = scheduler_blocks
         self._spec: KVCacheSpec | None = None
         self._clears: StepZeroizer | None = None
         self._zeroizer = zeroizer
@@ -77,6 +83,16 @@ class WorkerGuard:
             self._spec = KVCacheSpec.vllm_cpu(tensors)
         else:
             self._spec = KVCacheSpec.vllm_flash(tensors)
+        expected = self._scheduler_blocks() if self._scheduler_blocks is not None else None
+        if expected is not None and expected != self._spec.num_blocks:
+            # A backend whose kernel blocks are smaller than the scheduler's (vLLM splits each
+            # block into several rows) would have kvguard clear row b for block b: the wrong bytes,
+            # silently (found by a review). Refused rather than guessed.
+            raise ZeroizeError(
+                f"the registered KV caches hold {self._spec.num_blocks} blocks and vLLM's "
+                f"scheduler {expected}: kvguard cannot map the scheduler's block ids to rows "
+                "(a kernel block size other than the block size is not supported)"
+            )
         self._clears = StepZeroizer(self._spec, zeroizer=self._zeroizer)
         if self._offload is not None:
             keyring, budget, directory = self._offload
