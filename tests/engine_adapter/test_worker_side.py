@@ -151,3 +151,23 @@ def test_caches_of_another_block_count_than_the_scheduler_are_refused() -> None:
         split.register({"layer.0": layer})
     for known in (NUM_BLOCKS, None):
         WorkerGuard(scheduler_blocks=lambda known=known: known).register({"layer.0": layer})
+
+
+def test_the_cache_layout_is_read_from_the_tensors_not_the_device() -> None:
+    """vLLM 0.32 views every device's cache per layer as `[B, H, N, C]` (the CPU backend's shape);
+    chosen by device, a GPU engine's caches were taken for `[2, B, N, H, C]` and refused (found by
+    a review). Both shapes register, on any device; anything else is refused."""
+    from kvguard.errors import CacheLayoutError  # noqa: PLC0415
+    from kvguard.zeroize import KVLayout  # noqa: PLC0415
+
+    cases = [
+        ((NUM_BLOCKS, 2, 32, 16), KVLayout.VLLM_CPU),  # [B, H, N, C]
+        ((2, NUM_BLOCKS, 32, 2, 8), KVLayout.VLLM_FLASH),  # [2, B, N, H, C]
+    ]
+    for shape, layout in cases:
+        worker = WorkerGuard()
+        worker.register({"layer.0": torch.zeros(shape, dtype=torch.bfloat16)})
+        assert worker._spec is not None and worker._spec.layout is layout
+        assert worker._spec.num_blocks == NUM_BLOCKS
+    with pytest.raises(CacheLayoutError):
+        WorkerGuard().register({"layer.0": torch.zeros((NUM_BLOCKS, 64), dtype=torch.bfloat16)})

@@ -79,10 +79,15 @@ class WorkerGuard:
         tensors = list(kv_caches.values())
         if not tensors:
             raise ZeroizeError("vLLM registered no KV cache tensors")
-        if tensors[0].device.type == "cpu":
-            self._spec = KVCacheSpec.vllm_cpu(tensors)
-        else:
+        # By shape, not by device: vLLM 0.32 views every device's cache as `[B, H, N, C]` per layer
+        # (`vllm.v1.kv_cache_interface.create_kv_cache_views`; the CPU backend's shape, block
+        # dimension first), where older GPU backends had `[2, B, N, H, C]`. Chosen by device, a
+        # GPU engine would have refused to register its caches (found by a review).
+        first = tensors[0]
+        if first.dim() == 5 and first.shape[0] == 2:
             self._spec = KVCacheSpec.vllm_flash(tensors)
+        else:
+            self._spec = KVCacheSpec.vllm_cpu(tensors)  # refuses any other shape, naming it
         expected = self._scheduler_blocks() if self._scheduler_blocks is not None else None
         if expected is not None and expected != self._spec.num_blocks:
             # A backend whose kernel blocks are smaller than the scheduler's (vLLM splits each
