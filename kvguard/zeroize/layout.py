@@ -112,6 +112,21 @@ class KVCacheSpec:
         return cls.from_layout(KVLayout.FLAT_BYTES, layers)
 
     @classmethod
+    def vllm_views(cls, layers: LayerTensors) -> KVCacheSpec:
+        """vLLM 0.32's per-layer views on any device: logical `[num_blocks, kv_heads, block_size,
+        C]`, their strides permuted by the cache layout the attention backend chose
+        (`vllm.v1.kv_cache_layout.KVCacheLayout`). Contiguous views (the CPU backend's LBHNC) are
+        `vllm_cpu`. Otherwise, where each layer's blocks are dense pages one after another (the
+        layer-outermost layouts, LBNHC the CUDA default among them), each layer is described by a
+        `[num_blocks, page_bytes]` byte view of the same memory (`flat_bytes`). Layouts that put
+        other layers' pages between a layer's blocks (B-outermost) are refused: a block's bytes
+        would not be one chunk."""
+        tensors = _unique_layers(layers)
+        if all(t.is_contiguous() for t in tensors):
+            return cls.vllm_cpu(tensors)
+        return cls.flat_bytes([_dense_block_rows(index, t) for index, t in enumerate(tensors)])
+
+    @classmethod
     def from_layout(cls, layout: KVLayout | str, layers: LayerTensors) -> KVCacheSpec:
         """Validate `layers` against `layout`; raises CacheLayoutError saying what was expected."""
         try:
@@ -186,6 +201,41 @@ class KVCacheSpec:
                 flat.view(self.chunks_per_block, self.num_blocks, self.chunk_bytes).unbind(0)
             )
         return views
+
+
+def _dense_block_rows(index: int, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (block dimension first) as a `[num_blocks, page_bytes]` uint8 view of the same
+    memory, if each block is one dense page and the pages follow each other; CacheLayoutError
+    otherwise (never a guess: a wrong view would clear another layer's bytes)."""
+    if tensor.dim() < 2 or tensor.dtype not in SUPPORTED_DTYPES:
+        raise CacheLayoutError(
+            f"layer {index}: a strided KV cache view of shape {tuple(tensor.shape)} and dtype "
+            f"{tensor.dtype} is not one kvguard can clear"
+        )
+    page = 1
+    for stride, size in sorted(zip(tensor.stride()[1:], tensor.shape[1:], strict=True)):
+        if size == 1:
+            continue
+        if stride != page:
+            raise CacheLayoutError(
+                f"layer {index}: a block of the KV cache view (shape {tuple(tensor.shape)}, "
+                f"strides {tensor.stride()}) is not one dense page of memory"
+            )
+        page *= size
+    if tensor.shape[0] > 1 and tensor.stride(0) != page:
+        raise CacheLayoutError(
+            f"layer {index}: the KV cache's blocks are {tensor.stride(0)} elements apart, pages of "
+            f"{page}: other layers' bytes lie between them (use a layer-outermost "
+            "VLLM_KV_CACHE_LAYOUT, e.g. LBNHC)"
+        )
+    item = tensor.element_size()
+    rows = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return rows.set_(
+        tensor.untyped_storage(),
+        tensor.storage_offset() * item,
+        (tensor.shape[0], page * item),
+        (page * item, 1),
+    )
 
 
 def _unique_layers(layers: LayerTensors) -> list[torch.Tensor]:

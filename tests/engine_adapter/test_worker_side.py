@@ -171,3 +171,45 @@ def test_the_cache_layout_is_read_from_the_tensors_not_the_device() -> None:
         assert worker._spec.num_blocks == NUM_BLOCKS
     with pytest.raises(CacheLayoutError):
         WorkerGuard().register({"layer.0": torch.zeros((NUM_BLOCKS, 64), dtype=torch.bfloat16)})
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "BLHNC"])
+def test_vllms_own_cache_views_are_cleared_exactly_or_refused(layout_name: str) -> None:
+    """vLLM 0.32 views one backing buffer per layer with strides permuted by the backend's cache
+    layout (`create_kv_cache_views`): LBNHC, the CUDA default, is not contiguous, and kvguard
+    refused it. Built here by vLLM's own function: the planned blocks of every layer are cleared,
+    and not one other byte; a layout with other layers' pages between a layer's blocks is refused."""
+    from vllm.v1 import kv_cache_interface as vkv  # noqa: PLC0415
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: PLC0415
+
+    from kvguard.errors import CacheLayoutError  # noqa: PLC0415
+
+    layout = KVCacheLayout[layout_name]
+    spec = vkv.FullAttentionSpec(32, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page, layers, blocks = spec.page_size_bytes, 3, 8
+    strides = (page * blocks, page) if layout.is_layer_compact else (page, page * layers)
+    placement = vkv.KVCacheTensor(
+        size=page * layers * blocks,
+        layers=[f"layer.{i}" for i in range(layers)],
+        layer_stride=strides[0],
+        block_stride=strides[1],
+    )
+
+    def views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        made = vkv.create_kv_cache_views(raw, spec, blocks, layout, placement)
+        return dict(zip(placement.layers, made, strict=True))
+
+    raw = torch.randint(1, 127, (placement.size,), dtype=torch.int8)
+    worker = WorkerGuard()
+    if not layout.is_layer_compact:
+        with pytest.raises(CacheLayoutError, match="other layers' bytes"):
+            worker.register(views(raw))
+        return
+    worker.register(views(raw))
+    expected = raw.clone()
+    for view in views(expected).values():
+        view[[2, 5]] = 0
+    worker.on_step(GuardStepMeta(step=1, handover=(2, 5), verify="full"))
+    out = worker.take_results()
+    assert isinstance(out, GuardWorkerMeta) and [r.ok for r in out.results] == [True]
+    assert torch.equal(raw, expected)

@@ -83,11 +83,13 @@ class WorkerGuard:
         # (`vllm.v1.kv_cache_interface.create_kv_cache_views`; the CPU backend's shape, block
         # dimension first), where older GPU backends had `[2, B, N, H, C]`. Chosen by device, a
         # GPU engine would have refused to register its caches (found by a review).
+        # Those views are strided by the backend's cache layout (LBNHC on CUDA by default):
+        # `vllm_views` describes each layer's dense block pages as bytes.
         first = tensors[0]
         if first.dim() == 5 and first.shape[0] == 2:
             self._spec = KVCacheSpec.vllm_flash(tensors)
         else:
-            self._spec = KVCacheSpec.vllm_cpu(tensors)  # refuses any other shape, naming it
+            self._spec = KVCacheSpec.vllm_views(tensors)  # refuses any other shape, naming it
         expected = self._scheduler_blocks() if self._scheduler_blocks is not None else None
         if expected is not None and expected != self._spec.num_blocks:
             # A backend whose kernel blocks are smaller than the scheduler's (vLLM splits each
