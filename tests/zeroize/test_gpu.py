@@ -361,3 +361,34 @@ def test_by_default_one_gpu_call_in_sixteen_is_timed_and_says_so() -> None:
         assert (evidence.verify_time_us is not None) == timings[-1]
     assert [i for i, timed in enumerate(timings) if timed] == [0, TIMING_EVERY, 2 * TIMING_EVERY]
     assert zeroize(spec, plan_zeroize([5], spec.num_blocks)).device_time_us is not None
+
+
+@pytest.mark.parametrize("method", [Method.TRITON, Method.TORCH])
+def test_vllm_views_of_the_cuda_default_layout_are_cleared_exactly(method: Method) -> None:
+    """vLLM 0.32 on CUDA views each layer of one backing buffer as `[B, H, N, C]` with LBNHC
+    strides (not contiguous); `KVCacheSpec.vllm_views` clears each layer's dense block pages
+    through byte views, on the GPU with both executors: the planned blocks of every layer, and not
+    one other byte of the buffer (views built here as vLLM's `create_kv_cache_views` builds them)."""
+    layers, blocks, heads, tokens, width = 4, 96, 8, 16, 128
+    page = heads * tokens * width  # elements of one layer's block
+    raw = torch.randint(1, 127, (2 * layers * blocks * page,), dtype=torch.int8, device="cuda")
+
+    def views(buffer: torch.Tensor) -> list[torch.Tensor]:
+        elements = buffer.view(torch.bfloat16)
+        strides = (page, width, heads * width, 1)  # physical order B, N, H, C
+        return [
+            torch.as_strided(
+                elements, (blocks, heads, tokens, width), strides, layer * blocks * page
+            )
+            for layer in range(layers)
+        ]
+
+    spec = KVCacheSpec.vllm_views(views(raw))
+    assert spec.layout is KVLayout.FLAT_BYTES and spec.num_blocks == blocks
+    ids = [0, 7, 8, 9, 50, blocks - 1]
+    expected = raw.clone()
+    for view in views(expected):
+        view[ids] = 0
+    evidence = zeroize(spec, plan_zeroize(ids, blocks), verify="full", method=method)
+    assert evidence.verified and evidence.block_count == len(ids)
+    assert torch.equal(raw, expected)
