@@ -180,7 +180,7 @@ def test_audit_commands_report_json(tmp_path: Path) -> None:
     led = make_ledger(tmp_path)
     signed = ok_json(["audit", "checkpoint", *led.common(), "--out", str(tmp_path / "cp")])
     assert set(signed) == {
-        "checkpoint", "cosigned_by", "delivered", "origin", "out", "root", "tree_size"
+        "checkpoint", "cosigned_by", "delivered", "origin", "out", "root", "tree_size", "witnesses"
     }  # fmt: skip
     assert (signed["origin"], signed["tree_size"], signed["cosigned_by"]) == (ORIGIN, 30, [])
     assert (tmp_path / "cp").read_text() == signed["checkpoint"]
@@ -195,6 +195,27 @@ def test_audit_commands_report_json(tmp_path: Path) -> None:
     assert (verified["origin"], verified["tree_size"], verified["entries"]) == (ORIGIN, 30, 30)
     assert verified["root_recomputed"] is True
     assert verified["saved_checkpoint"] == str(tmp_path / "kept")
+
+
+def test_a_checkpoint_missing_the_cosignatures_asked_for_exits_1(tmp_path: Path) -> None:
+    """`audit checkpoint --witness W` with W down exited 0: a script never saw the cosignature
+    was missing. The checkpoint is still signed, printed and saved; the exit is 1, each witness's
+    outcome is in the JSON and on stderr; `--min-witnesses 0` accepts none."""
+    from kvguard.audit.cosign import WitnessKey  # noqa: PLC0415
+    from tests.audit.witness_helpers import free_port  # noqa: PLC0415
+
+    led = make_ledger(tmp_path)
+    wkey = WitnessKey.generate("witness.down.example")
+    down = ["--witness", f"http://127.0.0.1:{free_port()}={wkey.verifier_key()}"]
+    out = tmp_path / "cp"
+    short = failed_json(["audit", "checkpoint", *led.common(), *down, "--out", str(out)], 1)
+    assert short["error"] == "0 of the 1 witness cosignatures needed"
+    assert short["witnesses"]["witness.down.example"]["status"] == "error"
+    assert out.read_text() == short["checkpoint"] and short["tree_size"] == 30
+    accepted = ok_json(["audit", "checkpoint", *led.common(), *down, "--min-witnesses", "0"])
+    assert accepted["cosigned_by"] == []
+    usage = failed_json(["audit", "checkpoint", *led.common(), *down, "--min-witnesses", "2"], 2)
+    assert "--min-witnesses 2" in usage["error"]
 
 
 def test_checkpoint_and_export_deliver_what_the_command_line_queued(tmp_path: Path) -> None:

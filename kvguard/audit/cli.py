@@ -24,8 +24,9 @@ from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.notekey import NoteKey
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.verify_cli import verify_command
+from kvguard.audit.witness_client import Status as WitnessStatus
 from kvguard.audit.witness_client import WitnessEndpoint
-from kvguard.cli_output import EXIT_USAGE, JsonOpt, emit, fail, progress, reporting
+from kvguard.cli_output import EXIT_INVALID, EXIT_USAGE, JsonOpt, emit, fail, progress, reporting
 from kvguard.errors import VerificationError
 from kvguard.secretfile import write_private_file
 
@@ -209,12 +210,29 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         Path | None,
         typer.Option("--out", help="Also save it to this file (for `--trusted-checkpoint`)"),
     ] = None,
+    min_witnesses: Annotated[
+        int | None,
+        typer.Option(
+            "--min-witnesses",
+            min=0,
+            help="Cosignatures needed for exit 0 (default: every --witness given)",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Sign a checkpoint of the current log and print it (a C2SP signed note).
 
-    The note carries the cosignatures of the witnesses given. Exit 0 signed; 1 refused (the log
-    no longer extends its last checkpoint); 2 usage or environment (key file, database, --out)."""
+    The note carries the cosignatures of the witnesses given. Exit 0 signed (and cosigned by at
+    least --min-witnesses); 1 refused (the log no longer extends its last checkpoint), or signed
+    with fewer cosignatures (still printed and saved; each witness's outcome in the JSON and on
+    stderr); 2 usage or environment (key file, database, --out, --min-witnesses above the
+    witnesses given)."""
+    needed = len(witness or []) if min_witnesses is None else min_witnesses
+    if needed > len(witness or []):
+        raise fail(
+            f"--min-witnesses {needed} needs at least that many --witness", EXIT_USAGE, json_output
+        )
     with reporting(json_output, db_url=db):
         ledger = _open(db, origin, key, witness, json_output)
         try:
@@ -226,16 +244,33 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         if out is not None:
             write_private_file(out, signed)  # evidence: 0600
     cp = parse_checkpoint(note.split_note(signed)[0])
+    outcomes = outcome.witnesses if outcome is not None else {}
+    cosigned = outcome.cosigned if outcome is not None else []
     result = {
         "checkpoint": signed,
         "origin": cp.origin,
         "tree_size": cp.size,
         "root": base64.b64encode(cp.root).decode(),
-        "cosigned_by": outcome.cosigned if outcome is not None else [],
+        "cosigned_by": cosigned,
+        "witnesses": {
+            n: {"status": str(o.status), "reason": o.reason} for n, o in outcomes.items()
+        },
         "out": out,
         "delivered": delivered,
     }
+    short = len(cosigned) < needed
+    if short:
+        # Signed and stored all the same (a later checkpoint extends it); the exit says the
+        # cosignatures asked for are missing (it said 0, and a witness down went unnoticed).
+        error = f"{len(cosigned)} of the {needed} witness cosignatures needed"
+        result.update(error=error, exit_code=EXIT_INVALID)
     emit(result, json_output, signed)
+    if short:
+        for name, got in sorted(outcomes.items()):
+            if got.status is not WitnessStatus.OK:
+                typer.echo(f"witness {name}: {got.status}: {got.reason}", err=True)
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(EXIT_INVALID)
 
 
 @audit_app.command("export")
