@@ -70,11 +70,19 @@ def serve_command(
     ],
     state: Annotated[Path, typer.Option("--state", help="Witness state file (SQLite, 0600)")],
     listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to bind")] = "127.0.0.1:8650",
+    new_state: Annotated[
+        bool,
+        typer.Option(
+            "--new-state", help="Create the state file (refused if it exists): a new witness"
+        ),
+    ] = False,
 ) -> None:
     """Serve POST /add-checkpoint: cosign checkpoints that extend what this witness saw.
 
-    Exit 0 when stopped (SIGTERM or Ctrl-C); 1 it failed while serving; 2 usage or environment
-    (key, state file, listen address): docs/operations.md, "Exit codes of the servers"."""
+    The state file must exist unless --new-state creates it: a witness whose state is gone would
+    cosign any history, a rewritten one included. Exit 0 when stopped (SIGTERM or Ctrl-C); 1 it
+    failed while serving; 2 usage or environment (key, state file, listen address):
+    docs/operations.md, "Exit codes of the servers"."""
     from kvguard.audit.witness import Witness, WitnessState, serve  # noqa: PLC0415
 
     try:
@@ -86,6 +94,16 @@ def serve_command(
         witness_key = WitnessKey.load(key)
     except (KvguardError, ValueError, OSError) as exc:
         raise fail(str(exc), EXIT_USAGE, label="usage error") from None
+    if new_state and state.exists():
+        raise fail(f"--new-state: {state} exists (a witness's state is never replaced)", EXIT_USAGE)
+    if not new_state and not state.exists():
+        # Started fresh, a witness holds no size for any log and cosigns whatever it is sent:
+        # the rollback and fork protection it exists for would be gone without a word.
+        raise fail(
+            f"witness state {state} does not exist: a witness that lost its state would cosign "
+            "any history; start a new witness with --new-state",
+            EXIT_USAGE,
+        )
     try:
         witness_state = WitnessState(state)
     except (KvguardError, sqlite3.Error, OSError) as exc:

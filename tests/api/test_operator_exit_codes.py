@@ -214,6 +214,8 @@ def _witness(tmp_path: Path, listen: str) -> subprocess.Popen[bytes]:
     log_option = json.loads(vkey.stdout)["verifier_key"]
     argv = [KVGUARD, "witness", "serve", "--key", str(tmp_path / "w.key"), "--log", log_option]
     argv += ["--state", str(tmp_path / "witness.db"), "--listen", listen]
+    if not (tmp_path / "witness.db").exists():
+        argv.append("--new-state")
     log = (tmp_path / "witness.log").open("wb")
     # Started with SIGINT ignored, as a background job of a non-interactive shell (CI) starts it
     # (an ignored signal stays ignored across `exec`): the server must take SIGINT itself, not

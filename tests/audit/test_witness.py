@@ -629,3 +629,21 @@ def test_witness_key_command_refuses_to_overwrite(tmp_path: Path) -> None:
         ],
     )
     assert bad.exit_code == 2
+
+
+def test_a_witness_without_its_state_file_refuses_to_start(tmp_path: Path, key: SigningKey) -> None:
+    """A witness started on a missing state file holds no size for any log and cosigns whatever it
+    is sent, a rewritten history included: refused unless `--new-state` asks for a new witness,
+    which in turn never replaces an existing state file."""
+    wkey_file = tmp_path / "w.key"
+    runner = CliRunner()
+    made = runner.invoke(app, ["keys", "witness-key", "w.kvguard.test", "--out", str(wkey_file)])
+    assert made.exit_code == 0, made.output
+    state = tmp_path / "state.db"
+    base = ["witness", "serve", "--key", str(wkey_file), "--log", f"{ORIGIN}={key.verifier_key()}"]
+    base += ["--state", str(state), "--listen", "127.0.0.1:0"]  # both refused before serving
+    missing = runner.invoke(app, base)
+    assert missing.exit_code == 2 and "--new-state" in missing.output and not state.exists()
+    WitnessState(state).close()  # a witness's state, as a first start with --new-state makes it
+    again = runner.invoke(app, [*base, "--new-state"])
+    assert again.exit_code == 2 and "exists" in again.output

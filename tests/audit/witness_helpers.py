@@ -41,6 +41,8 @@ class WitnessProcess:
         self.state = tmp / f"{name}.db"
         args = ["witness", "serve", "--key", str(key_file), "--log", f"{ORIGIN}={log_vkey}"]
         args += ["--state", str(self.state), "--listen", "127.0.0.1:0"]
+        if not self.state.exists():
+            args.append("--new-state")
         env = {**os.environ, "KVGUARD_LOG_LEVEL": "WARNING"}
         self.log = tmp / f"{name}.log"
         with self.log.open("w") as log:  # a file, not a pipe: a full pipe would block the server
