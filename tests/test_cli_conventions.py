@@ -218,6 +218,16 @@ def test_a_checkpoint_missing_the_cosignatures_asked_for_exits_1(tmp_path: Path)
     assert "--min-witnesses 2" in usage["error"]
 
 
+def test_a_checkpoint_of_a_mistyped_database_is_refused_not_made(tmp_path: Path) -> None:
+    """`audit checkpoint --db` at a mistyped SQLite path created a new, empty ledger there and
+    signed its checkpoint of size 0, exit 0."""
+    led = make_ledger(tmp_path)
+    typo = tmp_path / "ledgr.db"
+    args = ["audit", "checkpoint", "--db", f"sqlite:///{typo}", "--origin", ORIGIN]
+    refused = failed_json([*args, "--key", str(led.key_file)], 2)
+    assert "does not exist" in refused["error"] and not typo.exists()
+
+
 def test_checkpoint_and_export_deliver_what_the_command_line_queued(tmp_path: Path) -> None:
     """Operator changes made on the command line (a key, a purge) wait in the control outbox
     for the admin API to deliver them; without a server running, `audit export` said `complete`

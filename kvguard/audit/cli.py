@@ -98,7 +98,9 @@ def _open(
     from kvguard.settings import load_settings  # noqa: PLC0415
 
     settings = load_settings()
-    db = resolve_db_url(db)
+    # A database named with --db is never created here (a mistyped path signed a checkpoint of a
+    # new, empty ledger); the embedded default is, on first use.
+    db = resolve_db_url(db, existing=db is not None)
     origin = origin or settings.ledger_origin
     key_files = key_files or settings.signing_key_files()
 
