@@ -94,10 +94,11 @@ def _restricted_problems(policy: TenantPolicy) -> list[Problem]:
     return problems
 
 
-def policy_set_problems(policy_set: PolicySet) -> list[Problem]:
-    """Rules that relate tenants, the default and share groups to each other."""
+def policy_set_problems(policy_set: PolicySet, *, check_ids: bool = True) -> list[Problem]:
+    """Rules that relate tenants, the default and share groups to each other (`check_ids`: also
+    that every tenant entry is keyed by a possible tenant id; off for a stored version)."""
     problems: list[Problem] = []
-    for position, tenant_id in enumerate(policy_set.tenants, start=1):
+    for position, tenant_id in enumerate(policy_set.tenants if check_ids else (), start=1):
         if not _TENANT_ID.fullmatch(tenant_id):
             # A name no tenant can be registered under ("acme " for "acme") would leave the tenant
             # on the default while the document reads as if it were restricted. By position, not

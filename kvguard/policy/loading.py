@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvguard.errors import PolicyValidationError
-from kvguard.policy.models import INVARIANT_ERROR, PolicySet
+from kvguard.policy.models import INVARIANT_ERROR, STORED, PolicySet
 
 Format = Literal["yaml", "json"]
 Problem = tuple[str, str]
@@ -142,8 +142,12 @@ def load_json(text: str) -> Any:
         raise ValueError(str(exc)) from None
 
 
-def parse_policy(text: str, source: str = "<string>", *, fmt: Format | None = None) -> PolicySet:
+def parse_policy(
+    text: str, source: str = "<string>", *, fmt: Format | None = None, stored: bool = False
+) -> PolicySet:
     """Parse and validate a policy document. `fmt` defaults to JSON for `*.json`, YAML otherwise.
+    `stored`: a version read back from the policy store, validated by the rules it was written
+    under (`PolicySet._invariants`).
 
     Raises PolicyValidationError listing every problem as (field path, message).
     """
@@ -163,7 +167,7 @@ def parse_policy(text: str, source: str = "<string>", *, fmt: Format | None = No
             source, [(DOCUMENT, f"expected a mapping at the top, got {kind}")]
         )
     try:
-        return PolicySet.model_validate(data)
+        return PolicySet.model_validate(data, context={STORED: True} if stored else None)
     except ValidationError as exc:
         raise PolicyValidationError(source, validation_problems(exc)) from None
     except RecursionError:  # nesting shallow enough to parse, too deep to validate

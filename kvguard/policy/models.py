@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Final, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvguard.isolation.scope import TenantId
@@ -38,6 +38,7 @@ SCHEMA_VERSION: Final = 1
 # unbounded cache is an unbounded exposure window; a caller that wants "long" has to say how long.
 MAX_RETENTION_S: Final = 30 * 24 * 3600
 INVARIANT_ERROR: Final = "policy_invariant"
+STORED: Final = "stored"  # validation context: a document read back from the policy store
 _ID_MAX: Final = 256
 _PREFIX_LABEL: Final = b"kvguard/prefix/v1"
 
@@ -198,8 +199,11 @@ class PolicySet(_Frozen):
     share_groups: dict[Identifier, ShareGroup] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _invariants(self) -> Self:
-        raise_problems(policy_set_problems(self))
+    def _invariants(self, info: ValidationInfo) -> Self:
+        # A stored version is read as it was accepted when written: a rule added since (tenant
+        # ids in the tenant id pattern) must not make a deployment's current policy unreadable.
+        stored = bool(info.context and info.context.get(STORED))
+        raise_problems(policy_set_problems(self, check_ids=not stored))
         return self
 
     def policy_for(self, tenant_id: TenantId | str) -> TenantPolicy:

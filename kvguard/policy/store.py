@@ -510,7 +510,7 @@ class PolicyStore:
             policy = reread(document, nearest.policy, self._parts)
             if policy is not None:
                 return policy
-        return parse_policy(document, f"policy store version {version}", fmt="json")
+        return parse_policy(document, f"policy store version {version}", fmt="json", stored=True)
 
     def _remember(self, version: PolicyVersion) -> None:
         with self._subscribers_lock:

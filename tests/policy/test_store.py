@@ -297,3 +297,32 @@ def test_the_limit_index_answers_only_for_ranges_it_covers() -> None:
     index.add(21, 7, [], ("d7", 0.0))  # the store now ends at 7
     assert index.find("acme", 7, 7) == (True, None)
     assert index.find("acme", 6, 7) == (False, None)
+
+
+def test_a_stored_version_an_older_release_accepted_stays_readable(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Tenant entries must now be keyed by possible tenant ids; a version an older release stored
+    with another key ("acme " for acme) is still read, as it was accepted (else a deployment's
+    current policy would be unreadable after an upgrade, and every engine would refuse work),
+    while a new write on top of it must drop that entry (the error names its position)."""
+    import hashlib  # noqa: PLC0415
+
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    store = PolicyStore.open(url, clock=clock)
+    store.put(_v(1), author="alice", reason="r")
+    old = _v(1).canonical_json().replace('"acme"', '"acme "')
+    digest = "sha256:" + hashlib.sha256(old.encode()).hexdigest()
+    with store.engine.begin() as conn:  # as the older release stored it
+        conn.execute(sa.text("DROP TRIGGER policy_versions_no_update"))
+        conn.execute(sa.text("UPDATE policy_versions SET document = :d, digest = :g"),
+                     {"d": old, "g": digest})  # fmt: skip
+    store.engine.dispose()
+    reopened = PolicyStore.open(url, clock=clock)
+    try:
+        current = reopened.current()
+        assert current is not None and list(current.policy.tenants) == ["acme "]
+        with pytest.raises(PolicyValidationError, match="entry 1 is not a tenant id"):
+            reopened.put(current.policy, author="alice", reason="unchanged")
+    finally:
+        reopened.engine.dispose()
