@@ -7,10 +7,10 @@ batch a second time (found by a review: leaves n0..n4, n0..n4); the tree still v
 figures summed from the log (blocks cleared, purges) were inflated with nothing to flag them.
 
 So each queued entry is prepared once (leaf bytes, leaf hash: a payload's commitment salt is random
-and would differ if prepared again) and kept until it is durable, and after a failed attempt the next
-one first looks at the log's tail, from the size this process last knew to be durable: the entries
-of the failed batch that are there (it committed as a whole or not at all, in queue order, at its
-head) count as appended, and only the rest is appended.
+and would differ if prepared again) and kept until it is durable, and each attempt records, inside
+its transaction, the index its entries are inserted at. After a failed attempt the next one first
+reads the log at exactly those indexes: if the failed batch is there (it committed as a whole or
+not at all), it counts as appended, and only what was queued after it is appended.
 """
 
 from __future__ import annotations
@@ -35,28 +35,29 @@ class BatchAppender:
     def __init__(self, store: LedgerStore) -> None:
         self._store = store
         self._prepared: dict[int, tuple[Entry, list[PreparedEntry]]] = {}
-        self._durable: int | None = None  # the log's size after this process's last append
-        self._uncertain = False  # an attempt failed: it may have committed all the same
+        # Where a failed attempt's entries went, read inside its transaction (the head it locked)
+        # and how many: if it committed after all, they are exactly there.
+        self._attempt: tuple[int, int] | None = None
 
     def __call__(self, entries: Sequence[Entry]) -> None:
         prepared = [p for entry in entries for p in self._prepare(entry)]
-        if self._durable is None:
-            self._durable = self._store.size()
-        if self._uncertain:
-            landed = self._landed(prepared)
+        if self._attempt is not None:
+            landed = self._landed(prepared, *self._attempt)
             if landed:
                 _log.warning(
                     "ledger batch committed before its write failed; not appended again",
                     entries=landed,
                 )
             prepared = prepared[landed:]
+        at: list[int] = []
         try:
-            first = self._store.append(prepared) if prepared else self._durable
+            if prepared:
+                self._store.append(prepared, after=lambda _conn, first: at.append(first))
         except BaseException:
-            self._uncertain = True
+            # Before its inserts ran nothing can have committed: no position, nothing to look for.
+            self._attempt = (at[0], len(prepared)) if at else None
             raise
-        self._uncertain = False
-        self._durable = first + len(prepared)
+        self._attempt = None
         for entry in entries:
             self._prepared.pop(id(entry), None)
 
@@ -69,26 +70,16 @@ class BatchAppender:
         self._prepared[id(entry)] = (entry, prepared)  # the entry kept alive: its id stays its own
         return prepared
 
-    def _landed(self, prepared: list[PreparedEntry]) -> int:
-        """How many of `prepared`, from the first, a failed attempt committed: the run of their
-        leaf hashes found in the log at or after the size last known durable (other writers'
-        entries may come before it, never inside it: an append holds the head lock)."""
-        if not prepared:
-            return 0
+    def _landed(self, prepared: list[PreparedEntry], first: int, count: int) -> int:
+        """How many of `prepared` (from the first) the failed attempt of `count` entries at index
+        `first` committed: all of it or none (one transaction), found by position, never by a
+        search (a repeat of identical leaf bytes elsewhere in the log is another entry)."""
         with self._store.engine.connect() as conn:
-            tail = conn.execute(
+            stored = conn.execute(
                 sa.select(t.LedgerEntry.leaf_hash)
-                .where(t.LedgerEntry.idx >= self._durable)
+                .where(t.LedgerEntry.idx >= first, t.LedgerEntry.idx < first + count)
                 .order_by(t.LedgerEntry.idx)
             ).scalars()
-            hashes = [bytes(h) for h in tail]
-        try:
-            start = hashes.index(prepared[0].leaf_hash)
-        except ValueError:
-            return 0
-        landed = 0
-        for ours, stored in zip(prepared, hashes[start:], strict=False):
-            if ours.leaf_hash != stored:
-                break
-            landed += 1
-        return landed
+            hashes = [bytes(h) for h in stored]
+        ours = [p.leaf_hash for p in prepared[:count]]
+        return count if hashes == ours and len(ours) == count else 0

@@ -247,14 +247,16 @@ def _unique_layers(layers: LayerTensors) -> list[torch.Tensor]:
     tensors = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
     if not tensors:
         raise CacheLayoutError("a KV cache needs at least one layer tensor, got none")
-    seen: set[tuple[int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
     unique: list[torch.Tensor] = []
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             raise CacheLayoutError(
                 f"layer tensors must be torch.Tensor, got {type(tensor).__name__}"
             )
-        key = (tensor.data_ptr(), tuple(tensor.shape))
+        # The same memory described the same way: start, shape, strides and dtype (by start and
+        # shape alone, a view with other strides was dropped unchecked; found by a review).
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if key not in seen:
             seen.add(key)
             unique.append(tensor)

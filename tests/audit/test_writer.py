@@ -247,3 +247,49 @@ def test_a_batch_whose_commit_answer_is_lost_is_appended_once(
         notes = [json.loads(bytes(leaf))["details"]["note"] for leaf in leaves]
     assert notes == [f"n{i}" for i in range(6)]
     ledger.verify()
+
+
+def test_a_repeated_identical_entry_is_never_taken_for_one_that_landed(db_url: str) -> None:
+    """Identical facts recorded twice have identical leaves. After a lost commit answer, a later
+    batch whose attempt failed before committing was matched against the log by leaf hash and
+    taken as landed: dropped (found by a re-test). A failed attempt is checked at the very
+    indexes it was inserted at."""
+    import json  # noqa: PLC0415
+
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from kvguard.audit.batches import BatchAppender  # noqa: PLC0415
+    from kvguard.audit.db import create_engine  # noqa: PLC0415
+    from kvguard.audit.migrate import upgrade  # noqa: PLC0415
+    from kvguard.audit.store import LedgerStore  # noqa: PLC0415
+
+    engine = create_engine(db_url)
+    upgrade(engine)
+    store = LedgerStore(engine)
+    appender = BatchAppender(store)
+    dialect, plan = engine.dialect, []
+    real_commit = dialect.do_commit
+
+    def commit(conn: object) -> None:
+        mode = plan.pop(0) if plan else "ok"
+        if mode == "fail":
+            raise sa.exc.OperationalError("COMMIT", None, Exception("down"))
+        real_commit(conn)
+        if mode == "lost":
+            raise sa.exc.OperationalError("COMMIT", None, Exception("answer lost"))
+
+    dialect.do_commit = commit  # type: ignore[method-assign]
+    try:
+        for mode in ("lost", "fail"):  # the same fact, recorded twice, each retried once
+            event = make_event(7)
+            plan.append(mode)
+            with pytest.raises(sa.exc.OperationalError):
+                appender([event])
+            appender([event])
+    finally:
+        dialect.do_commit = real_commit  # type: ignore[method-assign]
+    with engine.connect() as conn:
+        leaves = conn.execute(sa.text("SELECT leaf FROM ledger_entries ORDER BY idx")).scalars()
+        notes = [json.loads(bytes(leaf))["details"]["note"] for leaf in leaves]
+    engine.dispose()
+    assert notes == ["n7", "n7"]

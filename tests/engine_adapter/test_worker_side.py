@@ -213,3 +213,17 @@ def test_vllms_own_cache_views_are_cleared_exactly_or_refused(layout_name: str) 
     out = worker.take_results()
     assert isinstance(out, GuardWorkerMeta) and [r.ok for r in out.results] == [True]
     assert torch.equal(raw, expected)
+
+
+def test_two_views_from_one_address_with_other_strides_are_both_checked() -> None:
+    """Layers were told apart by start address and shape only: a second view of the same start
+    with other strides was dropped as a repeat, never checked nor cleared (found by a re-test)."""
+    from kvguard.errors import CacheLayoutError  # noqa: PLC0415
+    from kvguard.zeroize import KVCacheSpec  # noqa: PLC0415
+
+    base = torch.zeros(64, dtype=torch.uint8)
+    dense = base[:32].view(4, 2, 4).transpose(1, 2).unsqueeze(1)  # [4, 1, 4, 2], 8-byte pages
+    spread = base.as_strided((4, 1, 4, 2), (16, 1, 1, 4), 0)  # same start and shape, 16 apart
+    with pytest.raises(CacheLayoutError):
+        KVCacheSpec.vllm_views([dense, spread])
+    assert KVCacheSpec.vllm_views([dense, dense]).num_layers == 1  # a true repeat: once
