@@ -233,6 +233,15 @@ async def test_chat_fields_count_their_json_text_and_sampling_options_nothing() 
     messages = [{"role": "user", "content": "hi"}]
     options = {"model": "tiny", "max_tokens": 8, "n": 2, "temperature": 0.1, "stream": True}
     assert (await prompt_tokens(scope, {**options, "messages": messages}))[0] == (len("userhi"),)
+    # What the OpenAI SDK sends beside them is never rendered either: nothing counted (a re-test
+    # found `stop` and `stream_options` refusing ordinary requests under a small quota).
+    sdk = {
+        "stop": ["\n\nUser:", "</s>"],
+        "stream_options": {"include_usage": True},
+        "logit_bias": {str(t): 1 for t in range(100)},
+        "stop_token_ids": [1, 2, 3],
+    }
+    assert (await prompt_tokens(scope, {**sdk, "messages": messages}))[0] == (len("userhi"),)
     rendered = {"documents": [{"text": "ab", "n": [1, None, 2.5]}], "response_format": {}}
     expected = len("userhi") + sum(len(json.dumps(v)) for v in rendered.values())
     assert (await prompt_tokens(scope, {"messages": messages, **rendered}))[0] == (expected,)

@@ -55,13 +55,15 @@ _CHAT_FIELDS: Final = (
     "chat_template_kwargs",
     "tools",
 )
-# Chat body fields vLLM reads only as sampling or serving options: a scalar value of one counts
-# nothing. Every other field beside the tokenized ones counts the characters of its JSON text,
-# since renderers put more of the body into the prompt than the tokenization service takes
-# (`ChatCompletionRequest.build_chat_params`: `documents`, `reasoning_effort`, `response_format`,
-# `tool_choice`; reviewer's finding: a 1,000-word `documents` entry ran under a 4-block reject
-# quota). An unknown field counts: over-counting refuses early, under-counting runs past the quota.
-_OPTIONS: Final = frozenset(
+# Chat body fields vLLM reads only as sampling or serving options, never rendered into the prompt:
+# they count nothing, whatever their value (a re-test found `stop` lists and `stream_options`,
+# which the OpenAI SDK sends, refusing ordinary requests under a small quota). Every other field
+# beside the tokenized ones counts the characters of its JSON text, since renderers put more of the
+# body into the prompt than the tokenization service takes (`ChatCompletionRequest.
+# build_chat_params`: `documents`, `reasoning_effort`, `response_format`, `tool_choice`; a review
+# found a 1,000-word `documents` entry running under a 4-block reject quota). An unknown field
+# counts: over-counting refuses early, under-counting runs past the quota.
+_NOT_RENDERED: Final = frozenset(
     {
         "model", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
         "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -70,6 +72,9 @@ _OPTIONS: Final = frozenset(
         "include_stop_str_in_output", "echo", "add_special_tokens", "priority", "request_id",
         "cache_salt", "truncate_prompt_tokens", "truncation_side", "parallel_tool_calls",
         "include_reasoning", "stream_interval", "return_tokens_as_token_ids", "return_token_ids",
+        "stop", "stop_token_ids", "stream_options", "logit_bias", "bad_words",
+        "allowed_token_ids", "structured_outputs", "vllm_xargs", "kv_transfer_params",
+        "mm_processor_kwargs", "media_io_kwargs", "logits_processors",
     }
 )  # fmt: skip
 # What each governed route reads as its prompt and its output length (vLLM's own request types):
@@ -128,7 +133,7 @@ async def prompt_tokens(
     `prompt` on /v1/completions, the larger of both on /invocations (vLLM picks the request type
     from the body there), `input` on /v1/responses and the pooling routes, with a top-level `system`
     on /v1/messages and `instructions` and `tools` on /v1/responses, and on the chat routes every
-    other field the chat template can render (`_OPTIONS`). Tokenized by vLLM's
+    other field the chat template can render (all but `_NOT_RENDERED`). Tokenized by vLLM's
     own service; what it cannot tokenize counts the characters of its strings, an upper bound (a
     token is at least one character), so an unusual body can never make a request look smaller
     than it is."""
@@ -214,13 +219,9 @@ async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[
     rendered = [
         value
         for key, value in doc.items()
-        if key not in counted_above and not (key in _OPTIONS and _scalar(value))
+        if key not in counted_above and key not in _NOT_RENDERED
     ]
     return counted + sum(_json_characters(value) for value in rendered)
-
-
-def _scalar(value: object) -> bool:
-    return value is None or isinstance(value, str | int | float)
 
 
 async def _text_tokens(
