@@ -217,9 +217,7 @@ async def _chat_tokens(scope: MutableMapping[str, Any], serving: Any, doc: dict[
     # ignores it): a decoy there counts nothing.
     counted_above = {*fields, "messages", "prompt"}
     rendered = [
-        value
-        for key, value in doc.items()
-        if key not in counted_above and key not in _NOT_RENDERED
+        value for key, value in doc.items() if key not in counted_above and key not in _NOT_RENDERED
     ]
     return counted + sum(_json_characters(value) for value in rendered)
 
