@@ -15,8 +15,11 @@ the witness's verifier key ("The client MUST ignore any cosignatures from unknow
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
+import http.client
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -24,7 +27,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from kvguard.audit import note
@@ -135,9 +138,11 @@ def _within(
     liked (found by a review). A late call's thread is a daemon, left to end with its socket's
     timeout; its outcome is not used."""
     results: dict[str, WitnessOutcome] = {}
+    opened: dict[str, list[http.client.HTTPConnection]] = {name: [] for name in calls}
     lock = threading.Lock()
 
     def run(name: str, call: Callable[[], WitnessOutcome]) -> None:
+        _EXCHANGE.connections = opened[name]
         try:
             outcome = call()
         except Exception as exc:  # one witness's failure is its outcome, never the checkpoint's
@@ -156,6 +161,13 @@ def _within(
         thread.join(max(end - time.monotonic(), 0.0))
     late = WitnessOutcome(Status.ERROR, f"no answer within {deadline_s:g} s")
     with lock:
+        for thread, name in zip(threads, calls, strict=True):
+            if name not in results:  # its outcome is `late`; its thread is made to end now
+                reaper = threading.Thread(
+                    target=_reap, args=(thread, opened[name]), name="kvguard-witness-reaper"
+                )
+                reaper.daemon = True
+                reaper.start()
         return {name: results.get(name, late) for name in calls}
 
 
@@ -215,7 +227,47 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+# The connections each witness exchange opens, by thread: `_within` shuts down the sockets of an
+# exchange past its deadline, so its thread ends at once instead of reading on for as long as the
+# witness drips bytes (each read is bounded by `timeout` only; found by a re-test: a thread and a
+# socket left behind per checkpoint).
+_EXCHANGE = threading.local()
+
+
+def _tracked(connection_class: type[http.client.HTTPConnection]) -> Any:
+    def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
+        connection = connection_class(host, **kwargs)
+        opened = getattr(_EXCHANGE, "connections", None)
+        if opened is not None:
+            opened.append(connection)
+        return connection
+
+    return make
+
+
+class _TrackedHTTP(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_tracked(http.client.HTTPConnection), req)
+
+
+class _TrackedHTTPS(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_tracked(http.client.HTTPSConnection), req, context=self._context)  # type: ignore[attr-defined]
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect, _TrackedHTTP, _TrackedHTTPS)
+
+
+def _reap(thread: threading.Thread, connections: list[http.client.HTTPConnection]) -> None:
+    """Shut down the sockets of a late exchange until its thread ends: its read fails at once,
+    and a connection it opens after the deadline (a 409's retry) is shut as soon as it exists."""
+    while thread.is_alive():
+        for connection in list(connections):
+            sock = connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        thread.join(0.05)
 
 
 def _post(endpoint: WitnessEndpoint, body: bytes, timeout: float) -> _Answer:

@@ -500,9 +500,17 @@ def test_a_witness_dripping_its_answer_cannot_hold_the_checkpoint(
         outcome = request_cosignatures(
             endpoints, _grow(ledger, 3), ledger.consistency_proof, timeout=0.5
         )
+        # And the late exchange's thread and socket do not live on while the witness drips (a
+        # re-test found one left behind per checkpoint): its socket is shut down.
+        for _ in range(40):
+            if not any(t.name.startswith("kvguard-witness") for t in threading.enumerate()):
+                break
+            time.sleep(0.05)
+        lingering = [t.name for t in threading.enumerate() if t.name.startswith("kvguard-wit")]
     finally:
         stop.set()
         listener.close()
+    assert lingering == []
     assert time.monotonic() - started < 5  # the drip alone would take over 50 s
     assert outcome.witnesses[slow_key.name].status is Status.ERROR
     assert "no answer within" in outcome.witnesses[slow_key.name].reason
