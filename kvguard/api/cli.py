@@ -250,11 +250,15 @@ def uvicorn_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
     proxies: uvicorn's own default believes `X-Forwarded-For` from 127.0.0.1, so a caller on the
     host (or behind a proxy there) could name a new client address on every request and never reach
     the failed-authentication limit."""
+    from kvguard.api.http_protocol import http_options  # noqa: PLC0415
+
     return {
         "proxy_headers": bool(trusted_proxies),
         "forwarded_allow_ips": ",".join(trusted_proxies),
         "access_log": False,  # kvguard.api.app.AccessLog writes one line per request
         "log_config": None,  # keep the handlers capture_stdlib_logging installed
+        # Request heads bounded in size and time (kvguard.api.http_protocol).
+        **http_options(),
     }
 
 

@@ -64,6 +64,32 @@ def test_a_0_1_0_scrypt_key_still_authenticates_and_is_migrated(env: ApiEnv) -> 
     assert env.client.get("/v1/tenants", headers=_bearer(api_key)).status_code == 200
 
 
+def test_a_revoked_0_1_0_key_costs_no_scrypt_check(env: ApiEnv, monkeypatch) -> None:
+    """A revoked 0.1.0 key never authenticates again, so its row kept its scrypt hash for good and
+    every guess at its id cost a 16 MiB, ~35 ms scrypt check, 429 or not (found by a review: 28
+    guesses a second took valid requests from 1 ms to 535 ms). Refused with the ordinary work."""
+    import kvguard.control.keys as keys_module  # noqa: PLC0415
+
+    key_id, secret, salt = secrets.token_hex(6), secrets.token_urlsafe(32), secrets.token_bytes(16)
+    scrypt = hashlib.scrypt(
+        secret.encode(), salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32
+    )
+    with env.services.db.begin() as conn:
+        conn.execute(
+            sa.insert(AdminKeyRow).values(
+                key_id=key_id, salt=salt, secret_scrypt=scrypt, secret_hash=None, role="admin",
+                tenant_id=None, label="0.1.0", created_at=0.0, revoked_at=1.0,
+            )
+        )  # fmt: skip
+    calls: list[str] = []
+    real = keys_module._scrypt
+    monkeypatch.setattr(keys_module, "_scrypt", lambda *a: calls.append("scrypt") or real(*a))
+    keys: ApiKeys = env.services.keys
+    assert keys.authenticate(f"kvg_adm_{key_id}_{secret}") is None  # the right secret, revoked
+    assert keys.authenticate(f"kvg_adm_{key_id}_" + "A" * 43) is None
+    assert calls == []
+
+
 def test_authenticate_accepts_the_key_and_nothing_close_to_it(env: ApiEnv) -> None:
     keys: ApiKeys = env.services.keys
     issued = keys.create(Role.ADMIN)

@@ -92,6 +92,11 @@ def test_a_tenant_sees_only_its_own_cache_state(env: ApiEnv) -> None:
 def test_a_tenant_without_engine_rows_gets_an_empty_state(env: ApiEnv) -> None:
     got = env.call("acme", "GET", "/v1/cache/tenants").json()
     assert got == [{"tenant_id": "acme", "engines": [], "totals": None}]
+    # A tenant that does not exist is a 404, as on every other route, not a made-up row echoing
+    # what was sent (found by a review; a pasted key fits the tenant id pattern).
+    made_up = "kvg_adm_0123456789ab_secret"
+    r = env.call("admin", "GET", "/v1/cache/tenants", params={"tenant_id": made_up})
+    assert r.status_code == 404 and made_up not in r.text
 
 
 def test_stale_engines_are_marked_and_left_out_of_metrics(env: ApiEnv) -> None:

@@ -115,8 +115,11 @@ def cache_state(
     by_tenant: dict[str, list[TenantEngineState]] = {}
     for row in services.engines.tenant_stats(wanted):
         by_tenant.setdefault(row.tenant_id, []).append(_state(row, row.engine_id in live, now))
-    if wanted is not None:
-        by_tenant.setdefault(wanted, [])
+    if wanted is not None and wanted not in by_tenant:
+        # 404 for a tenant that does not exist, as every other route answers (it answered a
+        # made-up row echoing whatever was sent, a pasted API key included; found by a review).
+        services.tenants.get(wanted)
+        by_tenant[wanted] = []
     return [
         TenantCacheState(tenant_id=t, engines=states, totals=_sum(t, states))
         for t, states in sorted(by_tenant.items())
