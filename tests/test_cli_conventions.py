@@ -185,7 +185,10 @@ def test_audit_commands_report_json(tmp_path: Path) -> None:
     assert (signed["origin"], signed["tree_size"], signed["cosigned_by"]) == (ORIGIN, 30, [])
     assert (tmp_path / "cp").read_text() == signed["checkpoint"]
     exported = ok_json(["audit", "export", *led.common(), "--out", str(tmp_path / "b")])
-    assert set(exported) == {"checkpoint", "complete", "delivered", "entries", "path", "tree_size"}
+    assert set(exported) == {
+        "checkpoint", "complete", "cosigned_by", "delivered", "entries", "path", "tree_size",
+        "witnesses",
+    }  # fmt: skip
     assert (exported["entries"], exported["tree_size"], exported["complete"]) == (30, 30, True)
     checked = ok_json(["audit", "verify-db", *led.common(), "--max-unsigned-age", "0"])
     assert checked["valid"] is True and checked["entries"] == 30 and checked["checkpoints"] == 1
@@ -216,6 +219,11 @@ def test_a_checkpoint_missing_the_cosignatures_asked_for_exits_1(tmp_path: Path)
     assert accepted["cosigned_by"] == []
     usage = failed_json(["audit", "checkpoint", *led.common(), *down, "--min-witnesses", "2"], 2)
     assert "--min-witnesses 2" in usage["error"]
+    # An export alike: the bundle is written, the exit says the cosignature is missing.
+    bundle = tmp_path / "b"
+    exported = failed_json(["audit", "export", *led.common(), *down, "--out", str(bundle)], 1)
+    assert exported["error"] == "0 of the 1 witness cosignatures needed"
+    assert exported["entries"] == 30 and (bundle / "checkpoint").exists()
 
 
 def test_a_checkpoint_of_a_mistyped_database_is_refused_not_made(tmp_path: Path) -> None:

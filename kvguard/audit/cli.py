@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -24,8 +24,8 @@ from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.notekey import NoteKey
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.verify_cli import verify_command
+from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint
 from kvguard.audit.witness_client import Status as WitnessStatus
-from kvguard.audit.witness_client import WitnessEndpoint
 from kvguard.cli_output import EXIT_INVALID, EXIT_USAGE, JsonOpt, emit, fail, progress, reporting
 from kvguard.errors import VerificationError
 from kvguard.secretfile import write_private_file
@@ -67,6 +67,15 @@ KeyFileOpt = Annotated[
         envvar="KVGUARD_SIGNING_KEY_FILE",
         help="Signing key file (0600); repeat during a rotation; default: ledger-signing.key "
         "under KVGUARD_DATA_DIR",
+        show_default=False,
+    ),
+]
+MinWitnessesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--min-witnesses",
+        min=0,
+        help="Cosignatures needed for exit 0 (default: every --witness given)",
         show_default=False,
     ),
 ]
@@ -212,15 +221,7 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         Path | None,
         typer.Option("--out", help="Also save it to this file (for `--trusted-checkpoint`)"),
     ] = None,
-    min_witnesses: Annotated[
-        int | None,
-        typer.Option(
-            "--min-witnesses",
-            min=0,
-            help="Cosignatures needed for exit 0 (default: every --witness given)",
-            show_default=False,
-        ),
-    ] = None,
+    min_witnesses: MinWitnessesOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Sign a checkpoint of the current log and print it (a C2SP signed note).
@@ -230,11 +231,7 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
     with fewer cosignatures (still printed and saved; each witness's outcome in the JSON and on
     stderr); 2 usage or environment (key file, database, --out, --min-witnesses above the
     witnesses given)."""
-    needed = len(witness or []) if min_witnesses is None else min_witnesses
-    if needed > len(witness or []):
-        raise fail(
-            f"--min-witnesses {needed} needs at least that many --witness", EXIT_USAGE, json_output
-        )
+    needed = _witnesses_needed(witness, min_witnesses, json_output)
     with reporting(json_output, db_url=db):
         ledger = _open(db, origin, key, witness, json_output)
         try:
@@ -246,27 +243,43 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
         if out is not None:
             write_private_file(out, signed)  # evidence: 0600
     cp = parse_checkpoint(note.split_note(signed)[0])
-    outcomes = outcome.witnesses if outcome is not None else {}
-    cosigned = outcome.cosigned if outcome is not None else []
-    result = {
+    result: dict[str, Any] = {
         "checkpoint": signed,
         "origin": cp.origin,
         "tree_size": cp.size,
         "root": base64.b64encode(cp.root).decode(),
-        "cosigned_by": cosigned,
-        "witnesses": {
-            n: {"status": str(o.status), "reason": o.reason} for n, o in outcomes.items()
-        },
         "out": out,
         "delivered": delivered,
     }
+    _finish_cosigned(result, outcome, needed, json_output, signed)
+
+
+def _witnesses_needed(witness: list[str] | None, min_witnesses: int | None, json: bool) -> int:
+    """The cosignatures a command needs for exit 0: `--min-witnesses`, by default every
+    `--witness` given; more than were given is a usage error."""
+    needed = len(witness or []) if min_witnesses is None else min_witnesses
+    if needed > len(witness or []):
+        raise fail(f"--min-witnesses {needed} needs at least that many --witness", EXIT_USAGE, json)
+    return needed
+
+
+def _finish_cosigned(
+    result: dict[str, Any], outcome: CosignOutcome | None, needed: int, json: bool, human: str
+) -> None:
+    """Print `result` with each witness's outcome, and exit 1 when fewer than `needed` cosigned:
+    what was signed (or exported) stands all the same, and the exit says the cosignatures asked
+    for are missing (it said 0, and a witness down went unnoticed)."""
+    outcomes = outcome.witnesses if outcome is not None else {}
+    cosigned = outcome.cosigned if outcome is not None else []
+    result["cosigned_by"] = cosigned
+    result["witnesses"] = {
+        n: {"status": str(o.status), "reason": o.reason} for n, o in outcomes.items()
+    }
+    error = f"{len(cosigned)} of the {needed} witness cosignatures needed"
     short = len(cosigned) < needed
     if short:
-        # Signed and stored all the same (a later checkpoint extends it); the exit says the
-        # cosignatures asked for are missing (it said 0, and a witness down went unnoticed).
-        error = f"{len(cosigned)} of the {needed} witness cosignatures needed"
         result.update(error=error, exit_code=EXIT_INVALID)
-    emit(result, json_output, signed)
+    emit(result, json, human)
     if short:
         for name, got in sorted(outcomes.items()):
             if got.status is not WitnessStatus.OK:
@@ -295,13 +308,17 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         bool, typer.Option(help="Write entries.csv and entries.ocsf.jsonl")
     ] = True,
     witness: WitnessOpt = None,
+    min_witnesses: MinWitnessesOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Export entries with inclusion proofs against a freshly signed checkpoint.
 
     With --witness the checkpoint is cosigned. Exit 0 exported; 1 the ledger fails a check on the
-    way (nothing an auditor could not verify is written); 2 usage or environment (key file,
-    database, a non-empty --out). A progress bar shows when stderr is a terminal."""
+    way (nothing an auditor could not verify is written), or the checkpoint has fewer than
+    --min-witnesses cosignatures (default: every --witness; the bundle is written all the same);
+    2 usage or environment (key file, database, a non-empty --out). A progress bar shows when
+    stderr is a terminal."""
+    needed = _witnesses_needed(witness, min_witnesses, json_output)
     since = since.replace(tzinfo=since.tzinfo or UTC) if since else None
     until = until.replace(tzinfo=until.tzinfo or UTC) if until else None
     with reporting(json_output, db_url=db):
@@ -318,9 +335,10 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
                     renderings=renderings,
                     progress=update,
                 )
+            outcome = ledger.last_cosigning
         finally:
             ledger.close()
-    result = {
+    result: dict[str, Any] = {
         "path": summary.path,
         "tree_size": summary.tree_size,
         "entries": summary.entries,
@@ -329,7 +347,7 @@ def export_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI opti
         "delivered": delivered,
     }
     human = f"exported {summary.entries} entries of {summary.tree_size} to {summary.path}"
-    emit(result, json_output, human)
+    _finish_cosigned(result, outcome, needed, json_output, human)
 
 
 @audit_app.command("verify-db")
