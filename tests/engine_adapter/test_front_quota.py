@@ -158,6 +158,12 @@ async def test_a_route_counts_the_prompt_it_runs_and_never_a_decoy_field() -> No
     responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "abc"}]}]}
     expected = len("user") + len("input_text") + len("abc")
     assert (await prompt_tokens({"path": "/v1/responses"}, responses))[0] == (expected,)
+    # Every other field a template can render counts its JSON text there too (only `input`,
+    # `instructions` and `tools` counted: a `text.format` schema ran uncounted); options nothing.
+    schema = {"format": {"type": "json_schema", "schema": {"description": "d" * 500}}}
+    extra = {"text": schema, "instructions": "be brief", "max_output_tokens": 8, "stream": True}
+    counted = (await prompt_tokens({"path": "/v1/responses"}, {**responses, **extra}))[0]
+    assert counted == (expected + len(json.dumps(schema)) + len(json.dumps("be brief")),)
 
 
 async def _post_to(client, key, path, body):

@@ -77,6 +77,9 @@ _NOT_RENDERED: Final = frozenset(
         "mm_processor_kwargs", "media_io_kwargs", "logits_processors",
     }
 )  # fmt: skip
+_RESPONSES_NOT_RENDERED: Final = _NOT_RENDERED | {
+    "input", "max_output_tokens", "store", "background", "previous_response_id", "service_tier"
+}  # fmt: skip
 # What each governed route reads as its prompt and its output length (vLLM's own request types):
 # a field another route reads counts nothing here, as it counts nothing in the engine (a decoy
 # `messages` on /v1/completions must not replace the prompt that runs).
@@ -147,11 +150,16 @@ async def prompt_tokens(
         readings.append((await _chat_tokens(scope, serving, doc),))
     if route in _TEXT_ROUTES or (route == "/invocations" and "prompt" in doc):
         readings.append(await _text_tokens(scope, serving, doc.get("model"), doc.get("prompt")))
-    if route not in _CHAT_ROUTES and route not in _TEXT_ROUTES and route != "/invocations":
-        # /v1/responses renders `instructions` and `tools` too; pooling routes read `input`
-        # (an upper bound; a body without `input` counts as a whole).
-        rendered = [doc.get(k) for k in ("input", "instructions", "tools")]
-        readings.append((_characters(rendered if "input" in doc else doc),))
+    if route == "/v1/responses" and "input" in doc:
+        # `input` by the characters of its strings, and, as on the chat routes, every other field
+        # the template can render (`instructions`, `tools`, `text`, `reasoning`, ...) by its JSON
+        # text: only `input`, `instructions` and `tools` counted, a `text.format` schema or other
+        # rendered fields ran uncounted.
+        others = (v for k, v in doc.items() if k not in _RESPONSES_NOT_RENDERED)
+        readings.append((_characters(doc["input"]) + sum(map(_json_characters, others)),))
+    elif route not in _CHAT_ROUTES and route not in _TEXT_ROUTES and route != "/invocations":
+        # Pooling routes read `input` (an upper bound; a body without `input` counts as a whole).
+        readings.append((_characters(doc.get("input") if "input" in doc else doc),))
     return _widest(readings), max_len
 
 
