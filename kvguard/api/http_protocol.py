@@ -46,6 +46,7 @@ if HAVE_HTTPTOOLS:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._head_timer: asyncio.TimerHandle | None = None
+            self._in_body = False  # between a request's head and the end of its body
             self._head_started()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -54,7 +55,11 @@ if HAVE_HTTPTOOLS:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._head_timer is not None and not self.transport.is_closing():
+            if (
+                self._head_timer is not None
+                and not self._in_body
+                and not self.transport.is_closing()
+            ):
                 # Still in a head after the parser took `data` (a head that completed in it
                 # stopped the count): the parser holds at most this much of it.
                 self._head_bytes += len(data)
@@ -63,12 +68,25 @@ if HAVE_HTTPTOOLS:
 
         def on_headers_complete(self) -> None:
             self._head_done()
+            self._in_body = True
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
+            self._maybe_next_head()  # a response sent before the body ended (401, 413)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._head_started()  # the next request's head, on a kept-alive connection
+            self._maybe_next_head()
+
+        def _maybe_next_head(self) -> None:
+            """Time the next request's head once this request is over on both sides: its body
+            read and its response sent, with no pipelined request already running (a re-test
+            found a pipelined request's body counted as a head, and refused with 431)."""
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self._in_body and not self.pipeline and not self.transport.is_closing():
+                self._head_started()
 
         def _head_started(self) -> None:
             self._head_done()

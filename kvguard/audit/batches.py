@@ -35,31 +35,38 @@ class BatchAppender:
     def __init__(self, store: LedgerStore) -> None:
         self._store = store
         self._prepared: dict[int, tuple[Entry, list[PreparedEntry]]] = {}
-        # Where a failed attempt's entries went, read inside its transaction (the head it locked)
-        # and how many: if it committed after all, they are exactly there.
-        self._attempt: tuple[int, int] | None = None
+        # Where a failed attempt's entries went, read inside its transaction (the head it locked),
+        # how many, and which queued entries they were: if it committed after all, they are
+        # exactly there.
+        self._attempt: tuple[int, int, list[Entry]] | None = None
+        # Queued entries found durable after a failed attempt: never appended again, also when
+        # the next attempt (with more entries queued behind them) fails too (found by a re-test:
+        # answer lost, then a failed retry, then one that landed: n0, n0, n1).
+        self._landed: dict[int, Entry] = {}
 
     def __call__(self, entries: Sequence[Entry]) -> None:
-        prepared = [p for entry in entries for p in self._prepare(entry)]
         if self._attempt is not None:
-            landed = self._landed(prepared, *self._attempt)
-            if landed:
+            first, count, tried = self._attempt
+            if self._committed(tried, first, count):
                 _log.warning(
                     "ledger batch committed before its write failed; not appended again",
-                    entries=landed,
+                    entries=count,
                 )
-            prepared = prepared[landed:]
+                self._landed.update((id(entry), entry) for entry in tried)
+            self._attempt = None  # its outcome is known now
+        todo = [e for e in entries if self._landed.get(id(e)) is not e]
+        prepared = [p for entry in todo for p in self._prepare(entry)]
         at: list[int] = []
         try:
             if prepared:
                 self._store.append(prepared, after=lambda _conn, first: at.append(first))
         except BaseException:
             # Before its inserts ran nothing can have committed: no position, nothing to look for.
-            self._attempt = (at[0], len(prepared)) if at else None
+            self._attempt = (at[0], len(prepared), todo) if at else None
             raise
-        self._attempt = None
-        for entry in entries:
+        for entry in entries:  # durable now, and leaving the writer's queue
             self._prepared.pop(id(entry), None)
+            self._landed.pop(id(entry), None)
 
     def _prepare(self, entry: Entry) -> list[PreparedEntry]:
         kept = self._prepared.get(id(entry))
@@ -70,10 +77,11 @@ class BatchAppender:
         self._prepared[id(entry)] = (entry, prepared)  # the entry kept alive: its id stays its own
         return prepared
 
-    def _landed(self, prepared: list[PreparedEntry], first: int, count: int) -> int:
-        """How many of `prepared` (from the first) the failed attempt of `count` entries at index
-        `first` committed: all of it or none (one transaction), found by position, never by a
-        search (a repeat of identical leaf bytes elsewhere in the log is another entry)."""
+    def _committed(self, tried: list[Entry], first: int, count: int) -> bool:
+        """Whether the failed attempt of `count` entries at index `first` (those of `tried`)
+        committed: all of it or none (one transaction), found by position, never by a search (a
+        repeat of identical leaf bytes elsewhere in the log is another entry)."""
+        ours = [p.leaf_hash for entry in tried for p in self._prepare(entry)]
         with self._store.engine.connect() as conn:
             stored = conn.execute(
                 sa.select(t.LedgerEntry.leaf_hash)
@@ -81,5 +89,4 @@ class BatchAppender:
                 .order_by(t.LedgerEntry.idx)
             ).scalars()
             hashes = [bytes(h) for h in stored]
-        ours = [p.leaf_hash for p in prepared[:count]]
-        return count if hashes == ours and len(ours) == count else 0
+        return len(ours) == count and hashes == ours

@@ -109,8 +109,10 @@ def serve_command(
     except (KvguardError, sqlite3.Error, OSError) as exc:
         raise fail(f"cannot open witness state {state}: {exc}", EXIT_USAGE) from None
     witness = Witness(witness_key, logs, witness_state)
+    listened: list[bool] = []
 
     def listening(bound_host: str, bound_port: int) -> None:
+        listened.append(True)
         typer.echo(
             f"witness {witness_key.name} listening on http://{bound_host}:{bound_port} "
             f"for {len(logs)} log(s): {', '.join(sorted(logs))}"
@@ -126,6 +128,12 @@ def serve_command(
     except KeyboardInterrupt:
         pass
     except OSError as exc:
+        if new_state and not listened:
+            # A new witness that never served: its fresh state goes, so that the same command
+            # (with --new-state) can be run again (found by a re-test: it then said "exists").
+            witness_state.close()
+            for leftover in (state, *state.parent.glob(f"{state.name}-*")):
+                leftover.unlink(missing_ok=True)
         raise fail(f"cannot listen on {listen}: {exc}", EXIT_USAGE) from None
     finally:
         witness_state.close()

@@ -250,9 +250,24 @@ class _TrackedHTTP(urllib.request.HTTPHandler):
         return self.do_open(_tracked(http.client.HTTPConnection), req)
 
 
+class _HandshakeAfterConnect(http.client.HTTPSConnection):
+    """`HTTPSConnection` with its TLS handshake run once `sock` is the TLS socket: the standard one
+    shakes hands inside `wrap_socket`, while `sock` is the plain socket that wrapping detaches, so
+    a reaper could not end a witness that never answers the handshake (found by a re-test)."""
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        hostname = getattr(self, "_tunnel_host", None) or self.host
+        context = self._context  # type: ignore[attr-defined]
+        self.sock = context.wrap_socket(
+            self.sock, server_hostname=hostname, do_handshake_on_connect=False
+        )
+        self.sock.do_handshake()
+
+
 class _TrackedHTTPS(urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_tracked(http.client.HTTPSConnection), req, context=self._context)  # type: ignore[attr-defined]
+        return self.do_open(_tracked(_HandshakeAfterConnect), req, context=self._context)  # type: ignore[attr-defined]
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect, _TrackedHTTP, _TrackedHTTPS)

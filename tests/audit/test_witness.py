@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
+import socket
 import sqlite3
 import stat
 import subprocess
@@ -652,6 +653,41 @@ def test_a_witness_without_its_state_file_refuses_to_start(tmp_path: Path, key: 
     base += ["--state", str(state), "--listen", "127.0.0.1:0"]  # both refused before serving
     missing = runner.invoke(app, base)
     assert missing.exit_code == 2 and "--new-state" in missing.output and not state.exists()
+    # A first start that cannot listen leaves no state behind: the same command runs again.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = [*base[:-1], f"127.0.0.1:{taken.getsockname()[1]}", "--new-state"]
+        failed = runner.invoke(app, busy)
+    assert failed.exit_code == 2 and not state.exists(), failed.output
     WitnessState(state).close()  # a witness's state, as a first start with --new-state makes it
     again = runner.invoke(app, [*base, "--new-state"])
     assert again.exit_code == 2 and "exists" in again.output
+
+
+def test_an_https_witness_stuck_in_its_handshake_is_ended_at_the_deadline() -> None:
+    """A witness that accepts the connection and never answers the TLS handshake: its socket is
+    shut at the deadline like a plain one (the standard connection shakes hands inside
+    `wrap_socket`, out of the reaper's reach: the thread lived until its socket timeout)."""
+    import time  # noqa: PLC0415
+
+    from kvguard.audit import witness_client  # noqa: PLC0415
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # accepts (the kernel does) and never says a word
+        endpoint = WitnessEndpoint(
+            f"https://127.0.0.1:{silent.getsockname()[1]}",
+            WitnessKey.generate("witness.tls.example").verifier_key(),
+        )
+
+        def exchange() -> witness_client.WitnessOutcome:
+            witness_client._post(endpoint, b"x", timeout=8)
+            return witness_client.WitnessOutcome(Status.ERROR, "answered")
+
+        started = time.monotonic()
+        outcome = witness_client._within(1.0, {"tls": exchange})
+        assert "no answer within" in outcome["tls"].reason
+        while any(t.name.startswith("kvguard-witness") for t in threading.enumerate()):
+            assert time.monotonic() - started < 4, "the exchange lived on past its deadline"
+            time.sleep(0.05)

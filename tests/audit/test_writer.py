@@ -286,10 +286,19 @@ def test_a_repeated_identical_entry_is_never_taken_for_one_that_landed(db_url: s
             with pytest.raises(sa.exc.OperationalError):
                 appender([event])
             appender([event])
+        # Answer lost, then the retry (more queued behind it) fails too, then one lands: each
+        # entry once (a re-test found n0 appended twice: the landed one was retried again).
+        e0, e1 = make_event(0), make_event(1)
+        plan += ["lost", "fail"]
+        with pytest.raises(sa.exc.OperationalError):
+            appender([e0])
+        with pytest.raises(sa.exc.OperationalError):
+            appender([e0, e1])
+        appender([e0, e1])
     finally:
         dialect.do_commit = real_commit  # type: ignore[method-assign]
     with engine.connect() as conn:
         leaves = conn.execute(sa.text("SELECT leaf FROM ledger_entries ORDER BY idx")).scalars()
         notes = [json.loads(bytes(leaf))["details"]["note"] for leaf in leaves]
     engine.dispose()
-    assert notes == ["n7", "n7"]
+    assert notes == ["n7", "n7", "n0", "n1"]

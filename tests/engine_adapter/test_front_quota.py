@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -256,3 +257,25 @@ async def test_chat_fields_count_their_json_text_and_sampling_options_nothing() 
         deep = [deep]
     counted = (await prompt_tokens(scope, {"messages": messages, "documents": deep}))[0]
     assert counted[0] > 100_000
+
+
+@pytest.mark.anyio
+async def test_media_settings_reach_the_tokenizer_that_counts_the_prompt() -> None:
+    """`mm_processor_kwargs` and `media_io_kwargs` decide how many tokens media become (a video's
+    frames, an image's size): the count was made at vLLM's defaults (found by a re-test)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    seen: list[Any] = []
+
+    class Serving:
+        async def create_tokenize(self, request: Any, raw: Any) -> Any:
+            seen.append(request)
+            return SimpleNamespace(count=5)
+
+    app = SimpleNamespace(state=SimpleNamespace(serving_tokenization=Serving(), vllm_config=None))
+    scope = {"path": "/v1/chat/completions", "app": app, "type": "http", "headers": []}
+    media = {"mm_processor_kwargs": {"max_pixels": 10**6}, "media_io_kwargs": {"video": {"n": 8}}}
+    doc = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **media}
+    assert (await prompt_tokens(scope, doc))[0] == (5,)
+    assert seen[-1].mm_processor_kwargs == media["mm_processor_kwargs"]
+    assert seen[-1].media_io_kwargs == media["media_io_kwargs"]

@@ -54,6 +54,10 @@ _CHAT_FIELDS: Final = (
     "chat_template",
     "chat_template_kwargs",
     "tools",
+    # How media become prompt tokens (frames of a video, image sizes): tokenized with the
+    # request's own settings, not the defaults (a re-test found them counted at defaults).
+    "mm_processor_kwargs",
+    "media_io_kwargs",
 )
 # Chat body fields vLLM reads only as sampling or serving options, never rendered into the prompt:
 # they count nothing, whatever their value (a re-test found `stop` lists and `stream_options`,
@@ -74,7 +78,7 @@ _NOT_RENDERED: Final = frozenset(
         "include_reasoning", "stream_interval", "return_tokens_as_token_ids", "return_token_ids",
         "stop", "stop_token_ids", "stream_options", "logit_bias", "bad_words",
         "allowed_token_ids", "structured_outputs", "vllm_xargs", "kv_transfer_params",
-        "mm_processor_kwargs", "media_io_kwargs", "logits_processors",
+        "logits_processors",
     }
 )  # fmt: skip
 _RESPONSES_NOT_RENDERED: Final = _NOT_RENDERED | {
