@@ -95,6 +95,9 @@ def test_purge_command_is_queued_and_usage_errors_exit_2(tmp_path) -> None:
     assert (
         runner.invoke(app, ["purge", "--db", url, "--model", "m", "--adapter", "a"]).exit_code == 2
     )
+    from tests.test_cli_conventions import _live_engine  # noqa: PLC0415
+
+    _live_engine(url)  # one engine live, and it never answers
     result = runner.invoke(app, ["purge", "--db", url, "--tenant", "acme", "--wait", "0.3"])
     assert result.exit_code == 1 and "no engine acknowledged" in result.output
 
@@ -108,7 +111,13 @@ def test_verifier_key_prints_what_signing_key_printed(tmp_path) -> None:
     assert shown.output.startswith("log.example+") and "PRIVATE" not in shown.output
     assert runner.invoke(app, ["keys", "verifier-key", str(tmp_path / "none.key")]).exit_code == 2
     key_file.chmod(0o644)  # a secret readable by others is refused, not used
-    assert runner.invoke(app, ["keys", "verifier-key", str(key_file)]).exit_code == 2
+    refused = runner.invoke(app, ["keys", "verifier-key", str(key_file)])
+    assert refused.exit_code == 2 and "witness" not in refused.output  # the file's problem named
+    # A witness's key prints its verifier key too (it said "not an Ed25519 signing key").
+    witness_file = tmp_path / "w.key"
+    made = runner.invoke(app, ["keys", "witness-key", "w.example", "--out", str(witness_file)])
+    shown = runner.invoke(app, ["keys", "verifier-key", str(witness_file)])
+    assert shown.exit_code == 0 and shown.output == made.output, shown.output
 
 
 def test_demo_without_vllm_says_how_to_install_it(monkeypatch) -> None:

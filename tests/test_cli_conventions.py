@@ -150,8 +150,23 @@ def test_purge_reports_json(tmp_path: Path) -> None:
     assert queued == {
         "acks": [],
         "command_id": 1,
+        "live_engines": 0,
         "selector": {"kind": "tenant", "tenant_id": None, "value": "acme"},
     }
+
+
+def _live_engine(url: str) -> None:
+    """An engine registered on `url` and live now (it never acknowledges anything)."""
+    import time  # noqa: PLC0415
+
+    from kvguard.control.db import open_engine  # noqa: PLC0415
+    from kvguard.control.engines import EngineRegistry  # noqa: PLC0415
+
+    engine = open_engine(url)
+    EngineRegistry(engine).register(
+        "engine-1", model="tiny", block_size=32, num_blocks=64, now=time.time()
+    )
+    engine.dispose()
 
 
 def test_db_commands_report_json(tmp_path: Path) -> None:
@@ -454,9 +469,35 @@ def test_unknown_keys_and_tenants_exit_1(tmp_path: Path) -> None:
 
 def test_an_unacknowledged_purge_exits_1(tmp_path: Path) -> None:
     url = sqlite_with_tenants(tmp_path / "c.db", "acme")
+    _live_engine(url)
     args = ["purge", "--db", url, "--tenant", "acme", "--wait", "0.3"]
     failed = failed_json(args, 1)
-    assert failed["command_id"] == 1 and failed["acks"] == []
+    assert failed["command_id"] == 1 and failed["acks"] == [] and failed["live_engines"] == 1
+
+
+def test_a_purge_with_no_live_engine_waits_for_none(tmp_path: Path) -> None:
+    """With no engine live none holds the blocks (an engine's cache dies with it) and none would
+    acknowledge: `--wait` ended in "no engine acknowledged", exit 1, for a job the API shows done
+    (found by a docs review). Exit 0 at once, saying so."""
+    url = sqlite_with_tenants(tmp_path / "c.db", "acme")
+    args = ["purge", "--db", url, "--tenant", "acme", "--wait", "30", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "no engine was live" in result.stderr
+    assert _stdout_object(result)["live_engines"] == 0
+
+
+def test_purge_uses_the_embedded_database_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As every other command: no --db means the SQLite file under KVGUARD_DATA_DIR (it said
+    "Missing option '--db'"); one that does not exist is refused, nothing made."""
+    monkeypatch.delenv("KVGUARD_DB_URL", raising=False)
+    monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
+    missing = failed_json(["purge", "--tenant", "acme"], 2)
+    assert "does not exist" in missing["error"] and not (tmp_path / "kvguard.db").exists()
+    sqlite_with_tenants(tmp_path / "kvguard.db", "acme")
+    assert ok_json(["purge", "--tenant", "acme"])["command_id"] == 1
 
 
 def test_exit_code_table_is_one_function() -> None:

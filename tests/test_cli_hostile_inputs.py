@@ -273,13 +273,19 @@ def test_F11_ctrl_c_while_waiting_still_reports_the_queued_purge(
 
     monkeypatch.setattr("kvguard.control.cli.time.sleep", interrupted)
     db = tmp_path / "c.db"
-    args = ["purge", "--db", sqlite_with_tenants(db, "acme"), "--tenant", "acme", "--wait", "5"]
-    args.append("--json")
+    url = sqlite_with_tenants(db, "acme")
+    from tests.test_cli_conventions import _live_engine  # noqa: PLC0415
+
+    _live_engine(url)  # something to wait for
+    args = ["purge", "--db", url, "--tenant", "acme", "--wait", "5", "--json"]
     result = runner.invoke(app, args)
     assert _commands(db) == 1  # it was queued
-    assert result.exit_code != 0
+    assert result.exit_code == 130
     obj = json.loads(result.stdout)  # --json: stdout is one JSON object, also here
-    assert obj["command_id"] == 1
+    assert obj["command_id"] == 1 and obj["interrupted"] is True
+    # As every failing command's object: the error and the exit code (docs/cli.md), and the
+    # selector of a queued purge (found by a docs review).
+    assert obj["exit_code"] == 130 and obj["error"] and obj["selector"]["value"] == "acme"
 
 
 # --- F12: a malformed KVGUARD_* setting --------------------------------------------------------

@@ -21,13 +21,14 @@ import typer
 
 from kvguard.audit import note
 from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.cosign import WitnessKey
 from kvguard.audit.notekey import NoteKey
 from kvguard.audit.signing import SigningKey
 from kvguard.audit.verify_cli import verify_command
 from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint
 from kvguard.audit.witness_client import Status as WitnessStatus
 from kvguard.cli_output import EXIT_INVALID, EXIT_USAGE, JsonOpt, emit, fail, progress, reporting
-from kvguard.errors import VerificationError
+from kvguard.errors import ConfigError, SecretFileError, VerificationError
 from kvguard.secretfile import write_private_file
 
 if TYPE_CHECKING:
@@ -435,14 +436,31 @@ def create_note_key(
 
 def verifier_key_command(
     key_file: Annotated[
-        Path, typer.Argument(help="A signing key file (`kvguard keys signing-key`)")
+        Path,
+        typer.Argument(
+            help="A signing key file (`kvguard keys signing-key`) or a witness key file "
+            "(`kvguard keys witness-key`)"
+        ),
     ],
     json_output: JsonOpt = False,
 ) -> None:
-    """Print the verifier key of a signing key: what auditors pass to `kvguard verify --key`.
+    """Print the verifier key of a signing key (what auditors pass to `kvguard verify --key`) or of
+    a witness key (what a log and auditors name the witness by).
 
-    Exit 0 ok; 2 the file is missing, not 0600 or not a signing key."""
+    Exit 0 ok; 2 the file is missing, not 0600 or not a signing or witness key."""
     with reporting(json_output, usage=(ValueError,)):
-        key = SigningKey.load(key_file)
+        key: SigningKey | WitnessKey
+        try:
+            key = SigningKey.load(key_file)
+        except SecretFileError:
+            raise  # missing, or readable by others: that is the answer, whatever the key
+        except ConfigError:
+            try:  # a witness's key (it refused with "not a signing key (type 0x01)": a review)
+                key = WitnessKey.load(key_file)
+            except ConfigError:
+                raise ConfigError(
+                    f"{key_file}: neither a signing key (`kvguard keys signing-key`) nor a "
+                    "witness key (`kvguard keys witness-key`)"
+                ) from None
     result = {"name": key.name, "path": key_file, "verifier_key": key.verifier_key()}
     emit(result, json_output, key.verifier_key())

@@ -87,7 +87,7 @@ def _submit_recorded_purge(
     by: str,
     *,
     tenant_tag: Callable[[str], str] | None = None,
-) -> int:
+) -> tuple[int, int]:
     """Queue the purge and its `purge.create` ledger entry in one transaction (through the outbox:
     the admin API, or the next `kvguard audit checkpoint` / `export`, delivers it).
 
@@ -95,7 +95,7 @@ def _submit_recorded_purge(
     (`kvguard.audit.certificate`): the requester as the job names it (`cli:<by>`), the engines
     live now (`engines_expected`), a model's or adapter's value digest, and the tenant's `tt_`
     tag (`tenant_tag`: the salt keyring's; without it a tenant or session purge's certificate
-    cannot verify)."""
+    cannot verify). Returns the command id and how many engines were live."""
     from kvguard.audit.certificate import recorded_value  # noqa: PLC0415
     from kvguard.control.engines import (  # noqa: PLC0415
         LIVE_MAX_AGE_S,
@@ -115,7 +115,7 @@ def _submit_recorded_purge(
     now = time.time()
     engines = EngineRegistry(queue.engine).engines()
     expected = len(expected_engines(engines, now, LIVE_MAX_AGE_S))
-    return int(
+    command_id = int(
         record_operator_change(
             queue.engine,
             lambda conn: queue.submit_purge(
@@ -133,6 +133,7 @@ def _submit_recorded_purge(
             ),
         )
     )
+    return command_id, expected
 
 
 def _tenant_tagger() -> Callable[[str], str] | None:
@@ -203,7 +204,7 @@ def _wait_for_acks(queue: CommandQueue, command_id: int, wait: float) -> list[di
 
 
 def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
-    db: Annotated[str, typer.Option(envvar="KVGUARD_DB_URL", help="Database the engines poll.")],
+    db: TenantDbOption = None,
     tenant: Annotated[
         str | None, typer.Option(help="Purge this tenant (or the session's tenant).")
     ] = None,
@@ -220,8 +221,8 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
 ) -> None:
     """Queue a purge for every engine on the database; cached blocks are quarantined and zeroized.
 
-    Exit 0 queued (with --wait: and acknowledged); 1 no engine acknowledged within --wait; 2 usage
-    or environment (selector options, database)."""
+    Exit 0 queued (with --wait: and acknowledged, or no engine was live to hold the blocks); 1 no
+    engine acknowledged within --wait; 2 usage or environment (selector options, database)."""
     from kvguard.control.commands import CommandQueue  # noqa: PLC0415
 
     chosen = [
@@ -230,12 +231,12 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     selector = _selector(tenant, chosen, json_output)
     if not 0 <= wait <= MAX_WAIT_S:  # checked before anything is queued (NaN too)
         raise fail(f"--wait must be 0 to {MAX_WAIT_S:g} seconds", EXIT_USAGE, json_output)
+    # The database the engines poll (the embedded default, as every command), never a new one at
+    # a mistyped path (a purge queued there reaches no engine and exited 0: found by a review).
+    db = _resolved(db, json_output)
     with reporting(json_output, db_url=db):
         # Only a tenant or session purge's entry names a tenant (by its tag).
         tagger = _tenant_tagger() if selector.kind.value in ("tenant", "session") else None
-        # The database the engines poll, never a new one at a mistyped path (a purge queued there
-        # reaches no engine and exited 0: found by a review).
-        _require_existing(db)
         queue = CommandQueue.open(db)
         named = selector.value if selector.kind.value == "tenant" else selector.tenant_id
         if named is not None:
@@ -243,26 +244,36 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
             from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
 
             TenantRegistry(queue.engine).require(named)
-        command_id = _submit_recorded_purge(queue, selector, by, tenant_tag=tagger)
+        command_id, live = _submit_recorded_purge(queue, selector, by, tenant_tag=tagger)
         if tagger is None and selector.kind.value in ("tenant", "session"):
             typer.echo(NO_TENANT_TAG, err=True)
+        result: dict[str, Any] = {
+            "command_id": command_id,
+            "selector": {
+                "kind": selector.kind.value,
+                "value": selector.value,
+                "tenant_id": selector.tenant_id,
+            },
+            "acks": [],
+            "live_engines": live,
+        }
         try:
-            acks = _wait_for_acks(queue, command_id, wait)
+            # No engine live: none holds the blocks (an engine's cache dies with it), and none
+            # would ever acknowledge: waiting only ended in "no engine acknowledged", exit 1.
+            result["acks"] = _wait_for_acks(queue, command_id, wait) if live else []
         except KeyboardInterrupt:
             # The purge is committed: say so, or a retry would queue a second one.
-            queued = {"command_id": command_id, "acks": [], "interrupted": True}
-            emit(queued, json_output, f"purge command {command_id} queued (wait interrupted)")
+            error = "interrupted while waiting for acknowledgements; the purge is queued"
+            result.update(interrupted=True, error=error, exit_code=130)
+            emit(result, json_output, f"purge command {command_id} queued (wait interrupted)")
             raise typer.Exit(130) from None
-    result = {
-        "command_id": command_id,
-        "selector": {
-            "kind": selector.kind.value,
-            "value": selector.value,
-            "tenant_id": selector.tenant_id,
-        },
-        "acks": acks,
-    }
-    if wait and not acks:
+    acks = result["acks"]
+    if wait and not live:
+        typer.echo(
+            f"purge command {command_id} queued; no engine was live, so none held these blocks",
+            err=True,
+        )
+    elif wait and not acks:
         message = "no engine acknowledged the purge yet (engines poll when they are busy)"
         if not json_output:
             typer.echo(f"purge command {command_id} queued")

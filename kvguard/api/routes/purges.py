@@ -195,6 +195,9 @@ def _check_verifies(services: Services, job_id: int, document: dict[str, Any]) -
         verify_certificate(document, keys, origin=ledger.origin)
     except VerificationError as exc:
         _log.error("erasure certificate does not verify; not served", job_id=job_id, error=str(exc))
+        # Not "yet": a certificate that fails here fails on every call (a purge queued by
+        # `kvguard purge` without the salt keyring, whose entry names no tenant tag, say).
         raise ConflictError(
-            f"purge job {job_id}: its certificate does not verify against the ledger yet ({exc})"
+            f"purge job {job_id}: its certificate does not verify against the ledger ({exc}); "
+            "no certificate is issued for it"
         ) from None
