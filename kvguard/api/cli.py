@@ -296,7 +296,7 @@ def create_key_command(
     Exit 0 ok; 1 --tenant names no registered tenant; 2 usage or environment (role, --tenant,
     database: a `--db` SQLite file that does not exist is refused, not created)."""
     from kvguard.api.auth import Role  # noqa: PLC0415
-    from kvguard.control.cli import resolve_db_url  # noqa: PLC0415
+    from kvguard.control.cli import resolve_db_url, tenant_tagger  # noqa: PLC0415
     from kvguard.control.outbox import operator_event, record_operator_change  # noqa: PLC0415
     from kvguard.control.tenants import TenantRegistry  # noqa: PLC0415
 
@@ -311,6 +311,9 @@ def create_key_command(
         url = resolve_db_url(db, existing=db is not None)
     with reporting(json_output, db_url=url):
         keys = _open_keys(url)
+        # A tenant_admin key's entry names its tenant's tag where this process has the salt
+        # keyring, so that it is in the tenant's own ledger view, as the API's is.
+        tagger = tenant_tagger() if tenant is not None else None
 
         def create(conn: sa.Connection) -> IssuedApiKey:
             if tenant is not None and chosen is Role.TENANT_ADMIN:
@@ -325,6 +328,7 @@ def create_key_command(
             lambda i: operator_event(
                 "api_key.create",
                 tenant_id=tenant,
+                scope_tag=tagger(tenant) if tagger and tenant else None,
                 key_id=i.principal.key_id,
                 granted_role=chosen.value,
             ),

@@ -136,7 +136,7 @@ def _submit_recorded_purge(
     return command_id, expected
 
 
-def _tenant_tagger() -> Callable[[str], str] | None:
+def tenant_tagger() -> Callable[[str], str] | None:
     """The tenant-tag function of this process's salt keyring (`KVGUARD_SALT_KEYRING_FILE`,
     `KVGUARD_SALT_KEY`, or in dev mode the one under `KVGUARD_DATA_DIR`, never generated here),
     or None when it has none. A keyring that is configured but unreadable is a ConfigError."""
@@ -236,7 +236,7 @@ def purge(  # noqa: PLR0917 (typer maps each parameter to one option)
     db = _resolved(db, json_output)
     with reporting(json_output, db_url=db):
         # Only a tenant or session purge's entry names a tenant (by its tag).
-        tagger = _tenant_tagger() if selector.kind.value in ("tenant", "session") else None
+        tagger = tenant_tagger() if selector.kind.value in ("tenant", "session") else None
         queue = CommandQueue.open(db)
         named = selector.value if selector.kind.value == "tenant" else selector.tenant_id
         if named is not None:
@@ -308,11 +308,19 @@ def tenant_key_create(
 
     url = _resolved(db, json_output)
     with reporting(json_output, db_url=url):
+        # The tenant's tag where this process has the salt keyring: the entry is then in the
+        # tenant's own ledger view, as the API's is (it was in admins' and auditors' only).
+        tagger = tenant_tagger()
         keys = _tenant_keys(url)
         issued = record_operator_change(
             keys.engine,
             lambda conn: keys.issue(tenant, conn=conn),
-            lambda i: operator_event("inference_key.create", tenant_id=tenant, key_id=i.key_id),
+            lambda i: operator_event(
+                "inference_key.create",
+                tenant_id=tenant,
+                scope_tag=tagger(tenant) if tagger else None,
+                key_id=i.key_id,
+            ),
         )
     human = f"key id {issued.key_id} for tenant {issued.tenant_id} (store it now, it is not kept):"
     result = {
@@ -336,6 +344,7 @@ def tenant_key_revoke(
 
     url = _resolved(db, json_output)
     with reporting(json_output, db_url=url):
+        tagger = tenant_tagger()  # as for `tenant-key create`
         keys = _tenant_keys(url)
         info, revoked_now = record_operator_change(
             keys.engine,
@@ -343,6 +352,7 @@ def tenant_key_revoke(
             lambda done: operator_event(
                 "inference_key.revoke",
                 tenant_id=done[0].tenant_id,
+                scope_tag=tagger(done[0].tenant_id) if tagger else None,
                 key_id=key_id,
                 already_revoked=not done[1],  # a repeat revokes nothing
             ),

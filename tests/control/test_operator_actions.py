@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
@@ -75,3 +76,34 @@ def test_cli_changes_reach_the_ledger_with_their_entries(tmp_path: Path) -> None
     finally:
         services.close()
         engine.dispose()
+
+
+def test_cli_key_changes_name_the_tenant_tag_where_the_keyring_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the salt keyring (as `kvguard purge` uses it) a key change about a tenant names the
+    tenant's `tt_` tag, so that it is in the tenant's own ledger view as the API's change is
+    (the CLI's had none: the tenant_admin's export left out keys its key listing showed)."""
+    from kvguard.isolation.keyring import Keyring  # noqa: PLC0415
+    from kvguard.isolation.salts import SaltDeriver  # noqa: PLC0415
+
+    keyring = Keyring.generate()
+    keyring.save(tmp_path / "salt.keys")
+    monkeypatch.setenv("KVGUARD_SALT_KEYRING_FILE", str(tmp_path / "salt.keys"))
+    tag = SaltDeriver(keyring).tenant_tag("acme")
+    url = f"sqlite:///{tmp_path / 'kvguard.db'}"
+    TenantRegistry(open_engine(url)).create("acme", display_name="Acme", created_by="test")
+    runner = CliRunner()
+    made = runner.invoke(app, ["keys", "tenant-key", "create", "acme", "--db", url])
+    key_id = re.search(r"key id ([0-9a-f]{12})", made.output).group(1)  # type: ignore[union-attr]
+    for args in (
+        ["keys", "tenant-key", "revoke", key_id, "--db", url],
+        ["keys", "create", "--role", "tenant_admin", "--tenant", "acme", "--db", url],
+        ["keys", "create", "--role", "auditor", "--db", url],
+    ):
+        assert runner.invoke(app, args).exit_code == 0
+    engine = open_engine(url)
+    with engine.connect() as conn:
+        events = [json.loads(e) for e in conn.execute(sa.select(OutboxRow.event)).scalars()]
+    engine.dispose()
+    assert [e.get("scope_tag") for e in events] == [tag, tag, tag, None]
