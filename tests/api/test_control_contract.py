@@ -463,10 +463,11 @@ def _ledger_down(*_a: Any, **_k: Any) -> tuple[int, int]:
 
 
 def _append_except_outbox(real: Callable[..., tuple[int, int]]) -> Callable[..., tuple[int, int]]:
-    """The engine's entries go through; the API's outbox drain (the `after` hook) still fails."""
+    """The engine's entries go through; the API's outbox drain (its `Claim`, which is not a
+    plain collect function) still fails."""
 
     def append_collected(collect: Any, after: Any = None) -> tuple[int, int]:
-        if after is not None:
+        if not callable(collect):
             raise LedgerUnavailableError("ledger down for the API")
         return real(collect, after)
 

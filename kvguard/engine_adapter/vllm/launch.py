@@ -107,11 +107,13 @@ def refuse_owned_options(vllm_argv: list[str], model: str = "model") -> Namespac
     kvguard owns that they set. Judged on what vLLM's parser made of them against what it makes of
     none, not on their spelling: the parser also takes `--api_key` or an abbreviation such as
     `--enable-log-req`."""
-    import vllm.envs  # noqa: PLC0415
     from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: PLC0415
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
 
-    if vllm.envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+    # Read as vLLM reads it (`vllm.envs`), from the environment itself: `vllm.envs` may cache a
+    # value read earlier in this process.
+    runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    if runtime_lora in ("1", "true"):
         # An adapter a resolver plugin loads while a request is handled is known to vLLM only
         # after kvguard's front door chose the request's scope (without it): its blocks would be
         # shared with the base model's and missed by a purge of the adapter (found by a review).
