@@ -222,6 +222,16 @@ STDLIB_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "alembic", "sqla
 _QUIET = frozenset({"sqlalchemy", "asyncio", "alembic"})
 
 
+def _drop_terminal_copies(
+    _logger: Any, _name: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """uvicorn adds each message again as `color_message`, with ANSI colour codes for a
+    terminal: in a JSON line those are escape sequences a log viewer shows or interprets (found
+    by a docs walk-through)."""
+    event.pop("color_message", None)
+    return event
+
+
 def capture_stdlib_logging(names: Iterable[str] = STDLIB_LOGGERS) -> None:
     """Route the standard-library loggers a kvguard server process runs (uvicorn's, Alembic's,
     SQLAlchemy's) through the same redaction and renderer as kvguard's own lines: JSON off a TTY,
@@ -243,6 +253,7 @@ def capture_stdlib_logging(names: Iterable[str] = STDLIB_LOGGERS) -> None:
             _component_from_logger,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.stdlib.ExtraAdder(),
+            _drop_terminal_copies,
         ],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,

@@ -72,5 +72,7 @@ def test_server_log_lines_are_json_redacted_with_uvicorns_and_access_lines(
         ("/v1/tenants/{tenant_id}", 404),
     }
     assert all(line.get("timestamp", "").endswith("Z") for line in lines)
+    # uvicorn's `color_message` (its message again, with ANSI colour codes) is left out.
+    assert not any("color_message" in line for line in lines) and "\x1b[" not in text
     secret = admin[-43:]  # kvg_adm_<key id>_<43-character secret>
     assert admin not in text and secret not in text and wrong not in text
