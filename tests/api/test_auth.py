@@ -28,9 +28,8 @@ def test_keys_are_stored_only_as_keyed_hashes(env: ApiEnv) -> None:
     assert len(row.secret_hash) == 32 and row.secret_scrypt is None and row.role == "auditor"
 
 
-def test_a_0_1_0_scrypt_key_still_authenticates_and_is_migrated(env: ApiEnv) -> None:
-    """Keys issued by kvguard 0.1.0 carry only an scrypt hash: the first good check stores the
-    HMAC and drops the scrypt hash; a wrong secret changes nothing."""
+def _legacy_key(env: ApiEnv, role: str, revoked_at: float | None = None) -> tuple[str, str, bytes]:
+    """A key row as kvguard 0.1.0 stored it (an scrypt hash only): its id, secret and hash."""
     key_id, secret, salt = secrets.token_hex(6), secrets.token_urlsafe(32), secrets.token_bytes(16)
     scrypt = hashlib.scrypt(
         secret.encode(), salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32
@@ -38,16 +37,17 @@ def test_a_0_1_0_scrypt_key_still_authenticates_and_is_migrated(env: ApiEnv) -> 
     with env.services.db.begin() as conn:
         conn.execute(
             sa.insert(AdminKeyRow).values(
-                key_id=key_id,
-                salt=salt,
-                secret_scrypt=scrypt,
-                secret_hash=None,
-                role="auditor",
-                tenant_id=None,
-                label="0.1.0",
-                created_at=0.0,
+                key_id=key_id, salt=salt, secret_scrypt=scrypt, secret_hash=None, role=role,
+                tenant_id=None, label="0.1.0", created_at=0.0, revoked_at=revoked_at,
             )
-        )
+        )  # fmt: skip
+    return key_id, secret, scrypt
+
+
+def test_a_0_1_0_scrypt_key_still_authenticates_and_is_migrated(env: ApiEnv) -> None:
+    """Keys issued by kvguard 0.1.0 carry only an scrypt hash: the first good check stores the
+    HMAC and drops the scrypt hash; a wrong secret changes nothing."""
+    key_id, secret, scrypt = _legacy_key(env, "auditor")
     keys: ApiKeys = env.services.keys
     api_key = f"kvg_adm_{key_id}_{secret}"
     assert keys.authenticate(api_key[:-1] + ("A" if api_key[-1] != "A" else "B")) is None
@@ -70,17 +70,7 @@ def test_a_revoked_0_1_0_key_costs_no_scrypt_check(env: ApiEnv, monkeypatch) -> 
     guesses a second took valid requests from 1 ms to 535 ms). Refused with the ordinary work."""
     import kvguard.control.keys as keys_module  # noqa: PLC0415
 
-    key_id, secret, salt = secrets.token_hex(6), secrets.token_urlsafe(32), secrets.token_bytes(16)
-    scrypt = hashlib.scrypt(
-        secret.encode(), salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32
-    )
-    with env.services.db.begin() as conn:
-        conn.execute(
-            sa.insert(AdminKeyRow).values(
-                key_id=key_id, salt=salt, secret_scrypt=scrypt, secret_hash=None, role="admin",
-                tenant_id=None, label="0.1.0", created_at=0.0, revoked_at=1.0,
-            )
-        )  # fmt: skip
+    key_id, secret, _scrypt_hash = _legacy_key(env, "admin", revoked_at=1.0)
     calls: list[str] = []
     real = keys_module._scrypt
     monkeypatch.setattr(keys_module, "_scrypt", lambda *a: calls.append("scrypt") or real(*a))
