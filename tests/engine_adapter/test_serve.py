@@ -35,6 +35,11 @@ class Downstream:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+# The engine every middleware here stands in front of: its model and cache config.
+TINY_ENGINE: dict = {
+    "model": ModelRef(id="tiny", revision="1"),
+    "cache": CacheConfig(kv_dtype="auto", block_size=32),
+}
 PG_URL = os.environ.get("KVGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -78,8 +83,7 @@ def setup(tenant_keys):
         keys=keys,
         deriver=deriver,
         policies=policies,
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
     return keys, deriver, downstream, client
@@ -93,8 +97,7 @@ def _served(keys: TenantKeys, policies: PolicySet) -> tuple[Downstream, httpx.As
         keys=keys,
         deriver=SaltDeriver(Keyring.generate()),
         policies=policies,
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvguard")
     return downstream, client
@@ -205,8 +208,7 @@ async def test_client_disconnect_reaches_the_app_after_the_body(setup) -> None:
         keys=keys,
         deriver=SaltDeriver(Keyring.generate()),
         policies=PolicySet(),
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     body = json.dumps({"prompt": [1, 2]}).encode()
     incoming = [
@@ -277,8 +279,7 @@ def test_envelope_survives_vllms_openai_protocol(setup) -> None:
         keys=setup[0],
         deriver=deriver,
         policies=PolicySet(),
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     scope = app._scope("acme", TENANT_UNIT)
     body = json.loads(app._rewrite({"model": "tiny", "prompt": [1, 2]}, Envelope(scope, True)))
@@ -311,8 +312,7 @@ async def test_disabled_in_the_policy_store_is_403_within_a_refresh(tmp_path, mo
         policies=PolicySet(
             tenants={"acme": TenantPolicy(enabled=False)}
         ),  # until the store has one
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
         policy_store=store,
         clock=clock,
     )
@@ -351,8 +351,7 @@ async def test_a_request_that_can_never_fit_the_quota_is_a_clear_400(tenant_keys
         keys=tenant_keys,
         deriver=SaltDeriver(Keyring.generate()),
         policies=PolicySet.model_validate({"tenants": {"acme": {"quota": {"max_blocks": 4}}}}),
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k")
     key = tenant_keys.issue("acme").api_key
@@ -529,8 +528,7 @@ async def test_routes_behind_a_root_path_are_classified_as_the_router_dispatches
         keys=tenant_keys,
         deriver=SaltDeriver(Keyring.generate()),
         policies=PolicySet(),
-        model=ModelRef(id="tiny", revision="1"),
-        cache=CacheConfig(kv_dtype="auto", block_size=32),
+        **TINY_ENGINE,
     )
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://kvguard")
     key = {"authorization": f"Bearer {tenant_keys.issue('acme').api_key}"}
