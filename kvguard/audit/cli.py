@@ -255,17 +255,25 @@ def checkpoint_command(  # noqa: PLR0917 - Typer maps each parameter to one CLI 
     _finish_cosigned(result, outcome, needed, json_output, signed)
 
 
-def _witnesses_needed(witness: list[str] | None, min_witnesses: int | None, json: bool) -> int:
+def _witnesses_needed(
+    witness: list[str] | None, min_witnesses: int | None, json_output: bool
+) -> int:
     """The cosignatures a command needs for exit 0: `--min-witnesses`, by default every
     `--witness` given; more than were given is a usage error."""
     needed = len(witness or []) if min_witnesses is None else min_witnesses
     if needed > len(witness or []):
-        raise fail(f"--min-witnesses {needed} needs at least that many --witness", EXIT_USAGE, json)
+        raise fail(
+            f"--min-witnesses {needed} needs at least that many --witness", EXIT_USAGE, json_output
+        )
     return needed
 
 
 def _finish_cosigned(
-    result: dict[str, Any], outcome: CosignOutcome | None, needed: int, json: bool, human: str
+    result: dict[str, Any],
+    outcome: CosignOutcome | None,
+    needed: int,
+    json_output: bool,
+    human: str,
 ) -> None:
     """Print `result` with each witness's outcome, and exit 1 when fewer than `needed` cosigned:
     what was signed (or exported) stands all the same, and the exit says the cosignatures asked
@@ -280,7 +288,7 @@ def _finish_cosigned(
     short = len(cosigned) < needed
     if short:
         result.update(error=error, exit_code=EXIT_INVALID)
-    emit(result, json, human)
+    emit(result, json_output, human)
     if short:
         for name, got in sorted(outcomes.items()):
             if got.status is not WitnessStatus.OK:
