@@ -220,6 +220,21 @@ class Custody:
     def has_pending_plan(self) -> bool:
         return bool(self._pending_release or self._pending_handover)
 
+    @property
+    def settled(self) -> bool:
+        """Nothing for the adapter to take: no plan, event, engine eviction, cache age, newly
+        pending block or doomed hash (O(1): the adapter's check for a step with nothing to do)."""
+        return not (
+            self._pending_release
+            or self._pending_handover
+            or self._events
+            or self._evicted
+            or self._cache_ages
+            or self._new_pending
+            or self._unhash
+            or self._doomed_requests
+        )
+
     def requeue(self, block_ids: Iterable[int]) -> None:
         """Zeroization of these blocks failed: plan them again (quarantined ones stay out of the pool)."""
         for bid in self.current_release_results(block_ids):

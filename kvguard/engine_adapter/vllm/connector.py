@@ -134,6 +134,8 @@ class KVGuardConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         self._worker_pending = meta.pending if isinstance(meta, GuardWorkerMeta) else 0
+        if meta is None and self._sched.tier is None:
+            return  # most steps: the worker cleared nothing and has nothing on its way
         with self._sched.timer.phase("worker_output"):
             self._sched.on_worker_output(meta)
 
