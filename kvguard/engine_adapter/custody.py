@@ -347,12 +347,38 @@ class Custody:
         forward pass writes into them (G3); they are also queued in the step plan.
         """
         req = self._request(request_id)
-        rid = RequestId(request_id)
-        blocks, scope = self._blocks, req.scope
         fresh = self._ids(block_ids)
         self._check_allocatable(fresh)
+        return tuple(self._grant(req, request_id, fresh, now, start))
+
+    def allocate_many(self, grants: Sequence[tuple[str, list[int]]], now: float) -> list[int]:
+        """`allocate` for several requests at once, each getting blocks after those custody has
+        seen it get (a decode step: every running request that crossed a block boundary gets
+        one). Checked whole before anything changes: on a CustodyError custody is as it was, so
+        the caller can go request by request and repair the one at fault. Returns the blocks
+        that need a handover clear."""
+        reqs = [self._request(rid) for rid, _ in grants]
+        fresh = self._ids([b for _, ids in grants for b in ids])
+        self._check_allocatable(fresh)
+        handover: list[int] = []
+        at = 0
+        for (rid, ids), req in zip(grants, reqs, strict=True):
+            handover += self._grant(req, rid, fresh[at : at + len(ids)], now, None)
+            at += len(ids)
+        return handover
+
+    def _grant(
+        self, req: _Request, request_id: str, fresh: list[BlockId], now: float, start: int | None
+    ) -> list[BlockId]:
+        """Give checked blocks (`_check_allocatable`) to a request; its handover clears."""
+        rid = RequestId(request_id)
+        blocks, scope = self._blocks, req.scope
         handover: list[BlockId] = []
-        first = len(dict.fromkeys(req.blocks)) if start is None else start
+        # The block-table index only matters under a retain limit (`_take`): not counted otherwise.
+        if start is not None:
+            first = start
+        else:
+            first = len(dict.fromkeys(req.blocks)) if req.retain_blocks is not None else 0
         for offset, bid in enumerate(fresh):
             rec = blocks[bid]
             status = rec.status
@@ -384,7 +410,7 @@ class Custody:
                     {"handover_zeroize": len(handover)},
                 )
             )
-        return tuple(handover)
+        return handover
 
     def _check_allocatable(self, fresh: list[BlockId]) -> None:
         """Refuse an allocation custody cannot account for before changing anything: a repair
@@ -533,14 +559,19 @@ class Custody:
         quarantined: list[int] = []
         retained = residue = 0
         blocks = self._blocks
+        policies: dict[str, TenantPolicy] = {}  # looked up once per owner tenant, not per block
         for bid in dict.fromkeys(req.blocks):
             rec = blocks[bid]
             holders = rec.holders
             holders.discard(rid)
             if holders:
                 continue
-            if self._keep_cached(rec, now):
-                self._set(rec, _CACHED)
+            owner = rec.owner
+            if owner is not None:
+                tenant = owner.tenant_id
+                policy = policies.get(tenant) or policies.setdefault(tenant, self._policy(tenant))
+            if owner is not None and self._keep_cached(rec, now, policy):
+                self._set(rec, _CACHED, policy)
                 retained += 1
             elif self._zeroize_now(rec):
                 self._quarantine(rec, now)
@@ -620,10 +651,11 @@ class Custody:
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "quota"})
         return tuple(out)
 
-    def _schedule_expiry(self, rec: BlockRecord) -> None:
+    def _schedule_expiry(self, rec: BlockRecord, policy: TenantPolicy | None = None) -> None:
         assert rec.owner is not None
         tenant = rec.owner.tenant_id
-        policy = self._policy(tenant)
+        if policy is None:
+            policy = self._policy(tenant)
         retention = policy.retention
         # Only a tenant's first cached block sets what its blocks were scheduled with: a later one
         # cached under a changed retention must not hide the change from the next sweep, which
@@ -880,9 +912,12 @@ class Custody:
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _set(self, rec: BlockRecord, status: BlockStatus) -> None:
+    def _set(
+        self, rec: BlockRecord, status: BlockStatus, policy: TenantPolicy | None = None
+    ) -> None:
         """The only place a block's status changes (keeps the tally and the cached indexes exact:
-        the tally's (tenant, status) counts are what quotas and summaries read)."""
+        the tally's (tenant, status) counts are what quotas and summaries read). `policy`: the
+        owner's, when the caller has it at hand (a block becoming cached schedules its expiry)."""
         if status is not _QUARANTINED:
             rec.quarantined_at = None
         was = rec.status
@@ -890,7 +925,7 @@ class Custody:
         self._retally(rec)
         if status is _CACHED:
             self._cached.add(rec.block_id)
-            self._schedule_expiry(rec)
+            self._schedule_expiry(rec, policy)
         elif was is _CACHED:
             self._cached.discard(rec.block_id)
             del self._expiry_entry[rec.block_id]
@@ -936,10 +971,10 @@ class Custody:
         policy = self._policy(rec.owner.tenant_id)
         return rec.doomed or policy.zeroize.on_release is ZeroizeOn.ALWAYS
 
-    def _keep_cached(self, rec: BlockRecord, now: float) -> bool:
-        if rec.doomed or not rec.retain or not rec.hashed or rec.owner is None:
+    def _keep_cached(self, rec: BlockRecord, now: float, policy: TenantPolicy) -> bool:
+        """`policy`: the owner's (the block has one)."""
+        if rec.doomed or not rec.retain or not rec.hashed:
             return False
-        policy = self._policy(rec.owner.tenant_id)
         cap = policy.quota.max_blocks
         if cap is not None and self.tenant_cached(rec.owner.tenant_id) >= cap:
             return False  # a tenant's cache never grows past its quota (docs/policy.md)

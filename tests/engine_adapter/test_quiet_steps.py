@@ -1,4 +1,4 @@
-"""Quiet steps: the scheduler guard skips its full step path when nothing happened (issue 14 item 7).
+"""Quiet steps and batched growth: the scheduler guard's step shortcuts (issue 14 item 7).
 
 Most decode steps start no request, give no block and leave custody nothing to plan or record;
 `SchedulerGuard._quiet` recognises them with a few O(1) checks and returns an empty plan without
@@ -7,7 +7,8 @@ same randomized engine traffic (admissions, prefix hits, growth, preemptions, fi
 evictions, clears reported late, expiry, purges, policy changes), one of them forced down the full
 path on every step, and require the same plans, ledger entries, pool frees and custody state after
 every step: a condition missing from `_quiet` shows as a step the fast guard skipped while the full
-path did something.
+path did something. The full guard also records each running request's new blocks one request
+at a time (`_grow` off), the batched decode-growth path's reference.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Twins:
         self.fast, self.ff = make(POLICY, blocks=blocks)
         self.full, self.fu = make(POLICY, blocks=blocks)
         self.full._quiet = lambda so, now: False  # type: ignore[method-assign]
+        self.full._grow = lambda grown, now: False  # type: ignore[method-assign]  (one by one)
         self.rng = rng
         self.quiet_steps = 0
         real = self.fast._quiet
@@ -91,6 +93,15 @@ class Twins:
             return quiet
 
         self.fast._quiet = counted  # type: ignore[method-assign]
+        self.batched = 0  # steps whose growth went through `_grow` in one custody call
+        grow = self.fast._grow
+
+        def counted_grow(grown: Any, now: float) -> bool:
+            done = grow(grown, now)
+            self.batched += done and len(grown) > 1
+            return done
+
+        self.fast._grow = counted_grow  # type: ignore[method-assign]
         self.running: dict[str, tuple[Any, str, list[int]]] = {}  # rid -> (request, tenant, blocks)
         self.late: list[Any] = []  # plans whose verdicts come a step late
         self.hashes = 0
@@ -180,9 +191,8 @@ class Twins:
                     self.fill(blocks)
                     self.running[r.request_id] = (r, r.tenant, blocks)
                     resumed[r.request_id] = blocks
-        if self.running and rng.random() < 0.15:  # a running request gets its next block
-            rid = rng.choice(list(self.running))
-            got = self.give(1)
+        for rid in list(self.running):  # running requests cross a block boundary
+            got = self.give(1) if rid not in resumed and rng.random() < 0.3 else None
             if got is not None:
                 grow.append((rid, got))
                 self.running[rid][2].extend(got)
@@ -268,6 +278,7 @@ def test_quiet_steps_do_what_the_full_path_does(make_guard: Any, seed: int) -> N
             t.full.use_policy(SHORTER, 2)
         t.step()
         t.agree()
+    assert t.batched > 20, "no step grew several requests in one call: this test checks less"
     assert t.quiet_steps > 100, "the quiet path was never taken: this test checks nothing"
     assert sum(1 for e in t.ff.ledger.entries if str(e.kind) == "block.zeroize") > 5
 

@@ -590,6 +590,7 @@ class SchedulerGuard:
             or cached.resumed_req_ids
             or any(cached.new_block_ids)
             or self._granted
+            or self._grown
             or self._purges
             or self._unsent
             or self._wake_requested
@@ -624,12 +625,18 @@ class SchedulerGuard:
         # Running requests that got blocks this step: on most decode steps none did, and vLLM gives
         # the others None, so this is a C-level filter over the batch, not a Python loop.
         got = cached.new_block_ids
-        for rid, ids in compress(zip(cached.req_ids, got, strict=True), got):
-            if ids[0] and rid not in resumed:
-                work.append((rid, [], list(ids[0]), 0, None))
-        if not work:
+        grown = [
+            (rid, list(ids[0]))
+            for rid, ids in compress(zip(cached.req_ids, got, strict=True), got)
+            if ids[0] and rid not in resumed
+        ]
+        if not work and not grown:
             return []
         canary: list[int] = []
+        # A step that only grows running requests (most steps that allocate, in steady decoding)
+        # records them in one custody call; otherwise request by request, after the new ones.
+        if grown and (work or not self._grow(grown, now)):
+            work += [(rid, [], fresh, 0, None) for rid, fresh in grown]
         for rid, _hits, fresh, _n, start in work:
             try:
                 canary += self._allocate(rid, fresh, now, start)
@@ -642,6 +649,27 @@ class SchedulerGuard:
                 except CustodyError as exc:
                     canary += self._repair(rid, hits, now, exc)
         return canary
+
+    def _grow(self, grown: list[tuple[str, list[int]]], now: float) -> bool:
+        """The running requests' new blocks of this step, recorded in one custody call (a decode
+        step gives each request that crossed a block boundary one block: up to the batch size of
+        them). False, with nothing recorded, when custody refuses the whole (the caller then goes
+        request by request and repairs the one at fault) or when per-request work is needed (the
+        test canary, the offload tier)."""
+        if self.options.canary or self.tier is not None:
+            return False
+        fresh = [b for _, ids in grown for b in ids]
+        if self._held:  # the engine took a block back (e.g. freed by preemption)
+            self._held.difference_update(fresh)
+        try:
+            self._c.allocate_many(grown, now)
+        except CustodyError:
+            return False
+        self._mark_hashed(fresh)
+        if self._quota_tenant:
+            quota = self._quota_tenant
+            self._grown.update(quota[rid] for rid, _ in grown if rid in quota)
+        return True
 
     def _split(
         self, rid: str, block_ids: list[int], num_computed: int
