@@ -973,7 +973,7 @@ class Custody:
 
     def _keep_cached(self, rec: BlockRecord, now: float, policy: TenantPolicy) -> bool:
         """`policy`: the owner's (the block has one)."""
-        if rec.doomed or not rec.retain or not rec.hashed:
+        if rec.doomed or not rec.retain or not rec.hashed or rec.owner is None:
             return False
         cap = policy.quota.max_blocks
         if cap is not None and self.tenant_cached(rec.owner.tenant_id) >= cap:
