@@ -20,7 +20,7 @@ import itertools
 import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from typing import Final, cast
 
 from kvguard.engine_adapter.records import (
     BlockId,
@@ -66,6 +66,9 @@ def _others_past_prefix(rec: BlockRecord, scope: Scope) -> bool:
     that tenant's alone although the domain is shared (its hash is keyed with the tenant's secret,
     `intake.confine_hashes`, so a hit on it is defence in depth; a handover of it is cleared)."""
     return not rec.retain and rec.owner is not None and rec.owner.tenant_id != scope.tenant_id
+
+
+_CLEAN_KEY: Final = (None, BlockStatus.FREE)  # the tally's key of a free block with no owner
 
 
 class _Request:
@@ -379,9 +382,25 @@ class Custody:
             first = start
         else:
             first = len(dict.fromkeys(req.blocks)) if req.retain_blocks is not None else 0
+        tally, clean, active = self._tally, _CLEAN_KEY, (scope.tenant_id, _ACTIVE)
+        tag, limit, use_cache = req.tag, req.retain_blocks, req.use_cache
         for offset, bid in enumerate(fresh):
             rec = blocks[bid]
             status = rec.status
+            if status is _FREE and rec.owner is None and not req.doomed:
+                # A clean free block (most allocations): `_take` and `_set` inlined, same effects.
+                rec.owner, rec.owner_tag, rec.doomed = scope, tag, False
+                rec.retain = use_cache and (limit is None or first + offset < limit)
+                rec.status, rec.quarantined_at, rec.hashed = _ACTIVE, None, False
+                tally[clean] -= 1  # `_retally`: a clean free block is counted under `_CLEAN_KEY`
+                if not tally[clean]:
+                    del tally[clean]
+                tally[active] += 1
+                rec.tally_key = active
+                rec.holders.add(rid)
+                rec.last_used_at = rec.created_at = now
+                req.blocks.append(bid)
+                continue
             if status is not _FREE:
                 if status is _QUARANTINED:
                     self._engine_took_quarantined(rec)
@@ -571,7 +590,7 @@ class Custody:
                 tenant = owner.tenant_id
                 policy = policies.get(tenant) or policies.setdefault(tenant, self._policy(tenant))
             if owner is not None and self._keep_cached(rec, now, policy):
-                self._set(rec, _CACHED, policy)
+                self._cache(rec, tenant, policy)
                 retained += 1
             elif self._zeroize_now(rec):
                 self._quarantine(rec, now)
@@ -929,6 +948,22 @@ class Custody:
         elif was is _CACHED:
             self._cached.discard(rec.block_id)
             del self._expiry_entry[rec.block_id]
+
+    def _cache(self, rec: BlockRecord, tenant: str, policy: TenantPolicy) -> None:
+        """`_set(rec, _CACHED, policy)` for a block of `tenant`; an active one (most blocks a
+        finished request leaves) in place, with the same effects."""
+        if rec.status is not _ACTIVE:
+            self._set(rec, _CACHED, policy)
+            return
+        rec.status, rec.quarantined_at = _CACHED, None
+        tally, key, old = self._tally, (tenant, _CACHED), rec.tally_key
+        tally[old] -= 1  # an active block is counted under (its owner, active)
+        if not tally[old]:
+            del tally[old]
+        tally[key] += 1
+        rec.tally_key = key
+        self._cached.add(rec.block_id)
+        self._schedule_expiry(rec, policy)
 
     def _retally(self, rec: BlockRecord) -> None:
         """Count the block under its current (owner tenant, status); after any change of either."""

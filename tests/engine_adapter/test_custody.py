@@ -558,3 +558,26 @@ def test_a_doomed_block_is_cleared_for_its_own_domain_under_cross_scope(make_cus
     c.begin("r2", scope_for("a"), use_cache=True)
     assert c.allocate("r2", [0], 3.0) == (0,)  # a handover clear, though the same domain
     c.check_invariants()
+
+
+def test_allocate_many_is_checked_whole_before_anything_changes(make_custody) -> None:
+    """A decode step's growth in one call: refused as a whole (a block still active, a request
+    custody does not know), custody is as it was, so the caller can go request by request."""
+    c = make_custody()
+    c.begin("r1", scope_for("a"), use_cache=True)
+    c.begin("r2", scope_for("b"), use_cache=True)
+    c.allocate("r1", [0], 0.0)
+    before = [(r.status, r.owner_tag, tuple(r.holders)) for r in c.records]
+    c.take_events()
+    with pytest.raises(CustodyError, match="active"):
+        c.allocate_many([("r2", [1]), ("r1", [2, 0])], 1.0)  # block 0 is r1's, active
+    with pytest.raises(CustodyError, match="not registered"):
+        c.allocate_many([("r2", [1]), ("r9", [2])], 1.0)
+    with pytest.raises(CustodyError, match="twice"):
+        c.allocate_many([("r1", [3]), ("r2", [3])], 1.0)
+    assert [(r.status, r.owner_tag, tuple(r.holders)) for r in c.records] == before
+    assert c.request_blocks("r2") == () and c.take_events() == []
+    c.allocate_many([("r1", [2]), ("r2", [1, 3])], 1.0)
+    assert c.request_blocks("r1") == (0, 2) and c.request_blocks("r2") == (1, 3)
+    assert [(e.request_id, e.block_ids) for e in c.take_events()] == [("r1", (2,)), ("r2", (1, 3))]
+    c.check_invariants()
