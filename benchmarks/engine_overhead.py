@@ -124,6 +124,7 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
     batches = []
     for _ in range(args.batches):
         before = _phases(g) if mode == "governed" else {}
+        first_step = g.connector.scheduler_guard.steps if g is not None else 0
         evicted = g.connector.scheduler_guard.reporter.counts["evictions"] if g is not None else 0
         cpu_before = thread_cpu()
         steps.clear()
@@ -155,7 +156,7 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
                 }
                 for k, v in after.items()
             }
-            result["steps"] = after["build_step"]["calls"] - before["build_step"]["calls"]
+            result["steps"] = g.connector.scheduler_guard.steps - first_step
             result["evictions"] = g.connector.scheduler_guard.reporter.counts["evictions"] - evicted
         batches.append(result)
     if g is not None:

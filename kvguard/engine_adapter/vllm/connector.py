@@ -121,8 +121,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._sched.tier_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        with self._sched.timer.phase("build_step"):
-            return self._sched.build_step(scheduler_output)
+        return self._sched.build_step(scheduler_output)  # times its full steps (`build_step`)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

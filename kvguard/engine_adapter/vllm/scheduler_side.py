@@ -524,12 +524,23 @@ class SchedulerGuard:
 
     # --- steps ----------------------------------------------------------------------------------
 
+    @property
+    def steps(self) -> int:
+        """Engine steps built so far (quiet ones included)."""
+        return self._step
+
     def build_step(self, so: Any) -> GuardStepMeta:
-        """Bring custody up to date with this step's schedule and say what the worker must clear."""
-        c, now = self._c, self._clock()
+        """Bring custody up to date with this step's schedule and say what the worker must clear.
+        The `build_step` phase timer covers the steps that are not quiet (`_quiet`)."""
+        now = self._clock()
         self._step += 1
         if self._quiet(so, now):
             return GuardStepMeta(step=self._step, verify=self._quiet_verify)
+        with self.timer.phase("build_step"):
+            return self._build_step(so, now)
+
+    def _build_step(self, so: Any, now: float) -> GuardStepMeta:
+        c = self._c
         if self.tier is not None:
             self.tier.step_started(int(so.total_num_scheduled_tokens))
         for rid in so.preempted_req_ids or ():
