@@ -200,19 +200,45 @@ def csv_header() -> str:
 
 
 def csv_line(index: int, leaf: dict[str, Any]) -> str:
+    """The `entries.csv` line of one event, every cell through `spreadsheet_cell` (`index` and
+    `block_ids` as numeric columns; `details` is a JSON object, so it starts with `{`)."""
     details = json.dumps(leaf["details"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    block_ids = " ".join(str(b) for b in leaf["block_ids"])
     return _csv_text(
         (
-            str(index),
-            leaf["ts"],
-            leaf["kind"],
-            leaf["scope_tag"] or "",
-            leaf["request_id"] or "",
-            " ".join(str(b) for b in leaf["block_ids"]),
-            details,
-            leaf["payload_commitment"] or "",
+            spreadsheet_cell(str(index), numeric=True),
+            spreadsheet_cell(leaf["ts"]),
+            spreadsheet_cell(leaf["kind"]),
+            spreadsheet_cell(leaf["scope_tag"] or ""),
+            spreadsheet_cell(leaf["request_id"] or ""),
+            spreadsheet_cell(block_ids, numeric=True),
+            spreadsheet_cell(details),
+            spreadsheet_cell(leaf["payload_commitment"] or ""),
         )
     )
+
+
+# What makes a spreadsheet read a CSV cell as a formula (OWASP, "CSV Injection"), plus the quote
+# that neutralises one, so that the prefix below can always be undone.
+_FORMULA_STARTS = frozenset("=+-@\t\r'")
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def spreadsheet_cell(value: str, *, numeric: bool = False) -> str:
+    """`value` as a CSV cell that no spreadsheet runs as a formula (CSV injection): a cell that
+    starts with `=`, `+`, `-`, `@`, a tab or a carriage return is prefixed with `'`, which Excel
+    and LibreOffice show as text. A tag or request id is whatever its writer chose (printable
+    ASCII), so `-2+3` or `=HYPERLINK(...)` is an attack, never a number.
+
+    A cell that starts with `'` is prefixed too, so a reader gets the value back exactly by
+    dropping one leading `'` (kvguard reads no CSV back: the verifier regenerates the lines).
+    In a numeric column (`numeric`) a cell that is one integer (`-5`) stays as it is: a
+    spreadsheet reads it as that number, and it can hold no formula; a list of ids starting
+    with `-` is prefixed like text. The rule is part of the bundle format: the offline verifier
+    regenerates every line with this function and compares byte for byte."""
+    if value[:1] not in _FORMULA_STARTS or (numeric and _INTEGER.fullmatch(value)):
+        return value
+    return "'" + value
 
 
 def _csv_text(row: Sequence[str]) -> str:

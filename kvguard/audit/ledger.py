@@ -319,14 +319,25 @@ class Ledger:
 
     def trusted_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
         """The latest stored checkpoint row whose note verifies under this log's keys and names
-        its origin, size and root; rows above it that do not (anyone with INSERT on the table can
-        add one) are skipped with a warning naming their size, never trusted."""
+        its origin, size and root; None if none does (the signer then recomputes the root from the
+        leaf hashes once). Rows above it are skipped, never trusted, and never end the search: one
+        anyone with INSERT on the table can add (a warning naming its size) and one signed by no
+        key this process holds (`retired_key_row`; one info line). The latter once ended it, so
+        a row signed by any key made a fresh signer drop its anchor and sign a rewritten log."""
+        told = False  # the info line about unverifiable rows: once per search, not per row
         for row in self.store.checkpoints_newest_first(conn):
             problem = self.checkpoint_row_problem(row)
             if problem is None:
                 return row
             if self.retired_key_row(conn, row):
-                return None  # signed before a key rotation: nothing older is trusted either
+                if not told:
+                    _log.info(
+                        "ledger checkpoint row skipped: signed by no key this process holds "
+                        "(a retired key's, or forged); so may be the rows below it",
+                        size=row.size,
+                    )
+                told = True
+                continue
             if problem.startswith(_OTHER_ORIGIN):  # signed by our key: a misconfiguration
                 raise VerificationError(
                     f"the stored checkpoint of size {row.size} is {problem}, and this ledger was "
@@ -340,14 +351,19 @@ class Ledger:
         return None
 
     def retired_key_row(self, conn: sa.Connection, row: CheckpointRow) -> bool:
-        """True for a stored checkpoint this log signed with a key it no longer holds (a finished
-        rotation, docs/operations.md): its note is a checkpoint of this origin for the row's own
-        size and root, signed by no key this process holds, and the stored tree reproduces that
-        root. Auditors holding the retired verifier key check its signature; here it can neither
-        be trusted nor condemned by its signature: an export keeps its consistency proof (which
-        the auditor checks against the new, signed root), but the signer never proves from it (a
-        process whose stored rows are all of a retired key recomputes the root from the leaf
-        hashes once, then proves from what it signed itself)."""
+        """True for a stored checkpoint this log may have signed with a key it no longer holds (a
+        finished rotation, docs/operations.md): its note is a checkpoint of this origin for the
+        row's own size and root, signed by no key this process holds, and the stored tree
+        reproduces that root. False if unsigned, if one of our keys signed it and it does not
+        verify (tampered), or for another origin, size or root.
+
+        Its signature cannot be checked here: the retired key is the auditors' trust root
+        (`kvguard verify --key`, `verify-db`'s extra verifiers), not a key this process holds,
+        and a row an active key verifies is no retired row. Requiring an active key would refuse
+        every pre-rotation row and take the exports' consistency proofs from them. Since a row
+        signed by any key passes alike, True grants no trust: `trusted_checkpoint` skips the row,
+        and an export keeps its consistency line only because the auditor checks that proof
+        against the new, signed root."""
         try:
             text, sigs = note.split_note(row.note)
             cp = parse_checkpoint(text)

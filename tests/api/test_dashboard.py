@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from kvguard.api import app as app_module
-from kvguard.api.dashboard import csrf, summaries
+from kvguard.api.dashboard import csrf, render, summaries
 from kvguard.api.dashboard.session import COOKIE, SECURE_COOKIE
 from kvguard.audit import note
 from kvguard.audit.certificate import verify_certificate
@@ -33,7 +33,7 @@ from kvguard.audit.checkpoint import Checkpoint, format_checkpoint
 from kvguard.audit.cosign import WitnessKey
 from kvguard.audit.events import EventKind
 from kvguard.audit.signing import SigningKey
-from kvguard.control.keys import ApiKeys, Role
+from kvguard.control.keys import ApiKeys, Principal, Role
 from kvguard.control.tenants import TenantRegistry
 from kvguard.isolation.keyring import Keyring
 from kvguard.policy import PolicySet
@@ -421,6 +421,42 @@ def test_policy_text_is_canonical_and_diffs_are_classified() -> None:
         '+  "epoch": 1,',
     }
     assert summaries.text_diff(old, old, old_name="a", new_name="a") == []
+
+
+class _Links(HTMLParser):
+    """Every `href` and form `action` of a page, as a browser reads them (entities decoded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [v for k, v in attrs if k in {"href", "action"} and v is not None]
+
+
+def test_links_to_a_stored_id_encode_it_as_one_path_segment(env: ApiEnv) -> None:
+    """A stored tenant id went into `href` as it was: `/`, `?`, `#` or `%` in it pointed the link
+    at another path, query or fragment (the API refuses such ids at creation, but the dashboard
+    renders what the database holds, e.g. a row written before the rule or by hand)."""
+    weird = "we/../ird?x=1#frag%2e\"q'<b>"
+    with env.services.db.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO tenants (tenant_id, display_name, created_at, created_by) "
+                "VALUES (:t, 'Weird', 0, 'test')"
+            ),
+            {"t": weird},
+        )
+    page = signed_in(env, "admin").get("/dashboard/tenants").text
+    links = _Links()
+    links.feed(page)
+    encoded = "we%2F..%2Fird%3Fx%3D1%23frag%252e%22q%27%3Cb%3E"
+    assert f"/dashboard/tenants/{encoded}" in links.urls
+    assert not any(url.startswith("/dashboard/tenants/we/") for url in links.urls)
+    assert "<b>" not in page  # the link text is escaped too
+    nav = render.navigation(Principal("k1", Role.TENANT_ADMIN, weird), "/dashboard/")
+    assert f"/dashboard/tenants/{encoded}" in [item.href for item in nav]
+    assert render.dashboard_path("purges", 7) == "/dashboard/purges/7"
 
 
 # --- no secrets, accessibility -------------------------------------------------------------------

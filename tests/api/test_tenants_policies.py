@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -67,6 +68,39 @@ def test_policy_put_history_diff_and_ledger(make_env: Callable[..., ApiEnv], any
     assert kinds == [EventKind.POLICY_CHANGE, EventKind.ADMIN_ACTION]
     # Engines are told: the command queue holds a policy command for version 1.
     assert any(getattr(c, "version", None) == 1 for c in env.services.commands.pending_after(0))
+
+
+def test_policy_diff_lists_only_changes(env: ApiEnv) -> None:
+    """From version 0 (the defaults, also an empty store) the diff listed no-op entries: a new
+    tenant's null fields as `null -> null` and the emptied-out `tenants: {}` as `{} -> null`."""
+
+    def diff(a: int, b: int) -> list[dict[str, Any]]:
+        params = {"from_version": a, "to_version": b}
+        r = env.call("auditor", "GET", "/v1/policies/diff", params=params)
+        assert r.status_code == 200, r.text
+        changes: list[dict[str, Any]] = r.json()["changes"]
+        return changes
+
+    assert diff(0, 0) == []
+    policy = env.call("auditor", "GET", "/v1/policies/current").json()["policy"]
+    policy["tenants"] = {"acme": {"retention": {"ttl_s": 60, "idle_s": 30}}}
+    r = env.call("admin", "PUT", "/v1/policies", json={"policy": policy, "reason": "acme"})
+    assert r.status_code == 201, r.text
+    for a, b in ((0, 1), (1, 0)):
+        changes = diff(a, b)
+        assert changes and all(c["old"] != c["new"] for c in changes), changes
+        paths = [c["path"] for c in changes]
+        assert "tenants" not in paths and "tenants.acme.quota.max_blocks" not in paths
+        assert "tenants.acme.retention.ttl_s" in paths
+    assert diff(1, 1) == []
+    policy["epoch"] = 1
+    policy["tenants"]["acme"]["quota"] = {"max_blocks": 1}
+    r = env.call("admin", "PUT", "/v1/policies", json={"policy": policy, "reason": "epoch"})
+    assert r.status_code == 201, r.text
+    assert {c["path"]: (c["old"], c["new"]) for c in diff(1, 2)} == {
+        "epoch": (0, 1),
+        "tenants.acme.quota.max_blocks": (None, 1),
+    }
 
 
 def test_invalid_policy_is_refused_with_the_field_path(env: ApiEnv) -> None:

@@ -39,7 +39,7 @@ import sqlalchemy as sa
 import typer
 from typer.testing import CliRunner
 
-from kvguard.audit import erasure
+from kvguard.audit import erasure, note
 from kvguard.audit.certificate import (
     CLAIMS,
     FORMAT,
@@ -49,12 +49,13 @@ from kvguard.audit.certificate import (
     set_path,
     verify_certificate,
 )
+from kvguard.audit.checkpoint import Checkpoint, format_checkpoint
 from kvguard.audit.cli import audit_app, verify_command
 from kvguard.audit.events import AuditEvent
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
-from kvguard.errors import VerificationError
+from kvguard.errors import LogRewrittenError, VerificationError
 from tests.dbs import migrate_and_grant, pg_roles
 
 from .conftest import ORIGIN, T0, make_event
@@ -150,23 +151,13 @@ def test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation(
     verify_bundle(tmp_path / "bundle", [new.verifier_key()], full=True)
 
 
-def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows_vanish(
-    sqlite_url: str, open_ledger: Opener
-) -> None:
-    """A database superuser (no signing key) deletes the checkpoint rows and rewrites entry 3
-    consistently (leaf, leaf hash, index column, subtree hashes). The *same* live `Ledger` that
-    signed root R at size 12 then signs root R' != R at size 12: the honest signer hands out a
-    signed fork ("showing different auditors different histories" is in the threat model; only
-    the signing key's holder is out of scope)."""
+def _superuser_rewrites_entry_3(sqlite_url: str, *more_sql: str) -> None:
+    """A database superuser (no signing key) rewrites entry 3 consistently (leaf, leaf hash, index
+    column, subtree hashes), with the append-only triggers dropped meanwhile; `more_sql` runs in
+    the same transaction."""
     from kvguard.audit import merkle  # noqa: PLC0415
-    from kvguard.audit.checkpoint import parse_checkpoint  # noqa: PLC0415
-    from kvguard.audit.note import split_note  # noqa: PLC0415
 
-    ledger = open_ledger(sqlite_url)
-    ledger.append_many([make_event(i) for i in range(12)])
-    first = parse_checkpoint(split_note(ledger.checkpoint())[0])
-    path = sqlite_url.removeprefix("sqlite:///")
-    conn = sqlite3.connect(path)
+    conn = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
     try:
         triggers = list(conn.execute("SELECT name, sql FROM sqlite_master WHERE type='trigger'"))
         for name, _ in triggers:
@@ -177,8 +168,8 @@ def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows
             "UPDATE ledger_entries SET leaf=?, leaf_hash=?, request_id='req-X' WHERE idx=3",
             (leaf, merkle.leaf_hash(leaf)),
         )
-        conn.execute("DELETE FROM ledger_checkpoints")
-        conn.execute("UPDATE ledger_head SET checkpoint_size=NULL")
+        for sql in more_sql:
+            conn.execute(sql)
         hashes = [
             bytes(r[0]) for r in conn.execute("SELECT leaf_hash FROM ledger_entries ORDER BY idx")
         ]
@@ -196,6 +187,62 @@ def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows
         conn.commit()
     finally:
         conn.close()
+
+
+def test_a_row_signed_by_a_stranger_key_never_hides_the_signed_checkpoint_below_it(
+    sqlite_url: str, open_ledger: Opener
+) -> None:
+    """A checkpoint row that names this origin, its size and the stored root, signed by a key
+    this process does not hold, looks like a row of a retired key (`retired_key_row`), and the
+    signer stopped looking for its trusted checkpoint there. So one INSERT the app role may run,
+    signed by any key, made a fresh signer drop its anchor: after a superuser rewrote an entry
+    covered by a signed checkpoint, it recomputed the rewritten root from the leaf hashes and
+    signed it (a fork) instead of refusing. Such a row is skipped now; a finished rotation still
+    works (test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation)."""
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many([make_event(i) for i in range(12)])
+    with ledger.store.engine.begin() as conn:
+        ledger.store.insert_checkpoint(  # a checkpoint at 8 only, signed by the log's key
+            conn, 8, ledger.store.root(8, conn), ledger.sign_note(_text(ledger, conn, 8)), None
+        )
+    ledger.close()
+    _superuser_rewrites_entry_3(sqlite_url)
+    fresh = open_ledger(sqlite_url)
+    stranger = SigningKey.generate(ORIGIN)
+    with fresh.store.engine.begin() as conn:
+        text = _text(fresh, conn, 12)  # the rewritten root, which the stored tree reproduces
+        forged = note.join_note(text, [stranger.signature_line(text)])
+        fresh.store.insert_checkpoint(conn, 12, fresh.store.root(12, conn), forged, 8)
+    with fresh.store.engine.connect() as conn:
+        trusted = fresh.trusted_checkpoint(conn)
+    assert trusted is not None and trusted.size == 8
+    with pytest.raises(LogRewrittenError):
+        fresh.checkpoint()
+
+
+def _text(ledger: Ledger, conn: sa.Connection, size: int) -> str:
+    return format_checkpoint(Checkpoint(ORIGIN, size, ledger.store.root(size, conn)))
+
+
+def test_the_signer_never_signs_two_roots_for_one_size_after_its_checkpoint_rows_vanish(
+    sqlite_url: str, open_ledger: Opener
+) -> None:
+    """A database superuser (no signing key) deletes the checkpoint rows and rewrites entry 3
+    consistently (leaf, leaf hash, index column, subtree hashes). The *same* live `Ledger` that
+    signed root R at size 12 then signs root R' != R at size 12: the honest signer hands out a
+    signed fork ("showing different auditors different histories" is in the threat model; only
+    the signing key's holder is out of scope)."""
+    from kvguard.audit.checkpoint import parse_checkpoint  # noqa: PLC0415
+    from kvguard.audit.note import split_note  # noqa: PLC0415
+
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many([make_event(i) for i in range(12)])
+    first = parse_checkpoint(split_note(ledger.checkpoint())[0])
+    _superuser_rewrites_entry_3(
+        sqlite_url,
+        "DELETE FROM ledger_checkpoints",
+        "UPDATE ledger_head SET checkpoint_size=NULL",
+    )
     try:
         second = parse_checkpoint(split_note(ledger.checkpoint())[0])
     except VerificationError:

@@ -4,6 +4,8 @@ nothing but `cryptography` and the standard library."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import random
 import subprocess
@@ -138,6 +140,32 @@ def test_rotated_keys_verify_with_either(
     ledger.export(tmp_path / "b")
     assert _verify(tmp_path / "b", old.verifier_key())[0] == 0
     assert _verify(tmp_path / "b", new.verifier_key())[0] == 0
+
+
+def test_csv_cells_are_never_spreadsheet_formulas_and_the_bundle_still_verifies(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    """CSV injection (OWASP): a scope tag or request id that starts with `=`, `+`, `-` or `@` was
+    written as is, and a spreadsheet opening `entries.csv` ran it as a formula. Each such cell is
+    prefixed with `'` (and so is one that starts with `'`, so that dropping one leading `'` always
+    gives the value back); the verifier regenerates the same rendering."""
+    hostile = ['=HYPERLINK("http://evil.example","x")', "+1+1", "-2+3", "@SUM(A1)", "'=quoted"]
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many([make_event(i, scope_tag=v, request_id=v) for i, v in enumerate(hostile)])
+    ledger.export(tmp_path / "b")
+    text = (tmp_path / "b" / bundle.CSV).read_text()
+    rows = list(csv.reader(io.StringIO(text)))[1:]
+    for row, value in zip(rows, hostile, strict=True):
+        assert (row[3], row[4]) == (f"'{value}", f"'{value}"), row
+        assert all(cell[:1] not in {"=", "+", "-", "@", "\t", "\r"} for cell in row), row
+    verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
+    # Tab and CR cannot reach a leaf (tags and ids are printable ASCII) but are neutralised alike;
+    # a cell that is one integer in a numeric column stays a number.
+    assert bundle.spreadsheet_cell("\tx") == "'\tx" and bundle.spreadsheet_cell("\rx") == "'\rx"
+    assert bundle.spreadsheet_cell("-5", numeric=True) == "-5"
+    assert bundle.spreadsheet_cell("-5") == "'-5"
+    assert bundle.spreadsheet_cell("-5 6", numeric=True) == "'-5 6"
+    assert bundle.spreadsheet_cell("st-tenant1") == "st-tenant1"
 
 
 def _all_bytes(root: Path) -> list[tuple[Path, int]]:

@@ -12,7 +12,6 @@ their validation is a 422 naming the field (`form.tenant_id: ...`), never echoin
 from __future__ import annotations
 
 from typing import Annotated, Any, Final, TypeVar
-from urllib.parse import quote
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Response
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvguard.api.dashboard import csrf
 from kvguard.api.dashboard.csrf import FormDep
-from kvguard.api.dashboard.render import PREFIX
+from kvguard.api.dashboard.render import PREFIX, dashboard_path
 from kvguard.api.deps import ADMINS, TENANT_WRITERS, Action, audited
 from kvguard.api.purge_schemas import PurgeCreate
 from kvguard.api.routes import audit, inference_keys, policies, purges, tenants
@@ -45,8 +44,10 @@ def _model(model: type[Model], **fields: Any) -> Model:
         raise RequestValidationError(errors) from None
 
 
-def _see(path: str, notice: str) -> RedirectResponse:
-    return RedirectResponse(f"{PREFIX}{quote(path)}?notice={notice}", status_code=303)
+def _see(notice: str, *segments: object) -> RedirectResponse:
+    """A 303 to the dashboard page of `segments` (each encoded as one path segment), announcing
+    `notice` (a code of `render.NOTICES`)."""
+    return RedirectResponse(f"{dashboard_path(*segments)}?notice={notice}", status_code=303)
 
 
 _MAX_INT_DIGITS: Final = 19  # every version number fits a signed 64-bit column
@@ -75,7 +76,7 @@ def create_tenant(
         display_name=form.get("display_name", "").strip(),
     )
     created = tenants.create_tenant(body, action)
-    return _see(f"/tenants/{created.tenant_id}", "tenant-created")
+    return _see("tenant-created", "tenants", created.tenant_id)
 
 
 @router.post("/tenants/{tenant_id}/disable")
@@ -86,7 +87,7 @@ def disable_tenant(
 ) -> RedirectResponse:
     body = _model(tenants.DisableRequest, reason=form.get("reason", "").strip())
     result = tenants.disable_tenant(tenant_id, body, action)
-    return _see(f"/purges/{result.purge_job_id}", "tenant-disabled")
+    return _see("tenant-disabled", "purges", result.purge_job_id)
 
 
 @router.post("/tenants/{tenant_id}/inference-keys/{key_id}/revoke")
@@ -97,7 +98,7 @@ def revoke_inference_key(
     action: Annotated[Action, audited("inference_key.revoke", *TENANT_WRITERS)],
 ) -> RedirectResponse:
     inference_keys.revoke_inference_key(tenant_id, key_id, action)
-    return _see(f"/tenants/{tenant_id}", "key-revoked")
+    return _see("key-revoked", "tenants", tenant_id)
 
 
 @router.post("/policies")
@@ -116,7 +117,7 @@ async def store_policy(
         expected_version=_int_or_none(form, "expected_version"),
     )
     stored = await policies.put_policy(body, action, Response())
-    return _see(f"/policies/{stored.version}", "policy-stored")
+    return _see("policy-stored", "policies", stored.version)
 
 
 @router.post("/purges")
@@ -130,7 +131,7 @@ async def start_purge(
         tenant_id=form.get("tenant_id", "").strip() or None,
     )
     created = await purges.create_purge(body, action)
-    return _see(f"/purges/{created.job_id}", "purge-started")
+    return _see("purge-started", "purges", created.job_id)
 
 
 @router.post("/ledger/checkpoints")
@@ -138,4 +139,4 @@ def sign_checkpoint(
     _form: FormDep, action: Annotated[Action, audited("audit.checkpoint", *ADMINS)]
 ) -> RedirectResponse:
     audit.sign_checkpoint(action)
-    return _see("/ledger", "checkpoint-signed")
+    return _see("checkpoint-signed", "ledger")

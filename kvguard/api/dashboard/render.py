@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import quote
 
 import jinja2
 from fastapi import Depends, Request
@@ -49,6 +50,23 @@ _ENV: Final = jinja2.Environment(
 _ENV.filters["ts"] = format_ts
 
 
+def path_segment(value: object) -> str:
+    """`value` percent-encoded as one URL path segment: every character but the unreserved ones
+    and `:` / `@` (RFC 3986 `pchar`; a valid tenant id such as `org:acme` stays as typed), so a
+    stored id with `/`, `?`, `#`, `%` or a quote stays inside its segment (the API refuses such
+    tenant ids, but a page renders whatever the database holds). In templates:
+    `{{ tenant.tenant_id | segment }}`; autoescaping then makes it safe inside the attribute."""
+    return quote(str(value), safe=":@")
+
+
+def dashboard_path(*segments: object) -> str:
+    """The dashboard path of `segments`, each encoded by `path_segment`."""
+    return "/".join([PREFIX, *(path_segment(s) for s in segments)])
+
+
+_ENV.filters["segment"] = path_segment
+
+
 @dataclass(frozen=True, slots=True)
 class NavItem:
     label: str
@@ -62,7 +80,7 @@ def navigation(principal: Principal | None, path: str) -> list[NavItem]:
         return []
     items = [("Overview", f"{PREFIX}/")]
     if principal.role is Role.TENANT_ADMIN and principal.tenant_id:
-        items.append(("My tenant", f"{PREFIX}/tenants/{principal.tenant_id}"))
+        items.append(("My tenant", dashboard_path("tenants", principal.tenant_id)))
     else:
         items += [("Tenants", f"{PREFIX}/tenants"), ("Policies", f"{PREFIX}/policies")]
     items += [
