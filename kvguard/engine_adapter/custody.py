@@ -382,8 +382,9 @@ class Custody:
             first = start
         else:
             first = len(dict.fromkeys(req.blocks)) if req.retain_blocks is not None else 0
-        tally, clean, active = self._tally, _CLEAN_KEY, (scope.tenant_id, _ACTIVE)
+        active = (scope.tenant_id, _ACTIVE)
         tag, limit, use_cache = req.tag, req.retain_blocks, req.use_cache
+        clean = 0  # clean free blocks taken: counted once in the tally, after the loop
         for offset, bid in enumerate(fresh):
             rec = blocks[bid]
             status = rec.status
@@ -392,11 +393,8 @@ class Custody:
                 rec.owner, rec.owner_tag, rec.doomed = scope, tag, False
                 rec.retain = use_cache and (limit is None or first + offset < limit)
                 rec.status, rec.quarantined_at, rec.hashed = _ACTIVE, None, False
-                tally[clean] -= 1  # `_retally`: a clean free block is counted under `_CLEAN_KEY`
-                if not tally[clean]:
-                    del tally[clean]
-                tally[active] += 1
                 rec.tally_key = active
+                clean += 1
                 rec.holders.add(rid)
                 rec.last_used_at = rec.created_at = now
                 req.blocks.append(bid)
@@ -417,6 +415,12 @@ class Custody:
             self._take(rec, req, rid, now, first + offset)
             rec.created_at = now
             rec.hashed = False
+        if clean:  # `_retally` of each: a clean free block is counted under `_CLEAN_KEY`
+            tally = self._tally
+            tally[_CLEAN_KEY] -= clean  # no other path of this loop counts a block under it
+            if not tally[_CLEAN_KEY]:
+                del tally[_CLEAN_KEY]
+            tally[active] += clean
         self._pending_handover.update(handover)
         if fresh:
             self._events.append(

@@ -89,9 +89,13 @@ class BlockRecord:
         return self.owner is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CustodyEvent:
-    """One custody transition for the ledger. Carries tags and counts, never scopes or payloads."""
+    """One custody transition for the ledger. Carries tags and counts, never scopes or payloads.
+
+    Never changed once made, though not frozen: custody makes one per request and step, and a
+    frozen dataclass costs four times as much to construct (its fields are set through
+    `object.__setattr__`). The evidence is the frozen `AuditEvent` the ledger builds from it."""
 
     kind: EventKind
     ts: float
