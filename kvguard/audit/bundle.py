@@ -199,23 +199,59 @@ def csv_header() -> str:
     return _csv_text(CSV_COLUMNS)
 
 
-def csv_line(index: int, leaf: dict[str, Any]) -> str:
+def csv_line(index: int, leaf: dict[str, Any], *, legacy: bool = False) -> str:
     """The `entries.csv` line of one event, every cell through `spreadsheet_cell` (`index` and
-    `block_ids` as numeric columns; `details` is a JSON object, so it starts with `{`)."""
+    `block_ids` as numeric columns; `details` is a JSON object, so it starts with `{`).
+
+    `legacy`: every cell as is, the rendering kvguard wrote before the cells were neutralised
+    (commit 344b40e). Only the verifier asks for it, so that archived bundles still verify
+    (`CsvStyle`); no exporter writes it."""
     details = json.dumps(leaf["details"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    block_ids = " ".join(str(b) for b in leaf["block_ids"])
-    return _csv_text(
-        (
-            spreadsheet_cell(str(index), numeric=True),
-            spreadsheet_cell(leaf["ts"]),
-            spreadsheet_cell(leaf["kind"]),
-            spreadsheet_cell(leaf["scope_tag"] or ""),
-            spreadsheet_cell(leaf["request_id"] or ""),
-            spreadsheet_cell(block_ids, numeric=True),
-            spreadsheet_cell(details),
-            spreadsheet_cell(leaf["payload_commitment"] or ""),
-        )
+    cells = (
+        str(index),
+        leaf["ts"],
+        leaf["kind"],
+        leaf["scope_tag"] or "",
+        leaf["request_id"] or "",
+        " ".join(str(b) for b in leaf["block_ids"]),
+        details,
+        leaf["payload_commitment"] or "",
     )
+    if legacy:
+        return _csv_text(cells)
+    return _csv_text(
+        [spreadsheet_cell(c, numeric=n) for c, n in zip(cells, _NUMERIC_COLUMNS, strict=True)]
+    )
+
+
+_NUMERIC_COLUMNS = tuple(name in {"index", "block_ids"} for name in CSV_COLUMNS)
+
+
+class CsvStyle:
+    """Which rendering an `entries.csv` holds, one for the whole file: the current one, or the
+    legacy one (`csv_line(..., legacy=True)`) of bundles exported before the cells were
+    neutralised, which must still verify (archived evidence). A file mixing both is no file any
+    kvguard wrote. A line whose cells need no prefix reads the same in both and decides nothing,
+    so `legacy` stays None for a file that no style change touches."""
+
+    def __init__(self) -> None:
+        self.legacy: bool | None = None
+
+    def problem(self, line: str | None, index: int, leaf: dict[str, Any]) -> str | None:
+        """Why `line` is not the rendering of entry `index` in this file's style (None if it
+        is); the first line that reads differently in the two styles decides the style."""
+        current = csv_line(index, leaf)
+        # A neutralised cell starts with `'`: without one the two renderings are equal.
+        old = csv_line(index, leaf, legacy=True) if "'" in current else current
+        if line == current == old:
+            return None
+        if line not in {current, old}:
+            return "differs from the proven leaf"
+        if self.legacy is None:
+            self.legacy = line == old
+        if self.legacy != (line == old):
+            return "mixes the legacy rendering (cells as is) with the neutralised one"
+        return None
 
 
 # What makes a spreadsheet read a CSV cell as a formula (OWASP, "CSV Injection"), plus the quote
@@ -235,7 +271,8 @@ def spreadsheet_cell(value: str, *, numeric: bool = False) -> str:
     In a numeric column (`numeric`) a cell that is one integer (`-5`) stays as it is: a
     spreadsheet reads it as that number, and it can hold no formula; a list of ids starting
     with `-` is prefixed like text. The rule is part of the bundle format: the offline verifier
-    regenerates every line with this function and compares byte for byte."""
+    regenerates every line with this function and compares byte for byte (a bundle exported
+    before the rule, every line without it, is accepted as legacy: `CsvStyle`)."""
     if value[:1] not in _FORMULA_STARTS or (numeric and _INTEGER.fullmatch(value)):
         return value
     return "'" + value

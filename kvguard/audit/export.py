@@ -29,6 +29,7 @@ from kvguard.audit import bundle, merkle, note, payloads
 from kvguard.audit import schema as t
 from kvguard.audit.bundle import CHECKPOINT
 from kvguard.audit.checkpoint import Checkpoint, format_tlog_proof, parse_checkpoint
+from kvguard.audit.checkpoint_rows import retired_key_row
 from kvguard.audit.leaf import parse_ts
 from kvguard.audit.manifest import MANIFEST, Manifest, file_digest, format_manifest, selection_text
 from kvguard.audit.query import select_indices
@@ -324,14 +325,15 @@ def _write_consistency(ledger: Ledger, conn: sa.Connection, out: Path, cp: Check
 def _check_unsigned_row(
     ledger: Ledger, conn: sa.Connection, row: CheckpointRow, problem: str
 ) -> bool:
-    """True for a row this log signed with a key it no longer holds (kept: `retired_key_row`).
+    """True for a row this log signed with a key it no longer holds (kept:
+    `checkpoint_rows.retired_key_row`).
     Otherwise the row is left out (False, a warning naming its size): a row the log's keys do not
     verify proves nothing, and anyone with INSERT on the table can add one, also with the log's
     true root (every checkpoint publishes it), so refusing the export for it would let one INSERT
     stop every later export. `verify-db` reports such rows. Refused: a row whose note this log
     signed for the row's own size but with another root (only an UPDATE makes that: the app role
     cannot INSERT a second row at a size), as `verify()` refuses it."""
-    if ledger.retired_key_row(conn, row):
+    if retired_key_row(ledger.store, conn, row, origin=ledger.origin, ours=ledger.verifiers()):
         return True  # signed before a key rotation: auditors with that verifier key check it
     try:
         cp = parse_checkpoint(note.open_note(row.note, ledger.verifiers())[0])

@@ -17,8 +17,8 @@ reported, never signed.
 
 What it proves from: only stored checkpoint rows whose note verifies under the log's own keys and
 names this origin, size and root count as "signed" (a row the app role may INSERT, chained and
-within the log, with a note nobody signed, is skipped with a warning naming its size, so it cannot
-stop later checkpoints); and the (size, root) this process last signed, kept in memory, so that a
+within the log, with a note nobody signed, is skipped, counted in one line per search, so it
+cannot stop later checkpoints); and the (size, root) this process last signed, kept in memory, so that a
 database superuser who deletes the checkpoint rows and rewrites history consistently still cannot
 get this signer to sign a second root for a size it signed (a fork). A restarted process has only
 the stored rows, the witnesses and the auditors' kept checkpoints to go by.
@@ -38,6 +38,7 @@ from kvguard.audit import merkle, note
 from kvguard.audit import schema as t
 from kvguard.audit.batches import BatchAppender
 from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
+from kvguard.audit.checkpoint_rows import SkippedRows, stranger_signed
 from kvguard.audit.db import create_engine, read_connection, write_transaction
 from kvguard.audit.events import AuditEvent, EventKind
 from kvguard.audit.export import ExportSummary, export_bundle
@@ -320,62 +321,26 @@ class Ledger:
     def trusted_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
         """The latest stored checkpoint row whose note verifies under this log's keys and names
         its origin, size and root; None if none does (the signer then recomputes the root from the
-        leaf hashes once). Rows above it are skipped, never trusted, and never end the search: one
-        anyone with INSERT on the table can add (a warning naming its size) and one signed by no
-        key this process holds (`retired_key_row`; one info line). The latter once ended it, so
-        a row signed by any key made a fresh signer drop its anchor and sign a rewritten log."""
-        told = False  # the info line about unverifiable rows: once per search, not per row
+        leaf hashes once). Rows above it are skipped, never trusted, and never end the search (one
+        signed by any key once did, so one INSERT made a fresh signer drop its anchor); a row
+        signed by none of our keys is told by its signature lines alone, without recomputing a
+        root under the head lock (`kvguard.audit.checkpoint_rows`). One line per search counts
+        the skipped rows."""
+        ours, skipped, found = self.verifiers(), SkippedRows(), None
         for row in self.store.checkpoints_newest_first(conn):
             problem = self.checkpoint_row_problem(row)
             if problem is None:
-                return row
-            if self.retired_key_row(conn, row):
-                if not told:
-                    _log.info(
-                        "ledger checkpoint row skipped: signed by no key this process holds "
-                        "(a retired key's, or forged); so may be the rows below it",
-                        size=row.size,
-                    )
-                told = True
-                continue
-            if problem.startswith(_OTHER_ORIGIN):  # signed by our key: a misconfiguration
+                found = row
+                break
+            stranger = stranger_signed(row.note, ours)
+            if not stranger and problem.startswith(_OTHER_ORIGIN):  # our key: misconfigured
                 raise VerificationError(
                     f"the stored checkpoint of size {row.size} is {problem}, and this ledger was "
                     f"opened as {self.origin!r} (the wrong origin?): refusing to sign"
                 )
-            _log.warning(
-                "ledger checkpoint row ignored: not a checkpoint this log signed",
-                size=row.size,
-                reason=problem,
-            )
-        return None
-
-    def retired_key_row(self, conn: sa.Connection, row: CheckpointRow) -> bool:
-        """True for a stored checkpoint this log may have signed with a key it no longer holds (a
-        finished rotation, docs/operations.md): its note is a checkpoint of this origin for the
-        row's own size and root, signed by no key this process holds, and the stored tree
-        reproduces that root. False if unsigned, if one of our keys signed it and it does not
-        verify (tampered), or for another origin, size or root.
-
-        Its signature cannot be checked here: the retired key is the auditors' trust root
-        (`kvguard verify --key`, `verify-db`'s extra verifiers), not a key this process holds,
-        and a row an active key verifies is no retired row. Requiring an active key would refuse
-        every pre-rotation row and take the exports' consistency proofs from them. Since a row
-        signed by any key passes alike, True grants no trust: `trusted_checkpoint` skips the row,
-        and an export keeps its consistency line only because the auditor checks that proof
-        against the new, signed root."""
-        try:
-            text, sigs = note.split_note(row.note)
-            cp = parse_checkpoint(text)
-        except (VerificationError, ValueError):
-            return False
-        ours = {(v.name, v.key_id) for v in self.verifiers()}
-        if not sigs or any((name, raw[:4]) in ours for name, raw in sigs):
-            return False  # unsigned, or one of our keys signed and it did not verify: tampered
-        if (cp.origin, cp.size, cp.root) != (self.origin, row.size, row.root):
-            return False
-        size = self.store.size(conn)
-        return row.size <= size and self.store.root(row.size, conn) == row.root
+            skipped.add(row.size, problem, stranger=stranger)
+        skipped.log(_log)
+        return found
 
     def checkpoint_row_problem(self, row: CheckpointRow) -> str | None:
         """Why stored checkpoint `row` is not one this log signed (None if it is)."""

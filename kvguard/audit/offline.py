@@ -12,7 +12,8 @@ Steps (docs/audit.md walks through them):
    strictly increase, and each RFC 9162 inclusion proof leads to the signed root; a complete bundle
    (per the manifest) holds exactly entries 0..size-1; with `full` the root is also recomputed
    from all leaves;
-5. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves;
+5. `entries.csv` and `entries.ocsf.jsonl`, when present, equal their regeneration from the leaves
+   (`entries.csv` in one style throughout: the current one, or the legacy one, reported);
 6. `payloads.jsonl` accounts for every exported payload commitment: present (the log's signed
    statement) or erased, with the erasure entry's proof (`kvguard.audit.payloads`);
 7. each `consistency.jsonl` line carries an older checkpoint signed by a trusted key and an RFC 9162
@@ -72,6 +73,9 @@ class BundleReport:
     # The signed note verified, as read (a caller that saves it or checks its cosignatures uses
     # this text, not the file read again: the file may have changed since).
     checkpoint_note: str = ""
+    # `entries.csv` is in the legacy rendering (`bundle.CsvStyle`): exported before its cells
+    # were neutralised, so a cell may run as a formula in a spreadsheet.
+    csv_legacy: bool = False
 
 
 class OriginNotPinnedError(VerificationError):
@@ -178,7 +182,7 @@ def _verify_files(
             f"{bundle.ENTRIES}: {len(leaf_hashes)} entries, the manifest says {m.entries} "
             "(lines deleted or added)"
         )
-    _verify_renderings(d, cp)
+    csv_legacy = _verify_renderings(d, cp)
     present, erased, foreign = _verify_payloads(d, cp)
     olds = _verify_consistency(d, cp, verifiers)
     if pinned is not None:
@@ -199,6 +203,7 @@ def _verify_files(
         tuple(foreign),
         m.selection,
         signed,
+        csv_legacy,
     )
 
 
@@ -412,13 +417,16 @@ def _texts(value: object) -> list[str] | None:
     return value
 
 
-def _verify_renderings(d: Path, cp: Checkpoint) -> None:
+def _verify_renderings(d: Path, cp: Checkpoint) -> bool:
     """The CSV and OCSF renderings against the proven entries: after the entries and their
-    count, so that lines deleted from entries.jsonl are blamed on it, not on a rendering."""
+    count, so that lines deleted from entries.jsonl are blamed on it, not on a rendering.
+    True if `entries.csv` is in the legacy style (`bundle.CsvStyle`)."""
+    style = bundle.CsvStyle()
     with ExitStack() as stack:
         renderings = _open_renderings(d, stack)
         if renderings:
-            _check_all_renderings(d, stack, renderings, cp.origin)
+            _check_all_renderings(d, stack, renderings, cp.origin, style)
+    return bool(style.legacy)
 
 
 def _where(number: int, index: int | None = None) -> str:
@@ -562,7 +570,11 @@ def _verify_payloads(d: Path, cp: Checkpoint) -> tuple[int, int, list[int]]:
 
 
 def _check_all_renderings(
-    d: Path, stack: ExitStack, renderings: dict[str, Iterator[str]], origin: str
+    d: Path,
+    stack: ExitStack,
+    renderings: dict[str, Iterator[str]],
+    origin: str,
+    style: bundle.CsvStyle,
 ) -> None:
     """Third pass, only where renderings exist: regenerate each from the (now proven) leaves."""
     for number, line in enumerate(_lines(d / bundle.ENTRIES, stack), start=1):
@@ -570,7 +582,8 @@ def _check_all_renderings(
         if obj["event"] is None:
             continue  # a foreign entry (proven above not to be an event): not rendered
         index, leaf = obj["index"], b64decode_strict(obj["leaf"], _where(number))
-        _check_renderings(renderings, index, leaf, origin, _where(number, index))
+        where = _where(number, index)
+        _check_renderings(renderings, index, leaf, where, origin=origin, style=style)
     for name, lines in renderings.items():
         if next(lines, None) is not None:
             raise VerificationError(f"{name}: more lines than entries")
@@ -611,22 +624,31 @@ def _open_renderings(d: Path, stack: ExitStack) -> dict[str, Iterator[str]]:
 
 
 def _check_renderings(
-    renderings: dict[str, Iterator[str]], index: int, leaf: bytes, origin: str, where: str
+    renderings: dict[str, Iterator[str]],
+    index: int,
+    leaf: bytes,
+    where: str,
+    *,
+    origin: str,
+    style: bundle.CsvStyle,
 ) -> None:
+    """The next line of each rendering against entry `index`; `origin` is the log's (in the OCSF
+    record), `style` what `entries.csv` has shown so far."""
     if not renderings:
         return
     obj = bundle.leaf_event(leaf)
     if obj is None:  # embedded, yet not an event: nothing can render it
         raise VerificationError(f"{where}: the leaf is not an event, but has renderings")
-    expected = {
-        bundle.CSV: lambda: bundle.csv_line(index, obj),
-        bundle.OCSF: lambda: bundle.ocsf_line(index, obj, origin),
-    }
     for name, lines in renderings.items():
-        if next(lines, None) != expected[name]():
-            raise VerificationError(
-                f"{name} (entry {index}): differs from the proven leaf ({where})"
-            )
+        line = next(lines, None)
+        if name == bundle.CSV:
+            problem = style.problem(line, index, obj)
+        elif line != bundle.ocsf_line(index, obj, origin):
+            problem = "differs from the proven leaf"
+        else:
+            problem = None
+        if problem is not None:
+            raise VerificationError(f"{name} (entry {index}): {problem} ({where})")
 
 
 def _verify_consistency(

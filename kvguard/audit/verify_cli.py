@@ -249,6 +249,7 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         f"proofs, {report.tlog_proofs} tlog-proofs, {report.payloads} payloads present, "
         f"{report.erased_payloads} erased{pinned}"
         f"{_witnessed(cosigned)}{'; root recomputed' if full else ''}{_foreign(report.foreign)}"
+        f"{_CSV_LEGACY if report.csv_legacy else ''}"
     )
     result = {
         "valid": True,
@@ -266,8 +267,17 @@ def _verify_bundle(directory: Path, trust: _Trust, full: bool, json_output: bool
         "pinned_size": report.pinned_size,
         "cosigned_by": cosigned,
         "foreign_entries": list(report.foreign),
+        "csv_legacy": report.csv_legacy,
     }
     return _Outcome(checkpoint, result, human)
+
+
+# A bundle exported before the CSV cells were neutralised (docs/audit.md, the entries.csv row):
+# valid evidence, but its CSV may hold a cell a spreadsheet runs as a formula.
+_CSV_LEGACY = (
+    "\nWARNING: entries.csv predates CSV-injection neutralisation (a cell may start with = + - @ "
+    "and run as a formula): do not open it in a spreadsheet; use entries.jsonl or re-export"
+)
 
 
 def _foreign(indices: tuple[int, ...]) -> str:

@@ -5,8 +5,9 @@ may-reuse, expired, must-zeroize, quota). Never touches tensors and never writes
 store offers a hook the ledger subscribes to).
 
 Module map: `enums` (vocabularies), `models` (documents), `invariants` (cross-field rules), `loading`
-(YAML/JSON with field-path errors), `decisions` (pure functions), `store` (versioned SQL store), `cli`
-(`kvguard policy ...`). The CLI is not re-exported here, so importing policy does not import typer.
+(YAML/JSON with field-path errors), `decisions` (pure functions), `diff` (field differences between
+two documents), `store` (versioned SQL store), `cli` (`kvguard policy ...`). The CLI is not
+re-exported here, so importing policy does not import typer.
 """
 
 from kvguard.policy.decisions import (

@@ -62,7 +62,7 @@ def test_policy_put_history_diff_and_ledger(make_env: Callable[..., ApiEnv], any
         "auditor", "GET", "/v1/policies/diff", params={"from_version": 0, "to_version": 1}
     ).json()
     paths = {c["path"]: (c["old"], c["new"]) for c in diff["changes"]}
-    assert paths["tenants.acme.retention.ttl_s"] == (None, 60)
+    assert paths["tenants.acme.retention.ttl_s"] == (3600, 60)  # the default's, then acme's
     assert env.call("auditor", "GET", "/v1/policies/versions/7").status_code == 404
     kinds = [r.event.kind for r in env.services.ledger.query(limit=100).records]
     assert kinds == [EventKind.POLICY_CHANGE, EventKind.ADMIN_ACTION]
@@ -101,6 +101,46 @@ def test_policy_diff_lists_only_changes(env: ApiEnv) -> None:
         "epoch": (0, 1),
         "tenants.acme.quota.max_blocks": (None, 1),
     }
+
+
+def test_policy_diff_compares_a_newly_named_tenant_against_the_default(env: ApiEnv) -> None:
+    """A tenant only one version names read as null in the other, but it had that version's
+    default policy there: naming acme with `max_blocks: null` under a default cap of 100 lifted
+    acme's cap, and the diff did not list it. A tenant named with exactly the default showed
+    nothing at all; its naming is now listed as `tenants.<id>`."""
+
+    def diff(a: int, b: int) -> dict[str, tuple[Any, Any]]:
+        params = {"from_version": a, "to_version": b}
+        r = env.call("auditor", "GET", "/v1/policies/diff", params=params)
+        assert r.status_code == 200, r.text
+        return {c["path"]: (c["old"], c["new"]) for c in r.json()["changes"]}
+
+    def put(policy: dict[str, Any], reason: str) -> None:
+        r = env.call("admin", "PUT", "/v1/policies", json={"policy": policy, "reason": reason})
+        assert r.status_code == 201, r.text
+
+    assert diff(0, 0) == {}
+    policy = env.call("auditor", "GET", "/v1/policies/current").json()["policy"]
+    policy["default"]["quota"]["max_blocks"] = 100
+    put(policy, "cap everyone")  # version 1
+    policy["tenants"] = {"acme": {"quota": {"max_blocks": None}}}
+    put(policy, "lift acme's cap")  # version 2
+    acme = env.call("auditor", "GET", "/v1/policies/versions/2").json()["policy"]["tenants"]["acme"]
+    assert diff(1, 2) == {
+        "tenants.acme": (None, acme),
+        "tenants.acme.quota.max_blocks": (100, None),
+    }
+    assert diff(2, 1) == {
+        "tenants.acme": (acme, None),
+        "tenants.acme.quota.max_blocks": (None, 100),
+    }
+    # Named with exactly the default: no field differs, yet the naming is never invisible.
+    policy["tenants"]["globex"] = {"quota": {"max_blocks": 100}}
+    put(policy, "name globex")  # version 3
+    globex = env.call("auditor", "GET", "/v1/policies/versions/3").json()["policy"]["tenants"]
+    assert diff(2, 3) == {"tenants.globex": (None, globex["globex"])}
+    assert diff(3, 2) == {"tenants.globex": (globex["globex"], None)}
+    assert diff(3, 3) == {}
 
 
 def test_invalid_policy_is_refused_with_the_field_path(env: ApiEnv) -> None:

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from kvguard.audit import bundle
 from kvguard.audit.cli import audit_app, keys_app, verify_command
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.manifest import Manifest, file_digest, format_manifest, parse_manifest
 from kvguard.audit.offline import verify_bundle
 from kvguard.audit.signing import SigningKey
 from kvguard.errors import VerificationError
@@ -166,6 +167,61 @@ def test_csv_cells_are_never_spreadsheet_formulas_and_the_bundle_still_verifies(
     assert bundle.spreadsheet_cell("-5") == "'-5"
     assert bundle.spreadsheet_cell("-5 6", numeric=True) == "'-5 6"
     assert bundle.spreadsheet_cell("st-tenant1") == "st-tenant1"
+
+
+def test_a_bundle_exported_before_csv_neutralisation_still_verifies_and_is_reported(
+    sqlite_url: str,
+    open_ledger: Opener,
+    key: SigningKey,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Archived evidence stays verifiable: a bundle the exporter wrote before 344b40e (every CSV
+    cell as is, e.g. a client-chosen request id `-retry-1`) was rejected once the verifier
+    regenerated entries.csv with the neutralised cells. It verifies again, in the legacy style
+    for the whole file, reported (`csv_legacy`) and warned about by `kvguard verify`."""
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many(
+        [make_event(0, request_id="-retry-1"), make_event(1), make_event(2, scope_tag="=x")]
+    )
+    with monkeypatch.context() as patch:  # what the exporter wrote before 344b40e
+        patch.setattr(bundle, "spreadsheet_cell", lambda value, *, numeric=False: value)
+        ledger.export(tmp_path / "old")
+    assert ",-retry-1," in (tmp_path / "old" / bundle.CSV).read_text()
+    report = verify_bundle(tmp_path / "old", [key.verifier_key()], origin=ORIGIN, full=True)
+    assert report.csv_legacy
+    code, out = _verify(tmp_path / "old", key.verifier_key(), full=True)
+    assert code == 0, out
+    assert "WARNING: entries.csv predates CSV-injection neutralisation" in out
+    assert "spreadsheet" in out
+    args = ["verify", str(tmp_path / "old"), "--key", key.verifier_key(), "--origin", ORIGIN]
+    machine = CliRunner().invoke(_app(), [*args, "--json"])
+    assert machine.exit_code == 0 and json.loads(machine.stdout)["csv_legacy"] is True
+    ledger.export(tmp_path / "new")  # today's bundle: not legacy, no warning
+    assert not verify_bundle(tmp_path / "new", [key.verifier_key()], origin=ORIGIN).csv_legacy
+    assert "entries.csv predates" not in _verify(tmp_path / "new", key.verifier_key())[1]
+
+
+def test_an_entries_csv_mixing_legacy_and_neutralised_lines_fails(
+    sqlite_url: str, open_ledger: Opener, key: SigningKey, tmp_path: Path
+) -> None:
+    """The legacy rendering is accepted for a whole file, never line by line: a file whose first
+    hostile line is neutralised and whose second is not is no file kvguard wrote (a manifest
+    signed for it does not help)."""
+    ledger = open_ledger(sqlite_url)
+    ledger.append_many([make_event(0, request_id="-retry-1"), make_event(1, request_id="@x")])
+    ledger.export(tmp_path / "b")
+    path = tmp_path / "b" / bundle.CSV
+    lines = path.read_text().splitlines(keepends=True)
+    assert lines[2].count("'@x") == 1
+    path.write_text("".join([*lines[:2], lines[2].replace("'@x", "@x")]))
+    signed = (tmp_path / "b" / "manifest").read_text()
+    text = parse_manifest(signed.split("\n\n")[0] + "\n")
+    files = {name: file_digest(tmp_path / "b" / name) for name in text.files}
+    forged = format_manifest(Manifest(**{**text.__dict__, "files": files}))
+    (tmp_path / "b" / "manifest").write_text(ledger.sign_note(forged))
+    with pytest.raises(VerificationError, match=r"entries.csv \(entry 1\): mixes the legacy"):
+        verify_bundle(tmp_path / "b", [key.verifier_key()], origin=ORIGIN, full=True)
 
 
 def _all_bytes(root: Path) -> list[tuple[Path, int]]:

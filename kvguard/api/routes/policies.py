@@ -18,7 +18,6 @@ the write replaces (the compare-and-set makes that the latest one when it commit
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -54,6 +53,7 @@ from kvguard.errors import (
     PreconditionFailedError,
 )
 from kvguard.policy import PolicySet, TenantPolicy
+from kvguard.policy.diff import policy_changes
 from kvguard.policy.store import PolicyChange, PolicyVersion
 from kvguard.policy.tighten import loosened
 
@@ -342,35 +342,13 @@ def policy_diff(
     to_version: Annotated[int, Query(ge=0, lt=1 << 62)],
 ) -> PolicyDiff:
     """Field-by-field differences between two versions (0 is the built-in defaults): only the
-    fields whose values differ. A field one version lacks (a tenant only the other names) reads as
-    null there, as `old` / `new` show it, so a null field of a new tenant is no change."""
+    fields whose values differ, by dotted path. A tenant only one version names is compared
+    against the other version's `default` (a lifted cap shows), and its naming is listed as
+    `tenants.<id>`: null -> its object, or back (`kvguard.policy.diff`)."""
     old = _public(_get_version(access.services, from_version)).policy
     new = _public(_get_version(access.services, to_version)).policy
-    a, b = _flatten(json.loads(old.canonical_json())), _flatten(json.loads(new.canonical_json()))
-    changes = [
-        PolicyDiffEntry(path=p, old=a.get(p), new=b.get(p))
-        for p in sorted(a.keys() | b.keys())
-        if _json(a.get(p)) != _json(b.get(p))
-    ]
+    changes = [PolicyDiffEntry(path=p, old=a, new=b) for p, a, b in policy_changes(old, new)]
     return PolicyDiff(from_version=from_version, to_version=to_version, changes=changes)
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """The leaves of a policy document by dotted path. A mapping is never a leaf: an empty one
-    (`tenants: {}`) has no leaves, as a tenant map that names nobody holds no fields, so adding a
-    tenant lists the tenant's fields and not also `tenants: {} -> null`."""
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
-def _json(value: Any) -> str:
-    """`value` as canonical JSON: `True` and `1`, or `1` and `1.0`, are equal in Python but not the
-    same policy value."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @router.get("/v1/tenants/{tenant_id}/policy", response_model=TenantPolicyPublic)
