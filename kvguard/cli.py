@@ -9,9 +9,10 @@ reports a result takes `--json`; exit statuses follow one table (`kvguard.cli_ou
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from kvguard import __version__
 from kvguard.api.cli import create_key_command, revoke_key_command, serve_command
@@ -37,7 +38,26 @@ from kvguard.logging import configure_logging
 from kvguard.policy.cli import policy_app
 from kvguard.settings import load_settings
 
+if TYPE_CHECKING:
+    from typer._click import Context as ClickContext  # the click that typer vendors
+
+
+_JSON_REQUESTED = "kvguard.json_requested"  # a key of the root context's `meta`
+
+
+class _RootGroup(TyperGroup):
+    """The `kvguard` group, noting whether its command line asks for `--json`: the root options
+    (`--log-level`) are checked before the subcommand parses its own, and their errors must be
+    reported as that subcommand's are (one JSON object on stdout with `--json`)."""
+
+    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
+        options = args[: args.index("--")] if "--" in args else args
+        ctx.meta[_JSON_REQUESTED] = "--json" in options
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=_RootGroup,
     name="kvguard",
     help="Multi-tenant security and governance for the paged KV caches of LLM serving engines.",
     no_args_is_help=True,
@@ -72,6 +92,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
+    ctx: typer.Context,
     log_level: Annotated[
         str | None,
         typer.Option(
@@ -85,14 +106,15 @@ def _main(
     ] = False,
 ) -> None:
     if log_level is not None and log_level.upper() not in _LEVELS:
-        typer.echo(
-            f"usage error: log level {log_level!r} is not one of {', '.join(_LEVELS)}", err=True
-        )
-        raise typer.Exit(EXIT_USAGE)
+        # Named, never echoed: a value in the wrong variable may be a secret (as load_settings).
+        raise fail(_BAD_LOG_LEVEL, EXIT_USAGE, bool(ctx.meta.get(_JSON_REQUESTED)))
     configure_logging(log_level or "WARNING", explicit=log_level is not None)
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_BAD_LOG_LEVEL = (
+    f"KVGUARD_LOG_LEVEL (or --log-level): should be one of {', '.join(_LEVELS)} (any case)"
+)
 
 
 @keys_app.command("salt-keyring")

@@ -117,7 +117,8 @@ def reporting(
 ) -> Iterator[None]:
     """Turn the errors a command expects into the table's status: kvguard's own errors by
     `exit_code_for`, an OSError or one of `usage` as 2, a database error as 2 (its type only: a
-    driver's message may quote connection details). Anything else is a bug and propagates.
+    driver's message may quote connection details or values; a failed connection says why,
+    `connect_problem`). Anything else is a bug and propagates.
     `invalid`: result fields of the JSON error object when the answer is no (`{"valid": False}`)."""
     expected: tuple[type[Exception], ...] = (KvguardError, OSError, *usage)
     try:
@@ -196,7 +197,8 @@ def _is_database_error(exc: BaseException) -> bool:
 def _database_problem(exc: BaseException, db_url: str | None) -> str:
     """What a database error means for the operator, by its type only (a driver's message may quote
     connection details or the statement's values): a value the database refused, a schema that does
-    not match this release, or a database that could not be reached."""
+    not match this release, or a database that could not be reached (then why: `connect_problem`,
+    whose message quotes no statement)."""
     import sqlalchemy.exc as sa_exc  # noqa: PLC0415 - loaded already: `exc` is one of its errors
 
     where = f" {safe_url(db_url)}" if db_url else ""
@@ -213,7 +215,46 @@ def _database_problem(exc: BaseException, db_url: str | None) -> str:
             f"privilege ({kind}): run `kvguard db migrate` as the owner role, then "
             "`kvguard db grants APP_ROLE` (docs/operations.md)"
         )
+    if isinstance(exc, sa_exc.OperationalError) and exc.statement is None and db_url:
+        return connect_problem(exc, db_url)
     return f"cannot open database{where}: {kind}"
+
+
+def connect_problem(exc: BaseException, db_url: str) -> str:
+    """Why a connection to `db_url` failed, for the operator: the server's own reason when it
+    refused (`database "x" does not exist`, `password authentication failed for user "u"`), else
+    the driver's (connection refused, a host that does not resolve), its first line. A connect
+    error quotes no statement and no value, and the URL's password and secret query parameters
+    are masked in it all the same. (It said "cannot be read (OperationalError)": a user with a
+    mistyped database name could not tell it from a server that is down.)"""
+    from sqlalchemy.engine import make_url  # noqa: PLC0415 - loaded already: `exc` is its error
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
+    where = safe_url(db_url)
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__]
+    # libpq: `connection failed: connection to server at "h", port p failed: FATAL:  <reason>`
+    reason = lines[0].rpartition(" failed: ")[2].strip() or lines[0]
+    server = ""
+    try:
+        parsed = make_url(db_url)
+    except (ArgumentError, ValueError):
+        pass
+    else:
+        for name, value in parsed.query.items():
+            for secret in (value,) if isinstance(value, str) else value:
+                if secret and SECRET_PARAMETER.search(name):
+                    reason = reason.replace(secret, _MASK)
+        if parsed.password:
+            reason = reason.replace(str(parsed.password), _MASK)
+        if parsed.host:
+            server = f"the server at {parsed.host}" + (f":{parsed.port}" if parsed.port else "")
+    before, fatal, told = reason.partition("FATAL:")
+    if fatal and not before.strip():
+        refused = f"{server or 'the server'} refused the connection"
+        return f"cannot open database {where}: {refused}: {told.strip()}"
+    if server:
+        return f"cannot open database {where}: no connection to {server}: {reason}"
+    return f"cannot open database {where}: {reason}"  # a file (SQLite) or a local socket
 
 
 def _dumps(result: Mapping[str, Any]) -> str:

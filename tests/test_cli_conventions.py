@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from kvguard.audit.signing import SigningKey
 from kvguard.cli import app
 from kvguard.control.tenants import TenantRegistry
 from tests.audit.conftest import make_event
-from tests.dbs import sqlite_with_tenants
+from tests.dbs import PG_URL, sqlite_with_tenants
 
 runner = CliRunner()
 ORIGIN = "log.kvguard.test/conventions"
@@ -274,6 +275,79 @@ def test_demo_without_vllm_reports_a_json_error(monkeypatch: pytest.MonkeyPatch)
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
     )
     assert "pip install" in failed_json(["demo"], 2)["error"]
+
+
+@pytest.mark.parametrize("where", ["variable", "option"])
+def test_a_bad_log_level_is_a_json_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """`KVGUARD_LOG_LEVEL=loud kvguard demo --json` printed a plain "usage error" line and no
+    JSON: the root option is checked before the subcommand has parsed its `--json`."""
+    if where == "variable":
+        monkeypatch.setenv("KVGUARD_LOG_LEVEL", "loud")
+        args = ["policy", "digest", str(EXAMPLES / "default-secure.yaml")]
+    else:
+        args = ["--log-level", "loud", "policy", "digest", str(EXAMPLES / "default-secure.yaml")]
+    failed = failed_json(args, 2)
+    assert failed["error"].startswith("KVGUARD_LOG_LEVEL (or --log-level): ")
+    assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in failed["error"]
+    assert "loud" not in failed["error"]  # named, never echoed: it may be a misplaced secret
+    plain = runner.invoke(app, args)  # without --json: the message on stderr only
+    assert (plain.exit_code, plain.stdout) == (2, "")
+    assert plain.stderr == f"error: {failed['error']}\n"
+
+
+def _pg_reachable() -> bool:
+    engine = sa.create_engine(PG_URL)
+    try:
+        with engine.connect():
+            return True
+    except sa.exc.OperationalError:
+        return False
+    finally:
+        engine.dispose()
+
+
+def test_an_unknown_postgresql_database_is_named(tmp_path: Path) -> None:
+    """`--db postgresql+psycopg://127.0.0.1:5432/nosuchdb` said "cannot open database ...:
+    OperationalError" (`audit verify-db`: "cannot be read (OperationalError)"), as for a server
+    that is down. Now the server's reason, with the URL's host, port and database; no password."""
+    if not _pg_reachable():
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}")
+    name = f"nosuchdb_{uuid.uuid4().hex[:8]}"
+    pg = sa.engine.make_url(PG_URL)
+    # Without a password of its own the server trusts the role: one put in the URL is ignored.
+    url = pg.set(database=name, password=pg.password or "s3cret-pw")
+    db = url.render_as_string(hide_password=False)
+    led = make_ledger(tmp_path, entries=1)
+    for args in (
+        ["db", "migrate", "--db", db],
+        ["audit", "verify-db", "--db", db, "--origin", ORIGIN, "--key", str(led.key_file)],
+        ["keys", "tenant-key", "list", "--db", db],
+    ):
+        error = failed_json(args, 2)["error"]
+        assert f'refused the connection: database "{name}" does not exist' in error, error
+        assert cli_output.safe_url(db) in error  # its host, port and database
+        assert str(url.password) not in error and ":***@" in error
+
+
+def test_db_migrate_says_what_it_did(tmp_path: Path) -> None:
+    """On a new database `kvguard db migrate` printed "ledger schema up to date" although it had
+    just created every table."""
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    first = runner.invoke(app, ["db", "migrate", "--db", url])
+    assert first.exit_code == 0, first.output
+    done = ok_json(["db", "migrate", "--db", f"sqlite:///{tmp_path / 'other.db'}"])
+    ledger, control = done["ledger"]["after"], done["control"]["after"]
+    assert first.stdout == (
+        f"ledger schema: migrated from nothing to {ledger}\n"
+        f"control schema: migrated from nothing to {control}\n"
+    )
+    again = runner.invoke(app, ["db", "migrate", "--db", url])
+    assert again.stdout == (
+        f"ledger schema: already at {ledger} (up to date)\n"
+        f"control schema: already at {control} (up to date)\n"
+    )
 
 
 # -- one exit-code table -----------------------------------------------------------------------

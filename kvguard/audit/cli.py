@@ -154,7 +154,7 @@ def _require_ledger(url: str, json_output: bool) -> None:
         missing_sqlite_file,
         unescaped_at,
     )
-    from kvguard.cli_output import safe_url  # noqa: PLC0415
+    from kvguard.cli_output import connect_problem, safe_url  # noqa: PLC0415
 
     try:
         parsed = sa.engine.make_url(url)
@@ -177,12 +177,14 @@ def _require_ledger(url: str, json_output: bool) -> None:
     try:
         has_ledger = sa.inspect(engine).has_table(t.head.name)
     except sa.exc.SQLAlchemyError as exc:
-        raise fail(
-            f"database {where} cannot be read ({type(exc).__name__}): check --db / "
-            "KVGUARD_DB_URL and that the server is up",
-            EXIT_USAGE,
-            json_output,
-        ) from None
+        if isinstance(exc, sa.exc.OperationalError) and exc.statement is None:  # on connect
+            message = f"{connect_problem(exc, url)} (check --db / KVGUARD_DB_URL)"
+        else:
+            message = (
+                f"database {where} cannot be read ({type(exc).__name__}): check --db / "
+                "KVGUARD_DB_URL and that the server is up"
+            )
+        raise fail(message, EXIT_USAGE, json_output) from None
     finally:
         engine.dispose()
     if not has_ledger:

@@ -18,7 +18,7 @@ import signal
 import sqlite3
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import Annotated, Final
 
 import typer
 
@@ -26,11 +26,17 @@ from kvguard.audit import note
 from kvguard.audit.cli import create_note_key
 from kvguard.audit.cosign import WitnessKey
 from kvguard.cli_output import EXIT_USAGE, JsonOpt, fail
-from kvguard.errors import KvguardError
+from kvguard.errors import KvguardError, VerificationError
 
 witness_app = typer.Typer(
     help="Transparency-log witness (c2sp.org/tlog-witness) for kvguard ledgers.",
     no_args_is_help=True,
+)
+
+
+LOG_OPTION_FORM: Final = (
+    "--log takes ORIGIN=VKEY, or a bare VKEY whose name is the origin; VKEY is the log's verifier "
+    "key, NAME+KEYID+BASE64KEY as `kvguard keys verifier-key LOG_SIGNING_KEY_FILE` prints it"
 )
 
 
@@ -43,7 +49,12 @@ def parse_log_option(value: str) -> tuple[str, note.Verifier]:
     origin, sep, vkey = value.partition("=")
     if not sep or "+" in origin:
         origin, vkey = "", value
-    verifier = note.parse_verifier_key(vkey)
+    if "+" not in vkey:  # `--log ORIGIN`, `--log ORIGIN=`: the key left out
+        raise ValueError(f"{LOG_OPTION_FORM}; this one has no verifier key")
+    try:
+        verifier = note.parse_verifier_key(vkey, what="its verifier key")
+    except VerificationError as exc:  # never echoed: a private key pasted by mistake is a secret
+        raise ValueError(f"{LOG_OPTION_FORM}; {exc}") from None
     origin = origin or verifier.name
     if "\n" in origin or not origin.strip():
         raise ValueError("a log origin is one non-empty line")
@@ -66,7 +77,12 @@ def _stop(_signum: int, _frame: FrameType | None) -> None:
 def serve_command(
     key: Annotated[Path, typer.Option("--key", help="Witness key file (0600)")],
     log: Annotated[
-        list[str], typer.Option("--log", help="ORIGIN=VKEY of a log to witness (repeatable)")
+        list[str],
+        typer.Option(
+            "--log",
+            help="ORIGIN=VKEY of a log to witness, or a bare VKEY (its name is the origin); VKEY "
+            "as `kvguard keys verifier-key` prints it (repeatable)",
+        ),
     ],
     state: Annotated[Path, typer.Option("--state", help="Witness state file (SQLite, 0600)")],
     listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to bind")] = "127.0.0.1:8650",

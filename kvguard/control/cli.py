@@ -418,8 +418,18 @@ def db_migrate(
         "ledger": {"before": ledger_before, "after": ledger_after},
         "control": {"before": control_before, "after": control_after},
     }
-    human = f"control schema at {control_after}; ledger schema up to date"
+    human = (
+        f"ledger schema: {_migration(ledger_before, ledger_after)}\n"
+        f"control schema: {_migration(control_before, control_after)}"
+    )
     emit(result, json_output, human)
+
+
+def _migration(before: str | None, after: str | None) -> str:
+    """What `db migrate` did to one schema, from its revisions before and after."""
+    if before == after:
+        return f"already at {after} (up to date)"
+    return f"migrated from {before or 'nothing'} to {after}"
 
 
 @db_app.command("grants")

@@ -107,7 +107,10 @@ def test_serve_says_which_database_it_cannot_open(
     monkeypatch.setenv("KVGUARD_MODE", "dev")
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     url = "postgresql+psycopg://kvguard:s3cret-pw@127.0.0.1:1/nowhere"
-    result = runner.invoke(app, ["serve", "--db", url, "--port", "1"])
+    result = runner.invoke(app, ["serve", "--db", url, "--port", "0"])
     assert result.exit_code == 2, result.output  # an environment error (docs/cli.md)
-    assert "cannot open database" in result.output and "OperationalError" in result.output
+    assert "cannot open database postgresql+psycopg://kvguard:***@127.0.0.1:1/nowhere" in (
+        result.output
+    )
+    assert "no connection to the server at 127.0.0.1:1: Connection refused" in result.output
     assert "s3cret-pw" not in result.output and "Traceback" not in result.output

@@ -180,10 +180,42 @@ def test_serve_stopped_by_a_signal_exits_0(
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_serve_on_a_port_in_use_exits_2(tmp_path: Path, workers: int) -> None:
+    """Exit 2, the error naming HOST:PORT and why, and no start-up banner: it was printed
+    ("kvguard admin API on http://...") before uvicorn tried to bind, so a port in use read as a
+    server that came up and then failed."""
     with _port_in_use() as port:
-        proc = _start_serve(tmp_path, port, "--workers", str(workers))
-        code = _exit_code(proc)
-    assert code == 2, (code, _log(tmp_path))
+        done = subprocess.run(
+            [KVGUARD, "serve", "--port", str(port), "--checkpoint-interval", "0",
+             "--workers", str(workers)],
+            env=_dev_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "admin API on" not in done.stdout + done.stderr
+    assert f"error: cannot serve on 127.0.0.1:{port}: Address already in use" in done.stderr
+
+
+def test_serve_banner_names_the_port_it_listens_on(tmp_path: Path) -> None:
+    """The banner comes once the socket is bound, so it names the port `--port 0` got."""
+    proc = subprocess.Popen(
+        [KVGUARD, "serve", "--port", "0", "--checkpoint-interval", "0"],
+        env=_dev_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    with _reaped(proc):
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert banner.startswith("kvguard admin API on http://127.0.0.1:"), banner
+        url = banner.split()[4]
+        assert not url.endswith(":0")
+        _wait_until(_answers(f"{url}/healthz"), proc, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert _exit_code(proc) == 0
 
 
 # --- 1. kvguard witness serve ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from kvguard.audit.witness import (
     make_server,
     request_cosignatures,
 )
+from kvguard.audit.witness_cli import LOG_OPTION_FORM
 from kvguard.audit.witness_client import Status
 from kvguard.cli import app
 from kvguard.errors import ConfigError, SecretFileError, VerificationError
@@ -638,6 +639,26 @@ def test_witness_key_command_refuses_to_overwrite(tmp_path: Path) -> None:
         ],
     )
     assert bad.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "log_option",
+    [ORIGIN, f"{ORIGIN}=", f"{ORIGIN}=abc", "log.example+0ac1fa72+bad", "PRIVATE+KEY+x+1+2"],
+    ids=["origin only", "empty key", "no key", "malformed key", "a private key"],
+)
+def test_a_bad_log_option_says_the_form_it_expects(tmp_path: Path, log_option: str) -> None:
+    """`witness serve --log ORIGIN` (the key left out) said only "verifier key must have the form
+    name+keyid+base64key", naming neither the option nor ORIGIN=VKEY; the value is never echoed
+    (a private key pasted by mistake is a secret)."""
+    wkey_file = tmp_path / "w.key"
+    WitnessKey.generate("w.kvguard.test").save(wkey_file)
+    args = ["witness", "serve", "--key", str(wkey_file), "--log", log_option]
+    bad = CliRunner().invoke(app, [*args, "--state", str(tmp_path / "s.db"), "--new-state"])
+    assert bad.exit_code == 2, bad.output
+    assert bad.stderr.startswith(f"usage error: {LOG_OPTION_FORM}; "), bad.stderr
+    assert "ORIGIN=VKEY" in bad.stderr and "NAME+KEYID+BASE64KEY" in bad.stderr
+    assert log_option not in bad.stderr.replace(LOG_OPTION_FORM, "")
+    assert not (tmp_path / "s.db").exists()
 
 
 def test_a_witness_without_its_state_file_refuses_to_start(tmp_path: Path, key: SigningKey) -> None:
