@@ -224,9 +224,10 @@ def connect_problem(exc: BaseException, db_url: str) -> str:
     """Why a connection to `db_url` failed, for the operator: the server's own reason when it
     refused (`database "x" does not exist`, `password authentication failed for user "u"`), else
     the driver's (connection refused, a host that does not resolve), its first line. A connect
-    error quotes no statement and no value, and the URL's password and secret query parameters
-    are masked in it all the same. (It said "cannot be read (OperationalError)": a user with a
-    mistyped database name could not tell it from a server that is down.)"""
+    error quotes no statement and no value; one that contains the URL's password or a secret query
+    parameter anyway is withheld whole (masking each occurrence gave a short password away: with
+    `a`, `d***t***b***se`). (It said "cannot be read (OperationalError)": a user with a mistyped
+    database name could not tell it from a server that is down.)"""
     from sqlalchemy.engine import make_url  # noqa: PLC0415 - loaded already: `exc` is its error
     from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
 
@@ -240,12 +241,12 @@ def connect_problem(exc: BaseException, db_url: str) -> str:
     except (ArgumentError, ValueError):
         pass
     else:
+        secrets = [str(parsed.password)] if parsed.password else []
         for name, value in parsed.query.items():
-            for secret in (value,) if isinstance(value, str) else value:
-                if secret and SECRET_PARAMETER.search(name):
-                    reason = reason.replace(secret, _MASK)
-        if parsed.password:
-            reason = reason.replace(str(parsed.password), _MASK)
+            if SECRET_PARAMETER.search(name):
+                secrets += [value] if isinstance(value, str) else list(value)
+        if any(secret and secret in reason for secret in secrets):
+            reason = "the driver's reason is withheld: it contains a secret of the URL"
         if parsed.host:
             server = f"the server at {parsed.host}" + (f":{parsed.port}" if parsed.port else "")
     before, fatal, told = reason.partition("FATAL:")

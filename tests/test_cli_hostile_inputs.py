@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -101,17 +100,21 @@ def test_F3_huge_max_unsigned_age_is_a_usage_error(age: str, tmp_path: Path) -> 
 
 @pytest.fixture
 def serve_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Dev-mode secrets under tmp_path and a server that records what it was asked to serve."""
+    """Dev-mode secrets under tmp_path and a uvicorn that records what it was asked to serve
+    (and, for a negative port, fails to start the way uvicorn does: exit 3)."""
+    import uvicorn  # noqa: PLC0415
+
     monkeypatch.setenv("KVGUARD_MODE", "dev")
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     runs: list[dict[str, Any]] = []
 
-    def run(app_: Any, listener: socket.socket, **kwargs: Any) -> None:
-        listener.close()
+    def run(app_: Any, **kwargs: Any) -> None:
         runs.append(kwargs)
         app_.state.services.close()
+        if int(kwargs["port"]) < 0:  # uvicorn cannot bind it and exits 3; a port above 65535
+            raise SystemExit(3)  # is bound modulo 65536 (99999 -> 34463), so it "works"
 
-    monkeypatch.setattr("kvguard.api.cli.run_uvicorn", run)
+    monkeypatch.setattr(uvicorn, "run", run)
     return runs
 
 

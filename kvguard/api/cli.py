@@ -127,11 +127,15 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
                 WitnessEndpoint.parse(w)
             except VerificationError as exc:  # a malformed option (exit 2), not an invalid log
                 raise ConfigError(f"--witness: {exc}") from None
-    listener = listen_socket(host, port)  # bound before anything says the server is up
     with reporting(False, db_url=config.db_url):
         services = Services.open(config)
-    address = _address(host, listener.getsockname()[1])  # --port 0: the port the kernel chose
-    typer.echo(f"kvguard admin API on http://{address} (database {safe_url(config.db_url)})")
+    problem = _bind_problem(host, port)
+    if problem is not None:  # before the banner: a port in use read as a server that came up
+        services.close()
+        raise fail(f"cannot serve on {_address(host, port)}: {problem}", EXIT_USAGE)
+    typer.echo(
+        f"kvguard admin API on http://{_address(host, port)} (database {safe_url(config.db_url)})"
+    )
     capture_stdlib_logging()  # uvicorn's own lines: structlog JSON with kvguard's redaction
     if workers > 1:
         # Checked above in this process (secrets, database, migrations); each worker opens its
@@ -141,15 +145,17 @@ def serve_command(  # noqa: PLR0917 (typer maps each parameter to one option)
         export_server_logging()  # the workers log as this process does (access lines at INFO)
         run_uvicorn(
             "kvguard.api.app:app_from_environment",
-            listener,
             factory=True,
             workers=workers,
+            host=host,
+            port=port,
             **uvicorn_options(trusted_proxy or []),
         )
         return
     run_uvicorn(
         create_app(services, close_on_shutdown=True, freeze_heap=True),
-        listener,
+        host=host,
+        port=port,
         **uvicorn_options(trusted_proxy or []),
     )
 
@@ -160,76 +166,45 @@ def _valid_checkpoint_interval(seconds: float) -> bool:
     return seconds == 0 or MIN_CHECKPOINT_INTERVAL_S <= seconds <= MAX_CHECKPOINT_INTERVAL_S
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound as uvicorn binds one (`Config.bind_socket`: SO_REUSEADDR, and
-    inheritable by worker processes), or the exit-2 failure naming `host:port` and why (in use,
-    a host that does not resolve). Bound before the start-up banner is printed: uvicorn bound it
-    after the banner, so a port in use printed "kvguard admin API on ..." and then failed."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-    except OSError as exc:
-        listener.close()
-        reason = exc.strerror or str(exc)
-        raise fail(f"cannot serve on {_address(host, port)}: {reason}", EXIT_USAGE) from None
-    listener.set_inheritable(True)
-    return listener
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def run_uvicorn(app: Any, listener: socket.socket, **options: Any) -> None:
-    """Serve `app` with uvicorn on `listener` (from `listen_socket`), its ends mapped to the
-    servers' exit codes (docs/operations.md, "Exit codes of the servers"):
+def run_uvicorn(app: Any, *, host: str, port: int, **options: Any) -> None:
+    """`uvicorn.run`, its ends mapped to the servers' exit codes (docs/operations.md, "Exit codes
+    of the servers"):
 
     - stopped by SIGTERM (systemd, Docker, Kubernetes) or Ctrl-C after a graceful shutdown:
       returns (exit 0). uvicorn re-raises a signal it caught once it has shut down, with the
       handler that was installed before it ran; that handler is `_stopped`, which exits 0, instead
       of the default one, which would kill the process (status 143);
-    - the application could not start: uvicorn logs the cause and exits 3; exit 1 instead;
+    - could not start: uvicorn logs the cause and exits 3. Exit 2 when the address cannot be
+      bound (in use, a host that does not resolve: checked again here, uvicorn exits 3 for any
+      start-up failure), else 1: the application failed to start;
     - with workers, a worker that fails to start (it cannot open its database, say; also the
       replacement of a worker that died) makes uvicorn's supervisor log an error and stop every
-      worker, and return as after a signal: exit 1.
-
-    What `uvicorn.run` does, on a socket bound already (an address it cannot bind is exit 2,
-    `listen_socket`'s)."""
+      worker, and `uvicorn.run` then returns as after a signal: exit 1."""
     import uvicorn  # noqa: PLC0415
-    from uvicorn.supervisors import Multiprocess  # noqa: PLC0415
 
-    host, port = listener.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, **options)
     supervisor = _SupervisorErrors()
     uvicorn_log = logging.getLogger("uvicorn.error")
+    workers = int(options.get("workers") or 1)
     previous = {sig: _on_signal(sig, _stopped) for sig in _STOP_SIGNALS}
+    if workers > 1:
+        uvicorn_log.addHandler(supervisor)
     try:
-        if config.workers > 1:
-            uvicorn_log.addHandler(supervisor)
-            Multiprocess(config, sockets=[listener]).run()
-        else:
-            server = uvicorn.Server(config)
-            server.run(sockets=[listener])
-            if not server.started:
-                raise SystemExit(_STARTUP_FAILURE)
-    except KeyboardInterrupt:  # as `uvicorn.run`: a Ctrl-C that uvicorn did not catch
-        pass
+        uvicorn.run(app, host=host, port=port, **options)
     except SystemExit as exc:
         if exc.code in {0, None}:
             return
+        problem = _bind_problem(host, port)  # taken since the check before the banner
+        if problem is not None:
+            raise fail(f"cannot serve on {_address(host, port)}: {problem}", EXIT_USAGE) from None
         raise fail(_FAILED, EXIT_FAILED) from None
     finally:
         uvicorn_log.removeHandler(supervisor)
         for sig, handler in previous.items():
             _on_signal(sig, handler)
-        listener.close()
     if supervisor.errors:
         raise fail(_FAILED, EXIT_FAILED)
 
 
-_STARTUP_FAILURE: Final = 3  # uvicorn.config.STARTUP_FAILURE
 _FAILED: Final = (
     "the server failed: the application or a worker process could not start (the log lines "
     "above say why); exit 1 so that a supervisor restarts it"
@@ -247,6 +222,33 @@ class _SupervisorErrors(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.errors += 1
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be served (in use, a host that does not resolve), or None. Probes
+    every address the host resolves to, as uvicorn's server binds them (one socket each, IPv6 ones
+    IPv6-only, SO_REUSEADDR: a port a server listens on is refused, one in TIME_WAIT is not), and
+    closes the probes: uvicorn binds for real afterwards (a port taken in between is exit 2 too)."""
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                return exc.strerror or str(exc)
+    return None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:

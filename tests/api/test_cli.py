@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,10 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from kvguard.api.auth import ApiKeys, Role
+from kvguard.api.cli import _bind_problem
 from kvguard.audit.db import create_engine
 from kvguard.cli import app
+from kvguard.cli_output import connect_problem
 from kvguard.control.db import open_engine
 from kvguard.control.schema import AdminKeyRow, OutboxRow
 from kvguard.control.tenants import TenantRegistry
@@ -114,3 +117,31 @@ def test_serve_says_which_database_it_cannot_open(
     )
     assert "no connection to the server at 127.0.0.1:1: Connection refused" in result.output
     assert "s3cret-pw" not in result.output and "Traceback" not in result.output
+
+
+def test_the_bind_check_before_the_banner_probes_what_the_server_would_bind() -> None:
+    """`kvguard serve` checks its address before it prints the banner (the banner used to come
+    first, then uvicorn's bind failed): every address the host resolves to, like uvicorn's server;
+    the probes are closed again, so the server binds them afterwards."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _bind_problem("127.0.0.1", port) == "Address already in use"
+        assert _bind_problem("localhost", port) is not None  # 127.0.0.1 among its addresses
+        assert _bind_problem("no-such-host.invalid", port) is not None
+    assert _bind_problem("127.0.0.1", port) is None
+    assert _bind_problem("127.0.0.1", port) is None  # the probe itself holds nothing
+
+
+def test_a_connect_error_containing_the_password_is_withheld_whole() -> None:
+    """Masking each occurrence of a short password gave it away (`a`: `d***t***b***se`)."""
+    exc = Exception(
+        'connection failed: connection to server at "h", port 5432 failed: FATAL:  database '
+        '"kvguard_prod" does not exist'
+    )
+    short = connect_problem(exc, "postgresql+psycopg://kvguard:a@h:5432/kvguard_prod")
+    assert "withheld" in short and "***t***" not in short and "does not exist" not in short
+    long = connect_problem(exc, "postgresql+psycopg://kvguard:L0ng-s3cret@h:5432/kvguard_prod")
+    assert long.endswith('refused the connection: database "kvguard_prod" does not exist'), long
+    assert "L0ng-s3cret" not in long

@@ -445,17 +445,18 @@ def test_serve_trusts_forwarded_headers_only_from_configured_proxies(
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     runs: list[dict[str, Any]] = []
 
-    def run(app: FastAPI, listener: socket.socket, **kwargs: Any) -> None:
-        listener.close()
+    def run(app: FastAPI, **kwargs: Any) -> None:
         runs.append({"max_body_bytes": app.state.services.config.max_body_bytes, **kwargs})
         app.state.services.close()
 
-    monkeypatch.setattr("kvguard.api.cli.run_uvicorn", run)
-    serve = ["serve", "--db", f"sqlite:///{tmp_path / 'k.db'}", "--port", "0"]
+    monkeypatch.setattr(uvicorn, "run", run)
+    db = f"sqlite:///{tmp_path / 'k.db'}"
     runner = CliRunner()
-    assert runner.invoke(cli_app, serve).exit_code == 0
+    assert runner.invoke(cli_app, ["serve", "--db", db, "--port", "0"]).exit_code == 0
     proxies = ["--trusted-proxy", "10.0.0.1", "--trusted-proxy", "10.0.0.2"]
-    result = runner.invoke(cli_app, [*serve, "--max-body-bytes", "2048", *proxies])
+    result = runner.invoke(
+        cli_app, ["serve", "--db", db, "--port", "0", "--max-body-bytes", "2048", *proxies]
+    )
     assert result.exit_code == 0, result.output
     default, configured = runs
     assert default["proxy_headers"] is False and default["forwarded_allow_ips"] == ""
@@ -478,12 +479,7 @@ def test_serve_with_workers_hands_each_worker_the_checked_settings(
     monkeypatch.setenv(CONFIG_ENV, "")  # so that teardown removes what the command sets
     monkeypatch.delenv(CONFIG_ENV)
     runs: list[tuple[Any, dict[str, Any]]] = []
-
-    def run(app: str, listener: socket.socket, **kwargs: Any) -> None:
-        listener.close()
-        runs.append((app, kwargs))
-
-    monkeypatch.setattr("kvguard.api.cli.run_uvicorn", run)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append((app, kwargs)))
     db = f"sqlite:///{tmp_path / 'k.db'}"
     args = ["serve", "--db", db, "--port", "0", "--workers", "2", "--max-body-bytes", "4096"]
     result = CliRunner().invoke(cli_app, args)

@@ -198,26 +198,6 @@ def test_serve_on_a_port_in_use_exits_2(tmp_path: Path, workers: int) -> None:
     assert f"error: cannot serve on 127.0.0.1:{port}: Address already in use" in done.stderr
 
 
-def test_serve_banner_names_the_port_it_listens_on(tmp_path: Path) -> None:
-    """The banner comes once the socket is bound, so it names the port `--port 0` got."""
-    proc = subprocess.Popen(
-        [KVGUARD, "serve", "--port", "0", "--checkpoint-interval", "0"],
-        env=_dev_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    with _reaped(proc):
-        assert proc.stdout is not None
-        banner = proc.stdout.readline()
-        assert banner.startswith("kvguard admin API on http://127.0.0.1:"), banner
-        url = banner.split()[4]
-        assert not url.endswith(":0")
-        _wait_until(_answers(f"{url}/healthz"), proc, timeout=60)
-        proc.send_signal(signal.SIGTERM)
-        assert _exit_code(proc) == 0
-
-
 # --- 1. kvguard witness serve ------------------------------------------------------------------------
 
 

@@ -7,12 +7,12 @@ alone."""
 from __future__ import annotations
 
 import gc
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -51,12 +51,7 @@ def test_kvguard_serve_freezes_the_heap_once_started(
     monkeypatch.setenv("KVGUARD_MODE", "dev")
     monkeypatch.setenv("KVGUARD_DATA_DIR", str(tmp_path))
     served: list[FastAPI] = []
-
-    def run(app: FastAPI, listener: socket.socket, **_kwargs: Any) -> None:
-        listener.close()
-        served.append(app)
-
-    monkeypatch.setattr("kvguard.api.cli.run_uvicorn", run)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_kwargs: served.append(app))
     db = f"sqlite:///{tmp_path / 'k.db'}"
     result = CliRunner().invoke(cli_app, ["serve", "--db", db, "--port", "0"])
     assert result.exit_code == 0, result.output
@@ -77,12 +72,7 @@ def test_each_worker_of_kvguard_serve_workers_freezes_its_heap(
     monkeypatch.setenv(CONFIG_ENV, "")  # so that teardown removes what the command sets
     monkeypatch.delenv(CONFIG_ENV)
     targets: list[Any] = []
-
-    def run(app: str, listener: socket.socket, **_kwargs: Any) -> None:
-        listener.close()
-        targets.append(app)
-
-    monkeypatch.setattr("kvguard.api.cli.run_uvicorn", run)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_kwargs: targets.append(app))
     db = f"sqlite:///{tmp_path / 'k.db'}"
     result = CliRunner().invoke(cli_app, ["serve", "--db", db, "--port", "0", "--workers", "2"])
     assert result.exit_code == 0, result.output
