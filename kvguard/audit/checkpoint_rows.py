@@ -22,19 +22,15 @@ from kvguard.audit.checkpoint import parse_checkpoint
 from kvguard.audit.store import CheckpointRow, LedgerStore
 from kvguard.errors import VerificationError
 
-_KEY_ID = 4  # a signature line's blob starts with the signer's 4-byte key id (C2SP signed-note)
-
 
 def stranger_signed(row_note: str, ours: Sequence[note.Verifier]) -> bool:
     """True if `row_note` splits into a text and signatures, none of them by a key in `ours`
     (by name and key id): a retired key's row, or a forged one; its signatures are not checked.
     False for an unsigned or malformed note, and for one that one of our keys signed."""
-    try:
-        _, sigs = note.split_note(row_note)
+    try:  # a note that splits has at least one signature line
+        return not note.signed_by_any(row_note, ours)
     except (VerificationError, ValueError):
         return False
-    mine = {(v.name, v.key_id) for v in ours}
-    return bool(sigs) and not any((name, raw[:_KEY_ID]) in mine for name, raw in sigs)
 
 
 def retired_key_row(
