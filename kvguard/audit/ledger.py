@@ -110,13 +110,15 @@ class Ledger:
         batch_interval: float = 0.05,
         checkpoint_interval: float | None = None,
         witnesses: Sequence[WitnessEndpoint] = (),
+        writer_nice: int = 0,
     ) -> Ledger:
         """Open (creating or upgrading the schema) the ledger at `url`.
 
         `signing_key` may be several keys during a rotation: each checkpoint then carries one
         signature line per key. `checkpoint_interval` (seconds) starts periodic checkpoints.
         `witnesses`: c2sp.org/tlog-witness endpoints every checkpoint is submitted to; the note
-        `checkpoint()` returns carries the cosignatures they gave.
+        `checkpoint()` returns carries the cosignatures they gave. `writer_nice` lowers the group
+        commits' thread priority (`kvguard.audit.writer.lower_thread_priority`).
         """
         if not origin or "\n" in origin:
             raise AuditError("a ledger origin is one non-empty line (C2SP tlog-checkpoint)")
@@ -132,6 +134,7 @@ class Ledger:
             batch_size=batch_size,
             interval=batch_interval,
             overflow=Overflow(overflow),
+            nice=writer_nice,
         )
         ledger = cls(store, origin=origin, signing_keys=keys, clock=clock, writer=writer)
         ledger.witnesses = list(witnesses)

@@ -9,6 +9,11 @@ into validated `AuditEvent`s on the writer thread (`expand`), so an engine's sch
 deque append, not for building and validating entries. A source never raises: what the schema refuses
 it records in a redacted form (see `kvguard.engine_adapter.ledger_bridge`).
 
+On a host with few cores the commits compete with the caller's own work (an engine's forward
+passes). `nice` lowers the writer thread's CPU priority (Linux: the thread's nice value), so its
+commits take the cycles the caller leaves idle; entries then wait longer in the queue while the
+host is saturated (more of them lost if the process is killed meanwhile; `flush` waits for them).
+
 Never silent loss: events leave the queue only after their group committed. When the database
 fails, the writer keeps them and retries with backoff; the queue fills, and then the overflow policy
 decides: `block` makes `submit` wait for room, `fail_closed` raises `LedgerUnavailableError` so that
@@ -18,6 +23,8 @@ the caller refuses the work it wanted to record (G7).
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -31,6 +38,28 @@ from kvguard.logging import get_logger
 
 _log = get_logger("kvguard.audit.writer")
 _MAX_BACKOFF_S = 1.0
+MAX_NICE = 19  # the lowest priority Linux gives a thread
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Lower the calling thread's CPU priority to `nice` (0-19; never raises it, which would need
+    privileges). Linux only: elsewhere, and when the system refuses, nothing changes and the
+    result is False (logged)."""
+    if not 0 <= nice <= MAX_NICE:
+        raise ValueError(f"a thread's nice value is 0-{MAX_NICE}, not {nice}")
+    if nice == 0:
+        return True
+    if not sys.platform.startswith("linux"):
+        # Elsewhere PRIO_PROCESS with a thread id would name a process: never guessed.
+        _log.warning("ledger writer priority not lowered: only supported on Linux")
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError as exc:
+        _log.warning("ledger writer priority not lowered", error=exc.__class__.__name__)
+        return False
+    return True
 
 
 class EventSource(Protocol):
@@ -74,9 +103,13 @@ class BackgroundWriter:
         batch_size: int = 1_000,
         interval: float = 0.05,
         overflow: Overflow = Overflow.BLOCK,
+        nice: int = 0,
     ) -> None:
         if capacity < batch_size or batch_size < 1:
             raise ValueError("capacity must be at least batch_size, which must be positive")
+        if not 0 <= nice <= MAX_NICE:
+            raise ValueError(f"the writer's nice value is 0-{MAX_NICE}, not {nice}")
+        self._nice = nice
         self._write = write
         self._capacity = capacity
         self._batch_size = batch_size
@@ -180,6 +213,7 @@ class BackgroundWriter:
             return list(itertools.islice(self._queue, self._batch_size))
 
     def _run(self) -> None:
+        lower_thread_priority(self._nice)
         backoff = 0.01
         while True:
             batch = self._next_batch()

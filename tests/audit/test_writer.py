@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -11,7 +13,7 @@ import pytest
 
 from kvguard.audit.events import AuditEvent
 from kvguard.audit.ledger import Ledger
-from kvguard.audit.writer import BackgroundWriter, Overflow
+from kvguard.audit.writer import BackgroundWriter, Overflow, lower_thread_priority
 from kvguard.errors import LedgerUnavailableError
 
 from .conftest import make_event
@@ -302,3 +304,36 @@ def test_a_repeated_identical_entry_is_never_taken_for_one_that_landed(db_url: s
         notes = [json.loads(bytes(leaf))["details"]["note"] for leaf in leaves]
     engine.dispose()
     assert notes == ["n7", "n7", "n0", "n1"]
+
+
+def _thread_nice(writer: BackgroundWriter) -> int:
+    tid = writer._thread.native_id
+    assert tid is not None
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities: Linux only")
+def test_a_niced_writer_lowers_only_its_own_thread_and_still_commits() -> None:
+    sink = GatedSink()
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = BackgroundWriter(sink, capacity=100, batch_size=10, interval=0.01, nice=19)
+    writer.submit(make_event(0))
+    writer.flush(timeout=10)  # the thread has started and committed: its priority is set
+    assert _thread_nice(writer) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    assert os.getpriority(os.PRIO_PROCESS, 0) == caller  # the process as a whole: unchanged
+    assert len(sink.committed) == 1
+    writer.close()
+    plain = BackgroundWriter(sink, capacity=100, batch_size=10, interval=0.01)
+    plain.submit(make_event(1))
+    plain.flush(timeout=10)
+    assert _thread_nice(plain) == caller  # the default keeps the caller's priority
+    plain.close()
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_a_nice_value_outside_0_to_19_is_refused(nice: int) -> None:
+    with pytest.raises(ValueError, match="nice value is 0-19"):
+        BackgroundWriter(GatedSink(), capacity=10, batch_size=1, nice=nice)
+    with pytest.raises(ValueError, match="nice value is 0-19"):
+        lower_thread_priority(nice)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
@@ -47,6 +50,28 @@ def test_ledger_commit_interval_reaches_the_ledger_writer_and_is_bounded(tmp_pat
         assert ledger._writer._interval == 0.25
     finally:
         ledger.close()
+
+
+def test_ledger_writer_nice_reaches_the_writer_thread_and_is_bounded(tmp_path) -> None:
+    """The engine's ledger writer yields the cores to the forward passes by default (nice 19,
+    docs/benchmarks.md); an operator may keep it at the engine's priority (0)."""
+    extra = GuardOptions(**write_secrets(tmp_path)).to_extra_config()
+    assert GuardOptions.from_extra_config(extra).ledger_writer_nice == 19
+    for bad in (-1, 20, True, "5", 2.5):
+        with pytest.raises(ConfigError, match="ledger_writer_nice: expected a whole number 0-19"):
+            GuardOptions.from_extra_config({**extra, "ledger_writer_nice": bad})
+    for nice in (0, 7):
+        options = GuardOptions.from_extra_config({**extra, "ledger_writer_nice": nice})
+        assert GuardOptions.from_extra_config(options.to_extra_config()) == options
+        ledger = options.open_ledger()
+        try:
+            ledger.flush()  # the writer thread is running (it set its priority first)
+            tid = ledger._writer._thread.native_id
+            if sys.platform.startswith("linux"):
+                own = os.getpriority(os.PRIO_PROCESS, 0)
+                assert os.getpriority(os.PRIO_PROCESS, tid) == max(nice, own)
+        finally:
+            ledger.close()
 
 
 def test_an_engine_signs_with_both_keys_during_a_rotation(tmp_path, monkeypatch) -> None:

@@ -12,6 +12,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` (the step loop never waits under either: docs/vllm.md) | `fail_closed` |
 | `ledger_commit_interval_s` | seconds between the ledger writer's group commits: longer means fewer commits (less CPU taken from the engine) and more entries lost if the process is killed | `0.05` |
+| `ledger_writer_nice` | CPU priority of the ledger writer's thread, a Linux nice value 0-19: higher leaves the engine's forward passes the cores and lets entries wait in the queue while the host is saturated | `19` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
 | `commands_url` | control database: commands (`kvguard purge`, the admin API), engine registry and cache statistics (`kvguard.control.engines`) | `ledger_url` |
 | `policy_url` | policy store database (`kvguard.policy.store`): the engine starts with its current version and follows `policy` commands | unset: `policy_file` only |
@@ -42,6 +43,7 @@ from typing import Any, Final, overload
 from kvguard.audit.db import parse_url
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
+from kvguard.audit.writer import MAX_NICE
 from kvguard.cli_output import SECRET_PARAMETER
 from kvguard.control.policy_seed import seed_from_file
 from kvguard.errors import ConfigError, FailClosedError
@@ -55,6 +57,8 @@ DEFAULT_ORIGIN = "kvguard.local/ledger"
 _log = get_logger("vllm.runtime")
 DEFAULT_COMMIT_INTERVAL_S: Final = 0.05
 MAX_COMMIT_INTERVAL_S: Final = 5.0
+# The engine's ledger writer yields the CPU to the forward passes (docs/benchmarks.md, issue 10).
+DEFAULT_WRITER_NICE: Final = 19
 
 
 # The URLs in `kv_connector_extra_config` as given, by URL without its password (JSON).
@@ -107,6 +111,7 @@ class GuardOptions:
     ledger_origin: str = DEFAULT_ORIGIN
     ledger_overflow: str = "fail_closed"
     ledger_commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S
+    ledger_writer_nice: int = DEFAULT_WRITER_NICE
     verify_override: str | None = None
     canary: bool = False
     commands_url: str | None = None
@@ -142,6 +147,7 @@ class GuardOptions:
             ledger_origin=str(extra.get("ledger_origin", DEFAULT_ORIGIN)),
             ledger_overflow=str(extra.get("ledger_overflow", "fail_closed")),
             ledger_commit_interval_s=_commit_interval(extra),
+            ledger_writer_nice=_writer_nice(extra),
             verify_override=extra.get("verify_override"),
             canary=bool(extra.get("canary", False)),
             commands_url=_with_password(extra.get("commands_url"), passwords),
@@ -166,6 +172,7 @@ class GuardOptions:
             "more_signing_key_files": [str(p) for p in self.more_signing_key_files],
             "ledger_overflow": self.ledger_overflow,
             "ledger_commit_interval_s": self.ledger_commit_interval_s,
+            "ledger_writer_nice": self.ledger_writer_nice,
             "canary": self.canary,
         }
         if self.policy_file is not None:
@@ -236,6 +243,7 @@ class GuardOptions:
             ],
             overflow=self.ledger_overflow,
             batch_interval=self.ledger_commit_interval_s,
+            writer_nice=self.ledger_writer_nice,
         )
 
 
@@ -261,6 +269,16 @@ def _commit_interval(extra: dict[str, Any]) -> float:
         raise ConfigError(
             f"kv_connector_extra_config.ledger_commit_interval_s: {value} s is more than "
             f"{MAX_COMMIT_INTERVAL_S} s of entries an engine crash could lose"
+        )
+    return value
+
+
+def _writer_nice(extra: dict[str, Any]) -> int:
+    value = extra.get("ledger_writer_nice", DEFAULT_WRITER_NICE)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
+        raise ConfigError(
+            f"kv_connector_extra_config.ledger_writer_nice: expected a whole number 0-{MAX_NICE} "
+            "(a Linux nice value; 0 keeps the engine's priority)"
         )
     return value
 
