@@ -10,7 +10,11 @@ Target (issues 5 and 10): governed/plain >= 0.95 on the tiny CPU model, the wors
 Python overhead dominates, also with the KV pool full and the engine evicting (`--kv-kib 1024
 --tenants 16`: 64 blocks for 16 tenants' distinct prefixes, so every batch evicts cached blocks).
 Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--batches 3] [--kv-kib N]
-     [--tenants T] [--ledger-interval S]
+     [--tenants T] [--ledger-interval S] [--floor]
+
+`--floor` adds a third engine to each round: plain vLLM with a connector that does nothing
+(`benchmarks/noop_connector.py`), so the report also says what vLLM's own connector plumbing costs
+(connector/plain), the ceiling of governed/plain on the workload.
 
 Each child runs a warm-up batch, then `--batches` measured batches; the ratio compares the medians
 over every measured batch of each engine. Besides tokens/s it reports, per engine, where the wall
@@ -85,10 +89,18 @@ def open_engine(
     (None for plain). Shared by the benchmarks that compare the two on one workload."""
     from kvguard.engine_adapter.vllm.guarded import TenantRequest, tiny_llama_dir  # noqa: PLC0415
 
-    if mode == "plain":
+    if mode in ("plain", "connector"):
         from vllm import LLM  # noqa: PLC0415
+        from vllm.config import KVTransferConfig  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
+        if mode == "connector":  # vLLM's connector path, nothing of kvguard's
+            noop = KVTransferConfig(
+                kv_connector="NoopConnector",
+                kv_connector_module_path="benchmarks.noop_connector",
+                kv_role="kv_both",
+            )
+            kwargs = {**kwargs, "kv_transfer_config": noop}
         llm = LLM(model=str(tiny_llama_dir()), enable_prefix_caching=True, **kwargs)
         prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=t) for t, p in items]
         return lambda: llm.generate(prompts, params, use_tqdm=False), None
@@ -286,7 +298,7 @@ def _phases(g: Any) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", choices=["plain", "governed"])
+    ap.add_argument("--child", choices=["plain", "connector", "governed"])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=3, help="measured batches per child")
@@ -295,18 +307,24 @@ def main() -> None:
     ap.add_argument(
         "--ledger-interval", type=float, help="governed: ledger_commit_interval_s (default 0.05)"
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run plain vLLM with a connector that does nothing (vLLM's connector cost)",
+    )
     args = ap.parse_args()
     if args.child:
         child(args.child, args.out, args)
         return
-    runs: dict[str, list[dict]] = {"plain": [], "governed": []}
+    modes = ("plain", "connector", "governed") if args.floor else ("plain", "governed")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     passthrough = ["--batches", str(args.batches), "--kv-kib", str(args.kv_kib)]
     passthrough += ["--tenants", str(args.tenants)]
     if args.ledger_interval is not None:
         passthrough += ["--ledger-interval", str(args.ledger_interval)]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in ("plain", "governed"):
+            for mode in modes:
                 out = Path(tmp) / f"{mode}-{r}.json"
                 env = {**os.environ, "PYTHONPATH": str(ROOT)}
                 cmd = [sys.executable, __file__, "--child", mode, "--out", str(out), *passthrough]
@@ -314,7 +332,7 @@ def main() -> None:
                 batches = json.loads(out.read_text())
                 runs[mode].extend(batches)
                 rates = [round(b["generated"] / b["wall_s"], 1) for b in batches]
-                print(f"round {r} {mode:<8} generated tok/s per batch {rates}", file=sys.stderr)
+                print(f"round {r} {mode:<9} generated tok/s per batch {rates}", file=sys.stderr)
     report(args, runs)
 
 
@@ -335,26 +353,32 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     print(
         f"{'engine':<10}{'median tok/s':>14}{'forward s':>11}{'rest s':>9}  steps/tokens/preempted"
     )
-    for m in ("plain", "governed"):
-        fwd = med(x["forward_s"] for x in runs[m])
-        rest = med(x["wall_s"] - x["forward_s"] for x in runs[m])
-        s = runs[m][-1]["scheduled"]
+    for m, batches in runs.items():
+        fwd = med(x["forward_s"] for x in batches)
+        rest = med(x["wall_s"] - x["forward_s"] for x in batches)
+        s = batches[-1]["scheduled"]
         print(
             f"{m:<10}{med(rates[m]):>14.1f}{fwd:>11.3f}{rest:>9.3f}  "
             f"{s.get('steps')}/{s.get('tokens')}/{s.get('preempted')}"
         )
     print(f"ratio governed/plain: {governed / plain:.3f} (target >= 0.95)")
+    if "connector" in rates:
+        floor = med(rates["connector"])
+        print(
+            f"ratio connector/plain (vLLM's connector path, nothing of kvguard's): "
+            f"{floor / plain:.3f}; governed/connector: {governed / floor:.3f}"
+        )
     print(
         f"prefill tokens avoided per batch: plain {runs['plain'][-1]['prefill_avoided']}, "
         f"governed {last['prefill_avoided']} of {last['prompt_tokens']} prompt tokens"
     )
     print(f"engine evictions (cached blocks re-assigned), last governed batch: {last['evictions']}")
-    for m in ("plain", "governed"):
-        names = sorted({k for r in runs[m] for k in r["thread_cpu_s"]})
-        cpu = {n: med(r["thread_cpu_s"].get(n, 0.0) for r in runs[m]) for n in names}
+    for m, batches in runs.items():
+        names = sorted({k for r in batches for k in r["thread_cpu_s"]})
+        cpu = {n: med(r["thread_cpu_s"].get(n, 0.0) for r in batches) for n in names}
         text = ", ".join(f"{n} {v:.2f}" for n, v in cpu.items() if v >= 0.01)
         print(f"CPU s per thread per batch, {m} (medians): {text}")
-        gcs = runs[m][-1]["gc"]
+        gcs = batches[-1]["gc"]
         text = ", ".join(
             f"{g}: {int(n)} collections, {t * 1e3:.1f} ms in all"
             for g, (n, t) in sorted(gcs.items())
