@@ -18,9 +18,10 @@ import typer
 from typer.testing import CliRunner
 
 from kvguard.audit import bundle, merkle, note
-from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.checkpoint import Checkpoint, format_checkpoint, parse_checkpoint
 from kvguard.audit.cli import verify_command
 from kvguard.audit.events import AuditEvent
+from kvguard.audit.signing import SigningKey
 from tests.api.conftest import ApiEnv
 
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -317,3 +318,39 @@ def test_tenant_export_holds_only_that_tenants_entries(
     assert exports[0].scope_tag == seeded["tt_acme"] and exports[0].details["since"] == (
         "2026-11-26T12:00:05.000000Z"
     )
+
+
+def test_checkpoint_routes_serve_only_checkpoints_this_log_signed(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    """Whoever may write the database can insert a checkpoint row (the append guards check its
+    size, not its signature): a row signed by another key at the current tree size is never
+    served as the latest checkpoint, as the one an entry is proved against, or as the default
+    end of a consistency proof; asked for by size, the entry is proved against the computed
+    root with no note (found by a re-test: the planted note and its made-up root were served)."""
+    env = make_env(any_db)
+    _seed(env)
+    ours = env.call("admin", "POST", "/v1/audit/checkpoints").json()
+    ledger = env.services.ledger
+    ledger.append_many([AuditEvent(kind="block.alloc", scope_tag="st_acme_a", ts=T0)] * 3)
+    size = ledger.size
+    stranger = SigningKey.generate(ledger.origin)
+    made_up = b"\x07" * 32
+    text = format_checkpoint(Checkpoint(ledger.origin, size, made_up))
+    with ledger.store.engine.begin() as conn:
+        planted = note.join_note(text, [stranger.signature_line(text)])
+        ledger.store.insert_checkpoint(conn, size, made_up, planted, ours["tree_size"])
+    listed = env.call("auditor", "GET", "/v1/audit/checkpoints").json()["checkpoints"]
+    assert [c["tree_size"] for c in listed] == [ours["tree_size"], size]  # stored, listed as is
+    assert env.call("auditor", "GET", "/v1/audit/checkpoints/latest").json() == ours
+    body = env.call("auditor", "GET", "/v1/audit/consistency", params={"old_size": 1}).json()
+    assert body["new_size"] == ours["tree_size"]
+    body = env.call("auditor", "GET", "/v1/audit/entries/2").json()
+    _verify_entry_proof(body)
+    assert (body["tree_size"], body["checkpoint"]) == (ours["tree_size"], ours["note"])
+    body = env.call("auditor", "GET", "/v1/audit/entries/2", params={"tree_size": size}).json()
+    _verify_entry_proof(body)
+    assert body["checkpoint"] is None and base64.b64decode(body["root"]) == ledger.root(size)
+    newer = env.call("admin", "POST", "/v1/audit/checkpoints").json()  # signing goes on
+    assert newer["tree_size"] == size + 1
+    assert env.call("auditor", "GET", "/v1/audit/checkpoints/latest").json() == newer

@@ -130,7 +130,9 @@ def get_entry(
     ] = None,
 ) -> EntryProof:
     """One entry, its leaf and its inclusion proof against the latest checkpoint that covers it
-    (or `tree_size`), with that checkpoint's signed note."""
+    (or `tree_size`), with that checkpoint's signed note. Only checkpoints this log's keys signed
+    are served: a stored row signed by another key (rows can be inserted by whoever may write the
+    database) is proved against the computed root instead, with no note."""
     ledger = access.services.ledger
     record = _entry(access, index)
     with ledger.store.engine.connect() as conn:
@@ -141,8 +143,10 @@ def get_entry(
                     f"ledger size ({ledger.size})"
                 )
             row = checkpoint_at(conn, tree_size)
+            if row is not None and ledger.checkpoint_row_problem(row) is not None:
+                row = None  # not ours: the computed root, unsigned
         else:
-            row = ledger.store.latest_checkpoint(conn)
+            row = ledger.trusted_checkpoint(conn)
             if row is None or row.size <= index:
                 row = None  # not yet covered: prove against the current tree, unsigned
         size = row.size if row is not None else tree_size or ledger.size
@@ -171,14 +175,15 @@ def _entry(access: Access, index: int) -> LedgerRecord:
 
 @router.get("/checkpoints/latest", response_model=CheckpointPublic)
 def latest_checkpoint(access: Readers) -> CheckpointPublic:
-    """The latest signed checkpoint (404 before the first one)."""
+    """The latest checkpoint this log's keys signed (404 before the first one). Stored rows that
+    do not verify under them (another key's, inserted into the database) are skipped."""
     return CheckpointPublic.of(_latest(access))
 
 
 def _latest(access: Access) -> CheckpointRow:
-    store = access.services.ledger.store
-    with store.engine.connect() as conn:
-        row = store.latest_checkpoint(conn)
+    ledger = access.services.ledger
+    with ledger.store.engine.connect() as conn:
+        row = ledger.trusted_checkpoint(conn)
     if row is None:
         raise NotFoundError("no checkpoint has been signed yet")
     return row
@@ -214,6 +219,9 @@ def sign_checkpoint(
         row = checkpoint_at(conn, size)
     if row is None:  # the ledger stores the first checkpoint of every size it signs
         raise NotFoundError(f"checkpoint of size {size} not found")
+    if ledger.checkpoint_row_problem(row) is not None:  # a row of that size was there first
+        cp = parse_checkpoint(note.split_note(signed)[0])
+        row = CheckpointRow(cp.size, cp.root, signed, None)
     return CheckpointPublic.of(row)
 
 
