@@ -10,7 +10,7 @@ Target (issues 5 and 10): governed/plain >= 0.95 on the tiny CPU model, the wors
 Python overhead dominates, also with the KV pool full and the engine evicting (`--kv-kib 1024
 --tenants 16`: 64 blocks for 16 tenants' distinct prefixes, so every batch evicts cached blocks).
 Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--batches 3] [--kv-kib N]
-     [--tenants T] [--ledger-interval S] [--floor]
+     [--tenants T] [--ledger-interval S] [--writer-nice N] [--floor]
 
 `--floor` adds a third engine to each round: plain vLLM with a connector that does nothing
 (`benchmarks/noop_connector.py`), so the report also says what vLLM's own connector plumbing costs
@@ -83,6 +83,7 @@ def open_engine(
     kwargs: dict[str, object],
     *,
     ledger_interval: float | None = None,
+    writer_nice: int | None = None,
 ) -> tuple[Callable[[], list], Any]:
     """A plain vLLM engine (per-tenant client salts) or a governed one (kvguard's), in this process,
     and a function running `items` through it in one batch; the second value is the `GuardedLLM`
@@ -111,6 +112,8 @@ def open_engine(
     extra: dict[str, Any] = {"verify_override": "sample"}
     if ledger_interval is not None:
         extra["ledger_commit_interval_s"] = ledger_interval
+    if writer_nice is not None:
+        extra["ledger_writer_nice"] = writer_nice
     opts = GuardOptions(**write_secrets(Path(tempfile.mkdtemp())), **extra)
     g = GuardedLLM(str(tiny_llama_dir()), options=opts, **kwargs)
     batch = [(TenantRequest(t), p) for t, p in items]
@@ -130,6 +133,7 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
         params,
         engine_kwargs(args.kv_kib << 10),
         ledger_interval=args.ledger_interval,
+        writer_nice=args.writer_nice,
     )
     commits = CommitTimes(g.connector.scheduler_guard.ledger) if g is not None else None
     run()  # warm-up (also fills the cache so measured runs see the same hits)
@@ -308,6 +312,9 @@ def main() -> None:
         "--ledger-interval", type=float, help="governed: ledger_commit_interval_s (default 0.05)"
     )
     ap.add_argument(
+        "--writer-nice", type=int, help="governed: ledger_writer_nice (default 0; 19 on CPU hosts)"
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="also run plain vLLM with a connector that does nothing (vLLM's connector cost)",
@@ -322,6 +329,8 @@ def main() -> None:
     passthrough += ["--tenants", str(args.tenants)]
     if args.ledger_interval is not None:
         passthrough += ["--ledger-interval", str(args.ledger_interval)]
+    if args.writer_nice is not None:
+        passthrough += ["--writer-nice", str(args.writer_nice)]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in modes:
@@ -349,6 +358,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         f"{MAX_TOKENS} tokens out, KV pool {args.kv_kib} KiB; {args.rounds} rounds x "
         f"{args.batches} measured batches per engine"
         + (f"; ledger commit interval {args.ledger_interval} s" if args.ledger_interval else "")
+        + (f"; ledger writer nice {args.writer_nice}" if args.writer_nice is not None else "")
     )
     print(
         f"{'engine':<10}{'median tok/s':>14}{'forward s':>11}{'rest s':>9}  steps/tokens/preempted"

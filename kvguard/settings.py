@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # (0: no tier) and an optional directory for tenants whose policy allows `offload.disk`.
     offload_bytes: int = Field(default=0, ge=0)
     offload_dir: Path | None = None
+    # The engine's ledger writer thread's CPU priority, a Linux nice value (`kvguard engine serve`,
+    # engine option `ledger_writer_nice`, docs/vllm.md).
+    ledger_writer_nice: int = Field(default=0, ge=0, le=19)
     # Logging is the CLI's (`--log-level` / KVGUARD_LOG_LEVEL, kvguard.cli): one variable, read once.
 
     def database_url(self) -> str:

@@ -45,8 +45,7 @@ def lower_thread_priority(nice: int) -> bool:
     """Lower the calling thread's CPU priority to `nice` (0-19; never raises it, which would need
     privileges). Linux only: elsewhere, and when the system refuses, nothing changes and the
     result is False (logged)."""
-    if not 0 <= nice <= MAX_NICE:
-        raise ValueError(f"a thread's nice value is 0-{MAX_NICE}, not {nice}")
+    _check_nice(nice)
     if nice == 0:
         return True
     if not sys.platform.startswith("linux"):
@@ -60,6 +59,11 @@ def lower_thread_priority(nice: int) -> bool:
         _log.warning("ledger writer priority not lowered", error=exc.__class__.__name__)
         return False
     return True
+
+
+def _check_nice(nice: object) -> None:
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+        raise ValueError(f"a thread's nice value is a whole number 0-{MAX_NICE}, not {nice!r}")
 
 
 class EventSource(Protocol):
@@ -107,8 +111,7 @@ class BackgroundWriter:
     ) -> None:
         if capacity < batch_size or batch_size < 1:
             raise ValueError("capacity must be at least batch_size, which must be positive")
-        if not 0 <= nice <= MAX_NICE:
-            raise ValueError(f"the writer's nice value is 0-{MAX_NICE}, not {nice}")
+        _check_nice(nice)  # here: a bad value raised on the thread would stop the writer
         self._nice = nice
         self._write = write
         self._capacity = capacity
@@ -213,7 +216,10 @@ class BackgroundWriter:
             return list(itertools.islice(self._queue, self._batch_size))
 
     def _run(self) -> None:
-        lower_thread_priority(self._nice)
+        try:
+            lower_thread_priority(self._nice)
+        except Exception as exc:  # a priority is an optimisation: never lose the writer over it
+            _log.warning("ledger writer priority not lowered", error=exc.__class__.__name__)
         backoff = 0.01
         while True:
             batch = self._next_batch()

@@ -82,6 +82,7 @@ class ServeConfig:
             policy_url=db_url,
             offload_bytes=settings.offload_bytes,
             offload_dir=str(settings.offload_dir.resolve()) if settings.offload_dir else None,
+            ledger_writer_nice=settings.ledger_writer_nice,
         )
         return cls(options=options, db_url=db_url)
 

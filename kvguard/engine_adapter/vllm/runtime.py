@@ -12,7 +12,7 @@ Keys (all paths absolute or relative to the engine's working directory):
 | `ledger_origin` | checkpoint origin line | `kvguard.local/ledger` |
 | `ledger_overflow` | `block` or `fail_closed` (the step loop never waits under either: docs/vllm.md) | `fail_closed` |
 | `ledger_commit_interval_s` | seconds between the ledger writer's group commits: longer means fewer commits (less CPU taken from the engine) and more entries lost if the process is killed | `0.05` |
-| `ledger_writer_nice` | CPU priority of the ledger writer's thread, a Linux nice value 0-19: higher leaves the engine's forward passes the cores and lets entries wait in the queue while the host is saturated | `19` |
+| `ledger_writer_nice` | CPU priority of the ledger writer's thread, a Linux nice value 0-19: higher leaves a CPU engine's forward passes the cores, and makes entries, flushes and the ledger's head lock wait while the host is saturated (docs/vllm.md) | `0` |
 | `verify_override` | force `none`/`sample`/`full` for every zeroization (tests, benchmarks) | per policy |
 | `commands_url` | control database: commands (`kvguard purge`, the admin API), engine registry and cache statistics (`kvguard.control.engines`) | `ledger_url` |
 | `policy_url` | policy store database (`kvguard.policy.store`): the engine starts with its current version and follows `policy` commands | unset: `policy_file` only |
@@ -57,8 +57,10 @@ DEFAULT_ORIGIN = "kvguard.local/ledger"
 _log = get_logger("vllm.runtime")
 DEFAULT_COMMIT_INTERVAL_S: Final = 0.05
 MAX_COMMIT_INTERVAL_S: Final = 5.0
-# The engine's ledger writer yields the CPU to the forward passes (docs/benchmarks.md, issue 10).
-DEFAULT_WRITER_NICE: Final = 19
+# The engine's ledger writer keeps the engine's CPU priority unless told otherwise: at 19 it yields
+# the cores to a CPU engine's forward passes, but on a saturated host its flushes and the ledger's
+# head lock then wait seconds (docs/vllm.md, docs/benchmarks.md, issue 10).
+DEFAULT_WRITER_NICE: Final = 0
 
 
 # The URLs in `kv_connector_extra_config` as given, by URL without its password (JSON).
