@@ -190,25 +190,77 @@ def _superuser_rewrites_entry_3(sqlite_url: str, *more_sql: str) -> None:
         conn.close()
 
 
+def _superuser_rewrites_entry_3_pg(pg_url: str) -> None:
+    """`_superuser_rewrites_entry_3` on PostgreSQL: the database owner (the test's superuser)
+    disables the append-only triggers (ENABLE ALWAYS: session_replication_role does not stop
+    them) for one transaction, rewrites entry 3 consistently and restores them as they were."""
+    from kvguard.audit import merkle  # noqa: PLC0415
+
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            triggers = list(
+                conn.exec_driver_sql(
+                    "SELECT c.relname, t.tgname, t.tgenabled FROM pg_trigger t JOIN pg_class c "
+                    "ON c.oid = t.tgrelid WHERE NOT t.tgisinternal "
+                    "AND c.relname IN ('ledger_entries', 'ledger_hashes')"
+                )
+            )
+            for table, name, _ in triggers:
+                conn.exec_driver_sql(f"ALTER TABLE {table} DISABLE TRIGGER {name}")
+            leaf = bytes(
+                conn.execute(sa.text("SELECT leaf FROM ledger_entries WHERE idx=3")).scalar_one()
+            ).replace(b'"req-0"', b'"req-X"')
+            conn.execute(
+                sa.text(
+                    "UPDATE ledger_entries SET leaf=:leaf, leaf_hash=:h, request_id='req-X' "
+                    "WHERE idx=3"
+                ),
+                {"leaf": leaf, "h": merkle.leaf_hash(leaf)},
+            )
+            hashes = [
+                bytes(r[0])
+                for r in conn.execute(sa.text("SELECT leaf_hash FROM ledger_entries ORDER BY idx"))
+            ]
+            levels = merkle.tree_levels(hashes)
+            conn.execute(sa.text("DELETE FROM ledger_hashes"))
+            for level in range(1, len(levels)):
+                for i, h in enumerate(levels[level]):
+                    if (i + 1) << level <= len(hashes):
+                        conn.execute(
+                            sa.text("INSERT INTO ledger_hashes (id, hash) VALUES (:id, :h)"),
+                            {"id": merkle.stored_hash_key(level, i), "h": h},
+                        )
+            for table, name, enabled in triggers:
+                always = "ALWAYS " if enabled == "A" else ""
+                conn.exec_driver_sql(f"ALTER TABLE {table} ENABLE {always}TRIGGER {name}")
+    finally:
+        engine.dispose()
+
+
 def test_a_row_signed_by_a_stranger_key_never_hides_the_signed_checkpoint_below_it(
-    sqlite_url: str, open_ledger: Opener
+    db_url: str, open_ledger: Opener
 ) -> None:
     """A checkpoint row that names this origin, its size and the stored root, signed by a key
     this process does not hold, looks like a row of a retired key (`retired_key_row`), and the
     signer stopped looking for its trusted checkpoint there. So one INSERT the app role may run,
     signed by any key, made a fresh signer drop its anchor: after a superuser rewrote an entry
     covered by a signed checkpoint, it recomputed the rewritten root from the leaf hashes and
-    signed it (a fork) instead of refusing. Such a row is skipped now; a finished rotation still
-    works (test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation)."""
-    ledger = open_ledger(sqlite_url)
+    signed it (a fork) instead of refusing. Such a row is skipped now, on SQLite and PostgreSQL;
+    a finished rotation still works
+    (test_checkpoints_and_exports_go_on_after_a_finished_signing_key_rotation)."""
+    ledger = open_ledger(db_url)
     ledger.append_many([make_event(i) for i in range(12)])
     with ledger.store.engine.begin() as conn:
         ledger.store.insert_checkpoint(  # a checkpoint at 8 only, signed by the log's key
             conn, 8, ledger.store.root(8, conn), ledger.sign_note(_text(ledger, conn, 8)), None
         )
     ledger.close()
-    _superuser_rewrites_entry_3(sqlite_url)
-    fresh = open_ledger(sqlite_url)
+    if db_url.startswith("sqlite"):
+        _superuser_rewrites_entry_3(db_url)
+    else:
+        _superuser_rewrites_entry_3_pg(db_url)
+    fresh = open_ledger(db_url)
     stranger = SigningKey.generate(ORIGIN)
     with fresh.store.engine.begin() as conn:
         text = _text(fresh, conn, 12)  # the rewritten root, which the stored tree reproduces
@@ -222,14 +274,10 @@ def test_a_row_signed_by_a_stranger_key_never_hides_the_signed_checkpoint_below_
 
 
 def test_skipping_stranger_signed_rows_recomputes_no_root_per_row(
-    sqlite_url: str, open_ledger: Opener, monkeypatch: pytest.MonkeyPatch
+    db_url: str, open_ledger: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each checkpoint row signed by a key this process does not hold was skipped through
-    `retired_key_row`, which recomputed the stored root per row, under the head lock: 2,000 rows
-    an INSERT can plant cost 2,000 root computations per checkpoint (10,000: 2.9 s on SQLite,
-    7.4 s on PostgreSQL), and an unsigned row a warning each. Rows signed by other keys are now
-    told by their signature lines alone, and one line per search counts every skipped row."""
-    ledger = open_ledger(sqlite_url)
+    """(Docstring unchanged; now parametrized over SQLite and PostgreSQL.)"""
+    ledger = open_ledger(db_url)
     ledger.append(make_event(0))
     ledger.checkpoint()  # size 1: the row the search must find below the planted ones
     ledger.append_many([make_event(i) for i in range(1, 2004)])
@@ -736,3 +784,43 @@ def test_a_json_true_in_the_request_entry_is_no_count(
     document["job"].update(claims)
     with pytest.raises(VerificationError):
         verify_certificate(document, [key.verifier_key()])
+
+
+def test_a_line_naming_our_key_never_makes_a_stranger_or_forged_row_trusted(
+    db_url: str, open_ledger: Opener
+) -> None:
+    """Rows the app role may INSERT above a signed checkpoint, each naming this origin, its size and
+    the stored root: a stranger's signature next to a line naming our key with a bad signature
+    (either order: the first line of our key decides, as Go's note.Open), and a line naming our
+    key over another origin (which must not reach the wrong-origin refusal). None is trusted,
+    none is counted as a stranger's, none stops the next checkpoint; a genuine note of ours
+    that also carries a stranger's signature is trusted."""
+    ledger = open_ledger(db_url)
+    ours, stranger = ledger.signing_keys[0], SigningKey.generate(ORIGIN)
+    bad = note.signature_line(ours.name, ours.key_id, b"\x01" * 64)
+    ledger.append_many([make_event(i) for i in range(8)])
+    ledger.checkpoint()  # 8
+    ledger.append_many([make_event(i) for i in range(8, 12)])
+    with ledger.store.engine.begin() as conn:
+        t = {s: _text(ledger, conn, s) for s in (9, 10, 11)}
+        other = format_checkpoint(Checkpoint("other.example/log", 12, ledger.store.root(12, conn)))
+        rows = [
+            (9, note.join_note(t[9], [stranger.signature_line(t[9]), ours.signature_line(t[9])])),
+            (10, note.join_note(t[10], [stranger.signature_line(t[10]), bad])),
+            (11, note.join_note(t[11], [bad, ours.signature_line(t[11])])),
+            (12, note.join_note(other, [bad])),
+        ]
+        prev = 8
+        for size, signed in rows:
+            ledger.store.insert_checkpoint(conn, size, ledger.store.root(size, conn), signed, prev)
+            prev = size
+    with structlog.testing.capture_logs() as logs, ledger.store.engine.connect() as conn:
+        trusted = ledger.trusted_checkpoint(conn)
+    assert trusted is not None and trusted.size == 9  # ours (and a stranger's): trusted
+    (line,) = [e for e in logs if e["event"].startswith("ledger checkpoint row")]
+    assert line["log_level"] == "warning"
+    assert (line["skipped"], line["signed_by_other_keys"]) == (3, 0)
+    ledger.append(make_event(12))
+    ledger.checkpoint()  # not refused
+    with ledger.store.engine.connect() as conn:
+        assert ledger.trusted_checkpoint(conn).size == 13  # type: ignore[union-attr]
