@@ -312,7 +312,9 @@ def main() -> None:
         "--ledger-interval", type=float, help="governed: ledger_commit_interval_s (default 0.05)"
     )
     ap.add_argument(
-        "--writer-nice", type=int, help="governed: ledger_writer_nice (default 0; 19 on CPU hosts)"
+        "--writer-nice",
+        type=int,
+        help="governed: ledger_writer_nice (default 0; try 19 on a CPU host not oversubscribed)",
     )
     ap.add_argument(
         "--floor",

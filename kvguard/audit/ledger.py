@@ -52,7 +52,7 @@ from kvguard.audit.timemarks import TimeMarks
 from kvguard.audit.verify_db import VerifyReport, verify_ledger
 from kvguard.audit.witness_client import CosignOutcome, WitnessEndpoint, request_cosignatures
 from kvguard.audit.witness_client import Status as WitnessStatus
-from kvguard.audit.writer import BackgroundWriter, Entry, Overflow, PeriodicTask
+from kvguard.audit.writer import BackgroundWriter, Entry, Overflow, PeriodicTask, check_nice
 from kvguard.errors import AuditError, LogRewrittenError, VerificationError
 from kvguard.logging import get_logger
 
@@ -122,6 +122,7 @@ class Ledger:
         """
         if not origin or "\n" in origin:
             raise AuditError("a ledger origin is one non-empty line (C2SP tlog-checkpoint)")
+        check_nice(writer_nice)  # before the database is touched
         keys = [signing_key] if isinstance(signing_key, SigningKey) else list(signing_key)
         if not keys:
             raise AuditError("a ledger needs at least one checkpoint signing key")
@@ -321,14 +322,14 @@ class Ledger:
             if self._anchor is None or self._anchor[0] <= size:
                 self._anchor = (size, root)
 
-    def trusted_checkpoint(self, conn: sa.Connection) -> CheckpointRow | None:
+    def trusted_checkpoint(self, conn: sa.Connection, *, log: bool = True) -> CheckpointRow | None:
         """The latest stored checkpoint row whose note verifies under this log's keys and names
         its origin, size and root; None if none does (the signer then recomputes the root from the
         leaf hashes once). Rows above it are skipped, never trusted, and never end the search (one
         signed by any key once did, so one INSERT made a fresh signer drop its anchor); a row
         signed by none of our keys is told by its signature lines alone, without recomputing a
         root under the head lock (`kvguard.audit.checkpoint_rows`). One line per search counts
-        the skipped rows."""
+        the skipped rows (`log`: readers serving checkpoints leave it to the signer)."""
         ours, skipped, found = self.verifiers(), SkippedRows(), None
         for row in self.store.checkpoints_newest_first(conn):
             problem = self.checkpoint_row_problem(row)
@@ -342,7 +343,8 @@ class Ledger:
                     f"opened as {self.origin!r} (the wrong origin?): refusing to sign"
                 )
             skipped.add(row.size, problem, stranger=stranger)
-        skipped.log(_log)
+        if log:
+            skipped.log(_log)
         return found
 
     def checkpoint_row_problem(self, row: CheckpointRow) -> str | None:

@@ -45,7 +45,7 @@ def lower_thread_priority(nice: int) -> bool:
     """Lower the calling thread's CPU priority to `nice` (0-19; never raises it, which would need
     privileges). Linux only: elsewhere, and when the system refuses, nothing changes and the
     result is False (logged)."""
-    _check_nice(nice)
+    check_nice(nice)
     if nice == 0:
         return True
     if not sys.platform.startswith("linux"):
@@ -61,7 +61,8 @@ def lower_thread_priority(nice: int) -> bool:
     return True
 
 
-def _check_nice(nice: object) -> None:
+def check_nice(nice: object) -> None:
+    """ValueError unless `nice` is a whole number 0-19."""
     if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
         raise ValueError(f"a thread's nice value is a whole number 0-{MAX_NICE}, not {nice!r}")
 
@@ -111,7 +112,7 @@ class BackgroundWriter:
     ) -> None:
         if capacity < batch_size or batch_size < 1:
             raise ValueError("capacity must be at least batch_size, which must be positive")
-        _check_nice(nice)  # here: a bad value raised on the thread would stop the writer
+        check_nice(nice)  # here: a bad value raised on the thread would stop the writer
         self._nice = nice
         self._write = write
         self._capacity = capacity

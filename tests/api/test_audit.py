@@ -354,3 +354,37 @@ def test_checkpoint_routes_serve_only_checkpoints_this_log_signed(
     newer = env.call("admin", "POST", "/v1/audit/checkpoints").json()  # signing goes on
     assert newer["tree_size"] == size + 1
     assert env.call("auditor", "GET", "/v1/audit/checkpoints/latest").json() == newer
+
+
+def test_a_retired_keys_checkpoint_is_served_with_its_true_root_and_a_misconfigured_one_is_503(
+    make_env: Callable[..., ApiEnv], any_db: str
+) -> None:
+    """After a finished key rotation the newest checkpoint may be the retired key's: it is still
+    served when the stored tree reproduces its root (the reader checks the note with the key it
+    holds), as the exporter keeps it. A row this log's own key signed for another origin is a
+    misconfiguration the reads answer 503 for, not a 400 that says "refusing to sign"."""
+    env = make_env(any_db)
+    _seed(env)
+    ours = env.call("admin", "POST", "/v1/audit/checkpoints").json()
+    ledger = env.services.ledger
+    ledger.append_many([AuditEvent(kind="block.alloc", scope_tag="st_acme_a", ts=T0)] * 2)
+    size, retired = ledger.size, SigningKey.generate(ledger.origin)
+    text = format_checkpoint(Checkpoint(ledger.origin, size, ledger.root(size)))
+    with ledger.store.engine.begin() as conn:
+        signed = note.join_note(text, [retired.signature_line(text)])
+        ledger.store.insert_checkpoint(conn, size, ledger.root(size), signed, ours["tree_size"])
+    latest = env.call("auditor", "GET", "/v1/audit/checkpoints/latest").json()
+    assert (latest["tree_size"], latest["note"]) == (size, signed)
+    note.open_note(latest["note"], [retired.verifier()])  # the retired key's holder checks it
+    body = env.call("auditor", "GET", "/v1/audit/entries/2", params={"tree_size": size}).json()
+    _verify_entry_proof(body)
+    assert body["checkpoint"] == signed
+    ledger.append(AuditEvent(kind="block.alloc", scope_tag="st_acme_a", ts=T0))
+    other = format_checkpoint(Checkpoint("other.example/log", size + 1, ledger.root(size + 1)))
+    with ledger.store.engine.begin() as conn:
+        ledger.store.insert_checkpoint(
+            conn, size + 1, ledger.root(size + 1), ledger.sign_note(other), size
+        )
+    for path in ("/v1/audit/checkpoints/latest", "/v1/audit/entries/2"):
+        r = env.call("auditor", "GET", path)
+        assert (r.status_code, r.json()["error"]) == (503, "unavailable"), r.text

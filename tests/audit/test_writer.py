@@ -8,11 +8,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
 from kvguard.audit.events import AuditEvent
 from kvguard.audit.ledger import Ledger
+from kvguard.audit.signing import SigningKey
 from kvguard.audit.writer import BackgroundWriter, Overflow, lower_thread_priority
 from kvguard.errors import LedgerUnavailableError
 
@@ -354,3 +356,17 @@ def test_a_priority_that_cannot_be_set_never_stops_the_writer(
     writer.flush(timeout=10)
     assert len(sink.committed) == 1
     writer.close()
+
+
+def test_a_ledger_with_a_bad_writer_nice_is_refused_before_its_database_is_touched(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "ledger.db"
+    with pytest.raises(ValueError, match="a whole number 0-19"):
+        Ledger.open(
+            f"sqlite:///{db}",
+            origin="kvguard.test/ledger",
+            signing_key=SigningKey.generate("kvguard.test/ledger"),
+            writer_nice=19.5,  # type: ignore[arg-type]
+        )
+    assert not db.exists()  # no schema made, no engine left open

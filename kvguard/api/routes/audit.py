@@ -13,6 +13,7 @@ import json
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
+import sqlalchemy as sa
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, AwareDatetime
@@ -32,12 +33,14 @@ from kvguard.api.offload import OneHopRoute
 from kvguard.audit import bundle, note
 from kvguard.audit.bundle_stream import BundleStream, ExportQuery
 from kvguard.audit.checkpoint import parse_checkpoint
+from kvguard.audit.checkpoint_rows import retired_key_row
 from kvguard.audit.events import EventKind
 from kvguard.audit.leaf import format_ts
+from kvguard.audit.ledger import Ledger
 from kvguard.audit.query import LedgerRecord, checkpoint_at, checkpoint_page
 from kvguard.audit.store import CheckpointRow
 from kvguard.control.tenants import TENANT_ID_PATTERN
-from kvguard.errors import NotFoundError
+from kvguard.errors import FailClosedError, NotFoundError, VerificationError
 
 router = APIRouter(
     route_class=OneHopRoute, prefix="/v1/audit", tags=["audit"], responses=ERROR_RESPONSES
@@ -130,9 +133,9 @@ def get_entry(
     ] = None,
 ) -> EntryProof:
     """One entry, its leaf and its inclusion proof against the latest checkpoint that covers it
-    (or `tree_size`), with that checkpoint's signed note. Only checkpoints this log's keys signed
-    are served: a stored row signed by another key (rows can be inserted by whoever may write the
-    database) is proved against the computed root instead, with no note."""
+    (or `tree_size`), with that checkpoint's signed note. Only checkpoints this log signed are
+    used (`_servable`): for any other stored row of that size the entry is proved against the
+    computed root, with no note."""
     ledger = access.services.ledger
     record = _entry(access, index)
     with ledger.store.engine.connect() as conn:
@@ -143,10 +146,10 @@ def get_entry(
                     f"ledger size ({ledger.size})"
                 )
             row = checkpoint_at(conn, tree_size)
-            if row is not None and ledger.checkpoint_row_problem(row) is not None:
-                row = None  # not ours: the computed root, unsigned
+            if row is not None and not _servable(ledger, conn, row):
+                row = None  # not this log's: the computed root, unsigned
         else:
-            row = ledger.trusted_checkpoint(conn)
+            row = _newest_servable(ledger, conn)
             if row is None or row.size <= index:
                 row = None  # not yet covered: prove against the current tree, unsigned
         size = row.size if row is not None else tree_size or ledger.size
@@ -175,18 +178,53 @@ def _entry(access: Access, index: int) -> LedgerRecord:
 
 @router.get("/checkpoints/latest", response_model=CheckpointPublic)
 def latest_checkpoint(access: Readers) -> CheckpointPublic:
-    """The latest checkpoint this log's keys signed (404 before the first one). Stored rows that
-    do not verify under them (another key's, inserted into the database) are skipped."""
+    """The latest checkpoint this log signed (404 before the first one): its keys' signature
+    verifies, or, after a finished key rotation, a retired key's whose root the stored tree
+    reproduces. Other stored rows (anyone who may write the database can insert one) are
+    skipped."""
     return CheckpointPublic.of(_latest(access))
 
 
 def _latest(access: Access) -> CheckpointRow:
     ledger = access.services.ledger
     with ledger.store.engine.connect() as conn:
-        row = ledger.trusted_checkpoint(conn)
+        row = _newest_servable(ledger, conn)
     if row is None:
-        raise NotFoundError("no checkpoint has been signed yet")
+        raise NotFoundError("no checkpoint signed by this log yet")
     return row
+
+
+# Rows above the newest one this log's keys verify that are checked as a retired key's (each costs
+# a root computed from the stored hashes): enough for the checkpoints of a finished rotation.
+_RETIRED_LOOKBACK = 8
+
+
+def _servable(ledger: Ledger, conn: sa.Connection, row: CheckpointRow) -> bool:
+    """Whether a reader may be given stored checkpoint `row`: this log's keys verify it, or it
+    is a retired key's for this origin whose root the stored tree reproduces (no trust granted:
+    the reader checks the note with the key it holds; a made-up root is never served)."""
+    if ledger.checkpoint_row_problem(row) is None:
+        return True
+    ours = ledger.verifiers()
+    return retired_key_row(ledger.store, conn, row, origin=ledger.origin, ours=ours)
+
+
+def _newest_servable(ledger: Ledger, conn: sa.Connection) -> CheckpointRow | None:
+    """The newest `_servable` row: the signer's trusted checkpoint, or one of the few rows above
+    it that a retired key signed. Reads log nothing about skipped rows (the signer does, once per
+    checkpoint) and a row of ours for another origin is a misconfiguration (503)."""
+    try:
+        trusted = ledger.trusted_checkpoint(conn, log=False)
+    except VerificationError as exc:
+        raise FailClosedError(f"the ledger's checkpoints cannot be served: {exc}") from None
+    floor = trusted.size if trusted is not None else 0
+    ours = ledger.verifiers()
+    for n, row in enumerate(ledger.store.checkpoints_newest_first(conn)):
+        if row.size <= floor or n >= _RETIRED_LOOKBACK:
+            break
+        if retired_key_row(ledger.store, conn, row, origin=ledger.origin, ours=ours):
+            return row
+    return trusted
 
 
 @router.get("/checkpoints", response_model=CheckpointPage)
@@ -197,7 +235,10 @@ def list_checkpoints(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> CheckpointPage:
-    """Every stored checkpoint, oldest first."""
+    """Every stored checkpoint, oldest first, as stored: rows are not checked here (anyone who
+    may write the database can insert one, and `prev_size` chains to whatever row was stored
+    before); verify each note with the log's verifier key. `/checkpoints/latest` serves only
+    this log's."""
     with access.services.ledger.store.engine.connect() as conn:
         rows, after = checkpoint_page(conn, after=cursor, limit=limit)
     return CheckpointPage(checkpoints=[CheckpointPublic.of(r) for r in rows], next_cursor=after)
@@ -219,10 +260,7 @@ def sign_checkpoint(
         row = checkpoint_at(conn, size)
     if row is None:  # the ledger stores the first checkpoint of every size it signs
         raise NotFoundError(f"checkpoint of size {size} not found")
-    if ledger.checkpoint_row_problem(row) is not None:  # a row of that size was there first
-        cp = parse_checkpoint(note.split_note(signed)[0])
-        row = CheckpointRow(cp.size, cp.root, signed, None)
-    return CheckpointPublic.of(row)
+    return CheckpointPublic.of(row)  # signed under the head lock: no other row of its size
 
 
 @router.get("/consistency", response_model=ConsistencyProof)
