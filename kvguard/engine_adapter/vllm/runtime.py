@@ -43,7 +43,7 @@ from typing import Any, Final, overload
 from kvguard.audit.db import parse_url
 from kvguard.audit.ledger import Ledger
 from kvguard.audit.signing import SigningKey
-from kvguard.audit.writer import MAX_NICE
+from kvguard.audit.writer import MAX_NICE, check_nice
 from kvguard.cli_output import SECRET_PARAMETER
 from kvguard.control.policy_seed import seed_from_file
 from kvguard.errors import ConfigError, FailClosedError
@@ -277,12 +277,14 @@ def _commit_interval(extra: dict[str, Any]) -> float:
 
 def _writer_nice(extra: dict[str, Any]) -> int:
     value = extra.get("ledger_writer_nice", DEFAULT_WRITER_NICE)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
+    try:
+        check_nice(value)
+    except ValueError:
         raise ConfigError(
             f"kv_connector_extra_config.ledger_writer_nice: expected a whole number 0-{MAX_NICE} "
             "(a Linux nice value; 0 keeps the engine's priority)"
-        )
-    return value
+        ) from None
+    return int(value)
 
 
 def _positive_float(extra: dict[str, Any], name: str) -> float | None:
