@@ -10,7 +10,7 @@ Target (issues 5 and 10): governed/plain >= 0.95 on the tiny CPU model, the wors
 Python overhead dominates, also with the KV pool full and the engine evicting (`--kv-kib 1024
 --tenants 16`: 64 blocks for 16 tenants' distinct prefixes, so every batch evicts cached blocks).
 Run: .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--batches 3] [--kv-kib N]
-     [--tenants T] [--ledger-interval S] [--writer-nice N] [--floor]
+     [--tenants T] [--ledger-interval S] [--writer-nice N] [--floor] [--phases]
 
 `--floor` adds a third engine to each round: plain vLLM with a connector that does nothing
 (`benchmarks/noop_connector.py`), so the report also says what vLLM's own connector plumbing costs
@@ -136,10 +136,11 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
         writer_nice=args.writer_nice,
     )
     commits = CommitTimes(g.connector.scheduler_guard.ledger) if g is not None else None
+    phases = PhaseClock.around(g) if g is not None and args.phases else None
     run()  # warm-up (also fills the cache so measured runs see the same hits)
     batches = []
     for _ in range(args.batches):
-        before = _phases(g) if mode == "governed" else {}
+        before = phases.snapshot() if phases is not None else {}
         first_step = g.connector.scheduler_guard.steps if g is not None else 0
         evicted = g.connector.scheduler_guard.reporter.counts["evictions"] if g is not None else 0
         cpu_before = thread_cpu()
@@ -163,8 +164,8 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
         }
         if commits is not None:
             result["commits"] = commits.overlap(steps.forwards)
-        if mode == "governed":
-            after = _phases(g)
+        if phases is not None:
+            after = phases.snapshot()
             result["phases"] = {
                 k: {
                     "seconds": v["seconds"] - before.get(k, {}).get("seconds", 0.0),
@@ -172,6 +173,7 @@ def child(mode: str, out: Path, args: argparse.Namespace) -> None:
                 }
                 for k, v in after.items()
             }
+        if g is not None:
             result["steps"] = g.connector.scheduler_guard.steps - first_step
             result["evictions"] = g.connector.scheduler_guard.reporter.counts["evictions"] - evicted
         batches.append(result)
@@ -293,11 +295,53 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
-def _phases(g: Any) -> dict:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
+class PhaseClock:
+    """kvguard's phases timed from the outside: wall time and calls per phase, from wrappers put
+    around the connector methods vLLM calls (the engine itself carries no timers)."""
 
-    sched = g.connector.scheduler_guard
-    return {**sched.timer.snapshot(), **get_kv_transfer_group().worker_guard.timer.snapshot()}
+    # (scheduler connector method, phase); the worker side's and the ledger's are added in `around`
+    SCHEDULER = (
+        ("on_new_request", "on_new_request"),
+        ("get_num_new_matched_tokens", "admission_gate"),
+        ("update_state_after_alloc", "update_state_after_alloc"),
+        ("build_connector_meta", "build_step"),
+        ("request_finished", "request_finished"),
+        ("update_connector_output", "worker_output"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    @classmethod
+    def around(cls, g: Any) -> PhaseClock:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
+
+        clock = cls()
+        for method, phase in cls.SCHEDULER:
+            clock.wrap(g.connector, method, phase)
+        clock.wrap(g.connector.scheduler_guard.bridge, "submit", "ledger_submit")  # nested
+        worker = get_kv_transfer_group()  # in-process: the worker's own connector
+        clock.wrap(worker, "bind_connector_metadata", "worker_zeroize")
+        clock.wrap(worker, "start_load_kv", "tier_load")
+        return clock
+
+    def wrap(self, obj: Any, method: str, phase: str) -> None:
+        orig = getattr(obj, method)
+        self.seconds[phase], self.calls[phase] = 0.0, 0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+                self.calls[phase] += 1
+
+        setattr(obj, method, timed)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {p: {"seconds": self.seconds[p], "calls": self.calls[p]} for p in self.seconds}
 
 
 def main() -> None:
@@ -317,6 +361,12 @@ def main() -> None:
         help="governed: ledger_writer_nice (default 0; try 19 on a CPU host not oversubscribed)",
     )
     ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="governed: time kvguard's phases from the outside (wrappers around the connector's "
+        "methods; they add their own cost to the governed engine, so ratios are read without)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="also run plain vLLM with a connector that does nothing (vLLM's connector cost)",
@@ -333,6 +383,8 @@ def main() -> None:
         passthrough += ["--ledger-interval", str(args.ledger_interval)]
     if args.writer_nice is not None:
         passthrough += ["--writer-nice", str(args.writer_nice)]
+    if args.phases:
+        passthrough.append("--phases")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in modes:
@@ -404,6 +456,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         f"{med(x['overlapped_mean_s'] for x in c) * 1e3:.2f} ms against "
         f"{med(x['clear_mean_s'] for x in c) * 1e3:.2f} ms for the others"
     )
+    if "phases" not in last:
+        return
     steps = max(1, int(last["steps"]))
     print(f"kvguard cost per engine step ({steps} steps in the last measured governed batch):")
     for name, v in last["phases"].items():

@@ -41,7 +41,12 @@ from kvguard.engine_adapter.records import (
 from kvguard.errors import CustodyError
 from kvguard.isolation.scope import Scope
 from kvguard.policy import TenantPolicy, ZeroizeOn
-from kvguard.policy.decisions import expired_at, expiry_deadline, must_zeroize_owned
+from kvguard.policy.decisions import (
+    EXPIRY_MARGIN_S,
+    expired_at,
+    expiry_deadline,
+    must_zeroize_owned,
+)
 from kvguard.zeroize.plan import digest_block_ids
 
 _HELD = (BlockStatus.ACTIVE, BlockStatus.CACHED, BlockStatus.QUARANTINED)  # a tenant's, by quota
@@ -69,6 +74,8 @@ def _others_past_prefix(rec: BlockRecord, scope: Scope) -> bool:
 
 
 _CLEAN_KEY: Final = (None, BlockStatus.FREE)  # the tally's key of a free block with no owner
+# The details of an allocation that needs no handover clear (one shared mapping: never changed)
+_NO_HANDOVER: Final[Details] = {"handover_zeroize": 0}
 
 
 class _Request:
@@ -85,8 +92,27 @@ class _Request:
         self.doomed = False
 
 
+class _Keep:
+    """An owner tenant's policy during one `Custody.finish`, its retention figures for
+    `Custody._cache_inline` read once, and how many blocks the call cached inline."""
+
+    __slots__ = ("cached", "cached_key", "cap", "idle", "inline", "policy", "ttl")
+
+    def __init__(self, tenant: str, policy: TenantPolicy, *, inline: bool) -> None:
+        self.policy = policy
+        self.cap = policy.quota.max_blocks
+        self.ttl, self.idle = policy.retention.ttl_s, policy.retention.idle_s
+        # A TTL or idle limit of 0 keeps nothing (`expiry_deadline` is -inf): the general path.
+        self.inline = inline and self.ttl > 0 and self.idle > 0
+        self.cached_key = (tenant, _CACHED)
+        self.cached = 0
+
+
 class Custody:
     """Block custody for one engine's KV pool of `num_blocks` blocks."""
+
+    # Tests set it False on one of two twins: the general path is the inline one's reference.
+    _inline_finish = True
 
     def __init__(self, num_blocks: int, *, policy: PolicyView, tagger: Tagger) -> None:
         if num_blocks <= 0:
@@ -365,9 +391,35 @@ class Custody:
         self._check_allocatable(fresh)
         handover: list[int] = []
         at = 0
+        blocks, tally, events = self._blocks, self._tally, self._events
         for (rid, ids), req in zip(grants, reqs, strict=True):
-            handover += self._grant(req, rid, fresh[at : at + len(ids)], now, None)
+            mine = fresh[at : at + len(ids)]
             at += len(ids)
+            if len(mine) != 1 or req.doomed or req.retain_blocks is not None:
+                handover += self._grant(req, rid, mine, now, None)
+                continue
+            # One block for a request that is not doomed and keeps any block (a decode step's
+            # growth): a clean free one is `_grant`'s first branch, inline; anything else goes
+            # through `_grant`.
+            rec = blocks[mine[0]]
+            if rec.status is not _FREE or rec.owner is not None:
+                handover += self._grant(req, rid, mine, now, None)
+                continue
+            scope = req.scope
+            rec.owner, rec.owner_tag, rec.doomed = scope, req.tag, False
+            rec.retain = req.use_cache
+            rec.status, rec.quarantined_at, rec.hashed = _ACTIVE, None, False
+            active = rec.tally_key = (scope.tenant_id, _ACTIVE)
+            tally[_CLEAN_KEY] -= 1
+            tally[active] += 1
+            rec.holders.add(RequestId(rid))
+            rec.last_used_at = rec.created_at = now
+            req.blocks.append(mine[0])
+            events.append(
+                CustodyEvent(EventKind.ALLOC, now, req.tag, rid, (mine[0],), _NO_HANDOVER)
+            )
+        if not tally.get(_CLEAN_KEY):  # counted down to 0 inline (or `_grant` took the key out)
+            tally.pop(_CLEAN_KEY, None)
         return handover
 
     def _grant(
@@ -582,7 +634,7 @@ class Custody:
         quarantined: list[int] = []
         retained = residue = 0
         blocks = self._blocks
-        policies: dict[str, TenantPolicy] = {}  # looked up once per owner tenant, not per block
+        keep: dict[str, _Keep] = {}  # each owner tenant's policy, looked up once, not per block
         for bid in dict.fromkeys(req.blocks):
             rec = blocks[bid]
             holders = rec.holders
@@ -592,11 +644,21 @@ class Custody:
             owner = rec.owner
             if owner is not None:
                 tenant = owner.tenant_id
-                policy = policies.get(tenant) or policies.setdefault(tenant, self._policy(tenant))
-            if owner is not None and self._keep_cached(rec, now, policy):
-                self._cache(rec, tenant, policy)
-                retained += 1
-            elif self._zeroize_now(rec):
+                k = keep.get(tenant) or keep.setdefault(tenant, self._keep(tenant))
+                inline = (  # most blocks: cached here, or False with nothing changed
+                    k.inline
+                    and rec.status is _ACTIVE
+                    and rec.retain
+                    and rec.hashed
+                    and not rec.doomed
+                    and self._cache_inline(rec, tenant, k, now)
+                )
+                if inline or self._keep_cached(rec, now, k.policy):
+                    if not inline:
+                        self._cache(rec, tenant, k.policy)
+                    retained += 1
+                    continue
+            if self._zeroize_now(rec):
                 self._quarantine(rec, now)
                 quarantined.append(bid)
             else:
@@ -604,6 +666,8 @@ class Custody:
                 self._set(rec, _FREE)
                 rec.hashed = False
                 residue += 1
+        for tenant in [t for t, k in keep.items() if k.cached]:
+            self._compact_ages(tenant)
         if quarantined or retained or residue:
             details: Details = {"retained": retained, "freed_unzeroized": residue}
             self._events.append(
@@ -674,6 +738,40 @@ class Custody:
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "quota"})
         return tuple(out)
 
+    def _keep(self, tenant: str) -> _Keep:
+        return _Keep(tenant, self._policy(tenant), inline=self._inline_finish)
+
+    def _cache_inline(self, rec: BlockRecord, tenant: str, k: _Keep, now: float) -> bool:
+        """Cache an active, retained, hashed, undoomed block of `tenant` that a finished request
+        leaves, when its quota has room and its expiry is clearly ahead (most blocks): the
+        effects of `_keep_cached` and `_cache` (the tally, the cached set, both expiry indexes)
+        with the policy's figures read once per request (`_keep`). False, with nothing changed,
+        when the block needs the general path (a cache at its quota, an expiry within the
+        margin: `expired_at` decides those exactly)."""
+        tally = self._tally
+        if k.cap is not None and tally.get(k.cached_key, 0) >= k.cap:
+            return False
+        deadline = min(rec.created_at + k.ttl, rec.last_used_at + k.idle) - EXPIRY_MARGIN_S
+        if now >= deadline:
+            return False
+        bid = rec.block_id
+        rec.status, rec.quarantined_at = _CACHED, None
+        old = rec.tally_key  # (tenant, active): an active block is counted under its owner
+        tally[old] -= 1
+        if not tally[old]:
+            del tally[old]
+        tally[k.cached_key] += 1
+        rec.tally_key = k.cached_key
+        self._cached.add(bid)
+        if not k.cached:  # `_schedule_expiry`'s first-block rule, once a call and tenant
+            self._retention_of.setdefault(tenant, (k.ttl, k.idle))
+        k.cached += 1
+        number = next(self._entry_numbers)
+        self._expiry_entry[bid] = number
+        heapq.heappush(self._expiry, (deadline, number, bid))
+        heapq.heappush(self._by_age.setdefault(tenant, []), (rec.created_at, number, bid))
+        return True
+
     def _schedule_expiry(self, rec: BlockRecord, policy: TenantPolicy | None = None) -> None:
         assert rec.owner is not None
         tenant = rec.owner.tenant_id
@@ -689,9 +787,13 @@ class Custody:
         self._expiry_entry[rec.block_id] = number
         deadline = expiry_deadline(policy, rec.created_at, rec.last_used_at)
         heapq.heappush(self._expiry, (deadline, number, rec.block_id))
-        ages = self._by_age.setdefault(tenant, [])
-        heapq.heappush(ages, (rec.created_at, number, rec.block_id))
-        if len(ages) > 2 * self.tenant_cached(tenant) + 64:  # drop dead entries now and then
+        heapq.heappush(self._by_age.setdefault(tenant, []), (rec.created_at, number, rec.block_id))
+        self._compact_ages(tenant)
+
+    def _compact_ages(self, tenant: str) -> None:
+        """Drop the tenant's dead age entries now and then (O(its entries), amortised)."""
+        ages = self._by_age[tenant]
+        if len(ages) > 2 * self.tenant_cached(tenant) + 64:
             live = [e for e in ages if self._expiry_entry.get(e[2]) == e[1]]
             heapq.heapify(live)
             self._by_age[tenant] = live

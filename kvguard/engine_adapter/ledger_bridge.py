@@ -177,10 +177,15 @@ class LedgerBridge:
         `standard` during an outage was dropped when a version lowered the level before the
         ledger came back)."""
         pending: list[PendingEvent] = []
+        levels: dict[str, AuditLevel] = {}  # each tag's level, looked up once a call
         for event in events:
-            level = self._level_for_tag(event.scope_tag) if event.scope_tag else AuditLevel.FULL
-            if event.scope_tag is not None and event.kind not in AUDITED[level]:
-                continue
+            tag = event.scope_tag
+            if tag:
+                level = levels.get(tag) or levels.setdefault(tag, self._level_for_tag(tag))
+                if event.kind not in AUDITED[level]:
+                    continue
+            else:
+                level = AuditLevel.FULL
             per_entry = (
                 1 if level is AuditLevel.FULL and event.kind in PER_REQUEST else MAX_BLOCK_IDS
             )

@@ -1,14 +1,15 @@
 """Quiet steps and batched growth: the scheduler guard's step shortcuts (issue 14 item 7).
 
 Most decode steps start no request, give no block and leave custody nothing to plan or record;
-`SchedulerGuard._quiet` recognises them with a few O(1) checks and returns an empty plan without
+`SchedulerGuard.build_step` recognises them with a few O(1) checks and returns an empty plan without
 touching custody. These tests drive two guards over the fakes of test_scheduler_guard.py with the
 same randomized engine traffic (admissions, prefix hits, growth, preemptions, finishes, engine LRU
 evictions, clears reported late, expiry, purges, policy changes), one of them forced down the full
 path on every step, and require the same plans, ledger entries, pool frees and custody state after
-every step: a condition missing from `_quiet` shows as a step the fast guard skipped while the full
+every step: a condition missing from the quiet-step check shows as a step the fast guard skipped while the full
 path did something. The full guard also records each running request's new blocks one request
-at a time (`_grow` off), the batched decode-growth path's reference.
+at a time (`_grow` off), the batched decode-growth path's reference, and caches a finished
+request's blocks through custody's general path (`_inline_finish` off), the inline path's.
 """
 
 from __future__ import annotations
@@ -75,24 +76,34 @@ def entries(f: Any) -> list[tuple[Any, ...]]:
     ]
 
 
+def indexes(c: Any) -> tuple[Any, ...]:
+    """Custody's tally, the live entries of its expiry and age indexes (without their entry
+    numbers, which only break ties), the retention each tenant's blocks were scheduled with, and
+    each block's record, holders included."""
+    entries = c._expiry_entry
+    live = sorted((e[0], e[2]) for e in c._expiry if entries.get(e[2]) == e[1])
+    ages = {
+        t: sorted((e[0], e[2]) for e in h if entries.get(e[2]) == e[1])
+        for t, h in c._by_age.items()
+    }
+    fields = ("status", "owner", "tally_key", "created_at", "last_used_at", "hashed", "retain")
+    fields += ("doomed", "quarantined_at")
+    records = [(*(getattr(r, f) for f in fields), sorted(r.holders)) for r in c.records]
+    return +c._tally, live, {t: a for t, a in ages.items() if a}, c._retention_of, records
+
+
 class Twins:
     """Two guards fed the same traffic; `full` takes the full step path every time."""
 
     def __init__(self, make: Any, rng: random.Random, blocks: int) -> None:
         self.fast, self.ff = make(POLICY, blocks=blocks)
         self.full, self.fu = make(POLICY, blocks=blocks)
-        self.full._quiet = lambda so, now: False  # type: ignore[method-assign]
+        self.full._shortcuts = False  # every step down the full path
         self.full._grow = lambda grown, now: False  # type: ignore[method-assign]  (one by one)
+        assert self.full.custody is not None
+        self.full.custody._inline_finish = False  # finished requests' blocks: the general path
         self.rng = rng
         self.quiet_steps = 0
-        real = self.fast._quiet
-
-        def counted(so: Any, now: float) -> bool:
-            quiet = real(so, now)
-            self.quiet_steps += quiet
-            return quiet
-
-        self.fast._quiet = counted  # type: ignore[method-assign]
         self.batched = 0  # steps whose growth went through `_grow` in one custody call
         grow = self.fast._grow
 
@@ -215,12 +226,15 @@ class Twins:
             so.scheduled_cached_reqs.new_block_ids.append((grown[rid],) if rid in grown else None)
             so.scheduled_cached_reqs.num_computed_tokens.append(0 if rid in resumed else BLOCK)
         fast, full = self.both("build_step", so)
-        assert (fast.step, fast.release, fast.handover, fast.verify) == (
-            full.step,
+        self.quiet_steps += fast is self.fast._quiet_meta
+        assert full is not self.full._quiet_meta
+        assert (fast.release, fast.handover, fast.verify) == (
             full.release,
             full.handover,
             full.verify,
         )
+        if full.release or full.handover:  # the step number tags clears (quiet steps carry 0)
+            assert fast.step == full.step
         if rng.random() < 0.3:  # this plan's verdicts come with the next step's
             self.late.append(fast)
         else:
@@ -256,6 +270,7 @@ class Twins:
             (r.status, r.owner_tag) for r in full.records
         ]
         assert self.fast.stats == self.full.stats
+        assert indexes(fast) == indexes(full)
         fast.check_invariants()
 
 

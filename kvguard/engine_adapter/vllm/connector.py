@@ -70,6 +70,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.scheduler_guard: SchedulerGuard | None = None
         self.worker_guard: WorkerGuard | None = None
         self._worker_pending = 0  # clears the worker has enqueued but not reported yet
+        self._no_tier = True
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_guard = open_scheduler_guard(
                 options,
@@ -77,6 +78,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 ranks=parallel.tensor_parallel_size,
             )
+            self._s = self.scheduler_guard  # the hot paths' reference (no property call)
+            self._no_tier = self._s.tier is None  # fixed for the engine's life
         else:
             offload = None
             if options.offload_bytes > 0:
@@ -92,6 +95,11 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     # --- scheduler side -------------------------------------------------------------------------
 
+    # The scheduler role's guard, for the methods vLLM calls every step or request: read without
+    # `_sched`'s call (kvguard's code runs cache-cold inside the engine's step, where each call
+    # costs about 2 us: docs/benchmarks.md). Unset in the worker role.
+    _s: SchedulerGuard
+
     @property
     def _sched(self) -> SchedulerGuard:
         assert self.scheduler_guard is not None, "scheduler-side call on a worker connector"
@@ -101,19 +109,16 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._sched.bind_pool(gpu_block_pool)
 
     def on_new_request(self, request: Any) -> None:
-        with self._sched.timer.phase("on_new_request"):
-            self._sched.on_new_request(request)
+        self._s.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # None: "not yet" - vLLM leaves the request waiting this step (a tenant over its quota).
-        with self._sched.timer.phase("admission_gate"):
-            admitted = self._sched.may_schedule(request)
-        if not admitted:
+        if not self._s.may_schedule(request):
             return None, False
         # Tokens the offload tier restores (loaded synchronously in start_load_kv), 0 without one.
-        return self._sched.tier_match(request, num_computed_tokens), False
+        return self._s.tier_match(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         # Allocations are read from the scheduler output in build_connector_meta; only tier loads
@@ -121,22 +126,23 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._sched.tier_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._sched.build_step(scheduler_output)  # times its full steps (`build_step`)
+        return self._s.build_step(scheduler_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        with self._sched.timer.phase("request_finished"):
-            self._sched.request_finished(request)
+        self._s.request_finished(request)
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        self._worker_pending = meta.pending if isinstance(meta, GuardWorkerMeta) else 0
-        if meta is None and self._sched.tier is None:
-            return  # most steps: the worker cleared nothing and has nothing on its way
-        with self._sched.timer.phase("worker_output"):
-            self._sched.on_worker_output(meta)
+        if meta is None:
+            self._worker_pending = 0
+            if self._no_tier:
+                return  # most steps: the worker cleared nothing and has nothing on its way
+        else:
+            self._worker_pending = meta.pending if isinstance(meta, GuardWorkerMeta) else 0
+        self._s.on_worker_output(meta)
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine loop stepping until every quarantined block is cleared and released, and
@@ -160,8 +166,7 @@ class KVGuardConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_guard is not None and isinstance(connector_metadata, GuardStepMeta):
-            with self.worker_guard.timer.phase("worker_zeroize"):
-                self.worker_guard.on_step(connector_metadata)
+            self.worker_guard.on_step(connector_metadata)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_guard.take_results() if self.worker_guard is not None else None
@@ -169,8 +174,7 @@ class KVGuardConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if self.worker_guard is not None and isinstance(meta, GuardStepMeta):
-            with self.worker_guard.timer.phase("tier_load"):
-                self.worker_guard.load(meta.load)
+            self.worker_guard.load(meta.load)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Tier entries that failed authentication (or were gone): vLLM recomputes those blocks.

@@ -188,7 +188,7 @@ class CommandRunner:
         self._fetched = self._last
         self._last_fetch = float("-inf")  # on the link's clock, whichever thread fetched
         self._fetch_lock = threading.Lock()
-        self._ready: deque[tuple[Command | SkippedCommand, _Loaded]] = deque()
+        self.ready: deque[tuple[Command | SkippedCommand, _Loaded]] = deque()
         self._queued = 0  # commands fetched so far (the link thread's wake-up test)
         self._acks: deque[tuple[int, dict[str, Any]]] = deque()
         self._ack_lock = threading.Lock()
@@ -205,7 +205,7 @@ class CommandRunner:
 
     def due(self) -> bool:
         """True if fetched commands wait to run (no database access)."""
-        return bool(self._ready)
+        return bool(self.ready)
 
     def fetch_if_due(self, interval_s: float = COMMAND_POLL_S) -> int:
         """Fetch new commands if one was announced (PostgreSQL NOTIFY) or `interval_s` has passed
@@ -218,7 +218,7 @@ class CommandRunner:
             self._last_fetch = now
             fetched = 0
             for command in self.queue.pending_after(self._fetched):
-                self._ready.append((command, self._load(command)))
+                self.ready.append((command, self._load(command)))
                 self._fetched = command.seq
                 self._queued += 1
                 fetched += 1
@@ -258,22 +258,22 @@ class CommandRunner:
         and runs again at the next call (a purge run twice quarantines nothing more); a full ledger
         queue does not make a purge raise: its entries wait in the scheduler (`_forward`)."""
         ran = 0
-        while self._ready:
-            command, loaded = self._ready[0]
+        while self.ready:
+            command, loaded = self.ready[0]
             if isinstance(command, SkippedCommand):
                 _log.error(
                     "engine command this version cannot read; skipped, not acknowledged",
                     command_id=command.id,
                     kind=command.kind,
                 )
-                self._ready.popleft()
+                self.ready.popleft()
                 self._last = command.seq
                 continue
             if isinstance(command, PurgeCommand):
                 result: dict[str, Any] = target.purge_for_command(command.selector, now, command.id)
             else:
                 result = self._policy(command, loaded, target)
-            self._ready.popleft()
+            self.ready.popleft()
             self._acks.append((command.id, result))
             self._last = command.seq
             ran += 1
@@ -295,8 +295,8 @@ class CommandRunner:
     def close(self, timeout_s: float = 2.0) -> None:
         """Write the acknowledgements still queued (best effort, waiting at most `timeout_s` for a
         write in progress on the link thread: the engine is stopping)."""
-        if self._ready:
-            _log.warning("engine stopping with fetched commands not run", commands=len(self._ready))
+        if self.ready:
+            _log.warning("engine stopping with fetched commands not run", commands=len(self.ready))
         if not self._ack_lock.acquire(timeout=timeout_s):
             _log.warning("acknowledgements not written at shutdown", acks=len(self._acks))
             return

@@ -224,6 +224,11 @@ class EngineReporter:
     def due(self, now: float) -> bool:
         return now - self._last_beat >= HEARTBEAT_S
 
+    @property
+    def next_beat_at(self) -> float:
+        """When `due` turns true (it stays true until the figures are taken again)."""
+        return self._last_beat + HEARTBEAT_S
+
     def heartbeat(
         self, now: float, summary: PoolSummary, counters: Mapping[str, int | float]
     ) -> bool:

@@ -53,7 +53,6 @@ from kvguard.engine_adapter.vllm.ranks import RankMerger
 from kvguard.engine_adapter.vllm.reporting import HEARTBEAT_S, EngineReporter
 from kvguard.engine_adapter.vllm.runtime import GuardOptions
 from kvguard.engine_adapter.vllm.tier_scheduler import SchedulerTier, TierSettings
-from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.engine_adapter.vllm.transport import Envelope, read_envelope
 from kvguard.engine_adapter.vllm.wakeup import WAKE_CHECK_S, IdleWaker
 from kvguard.errors import CustodyError, LedgerUnavailableError, ScopeError
@@ -186,18 +185,23 @@ class SchedulerGuard:
         self._gate_step, self._gate_open = -1, True
         # Purge-doomed requests -> their blocks whose prefix hash was dropped (`_drop_doomed_hashes`)
         self._doomed_seen: dict[str, set[int]] = {}
-        self.timer = PhaseTimer()
         self.engine_id = uuid.uuid4().hex[:12]
         self.commands = CommandRunner(self.engine_id, link)
+        self._commands_ready = self.commands.ready  # fetched, not run yet (read without a call)
         self.reporter = EngineReporter(
             link.registry,
             engine_id=self.engine_id,
             tenant_tag=self.deriver.tenant_tag,
             clock=clock,
         )
-        self._last_sweep = float("-inf")
-        self._wake_requested = False  # set by the idle waker's check, cleared by the next step
-        self._beat_step = 0  # the step whose figures the last heartbeat took
+        # Quiet steps (`build_step`) are told apart unless the offload tier or the test canary
+        # runs (each of their steps takes the full path); `_due_at`: when a quiet step must take
+        # it anyway, set after each full step (-inf until then, and always without shortcuts).
+        self._shortcuts = options.offload_bytes <= 0 and not options.canary
+        self._last_sweep = self._due_at = float("-inf")
+        # Set by the idle waker's check, cleared by the next step; the step whose figures the
+        # last heartbeat took.
+        self._wake_requested, self._beat_step = False, 0
         self.waker = IdleWaker.attach(
             commands=link.queue,
             last_command=lambda: self.commands.last_seq,
@@ -531,13 +535,38 @@ class SchedulerGuard:
 
     def build_step(self, so: Any) -> GuardStepMeta:
         """Bring custody up to date with this step's schedule and say what the worker must clear.
-        The `build_step` phase timer covers the steps that are not quiet (`_quiet`)."""
+
+        Most decode steps have nothing for kvguard to do: no request starts, resumes, is
+        preempted or gets a block, custody has nothing to plan or record, and no housekeeping is
+        due. Those are told apart here, with O(1) checks and one C-level pass over the running
+        requests' new blocks, and get one shared empty plan (the full path would build the same
+        empty plan). Inline, with one call: in the engine's step kvguard's code runs cache-cold,
+        and what a step costs is mostly the functions and objects it touches, not what it
+        computes (docs/benchmarks.md, issue 14 item 7)."""
         now = self._clock()
         self._step += 1
-        if self._quiet(so, now):
-            return GuardStepMeta(step=self._step, verify=self._quiet_verify)
-        with self.timer.phase("build_step"):
-            return self._build_step(so, now)
+        cached = so.scheduled_cached_reqs
+        c = self.custody
+        if not (
+            now >= self._due_at  # a sweep or heartbeat due; every step without `_shortcuts`
+            or so.scheduled_new_reqs
+            or so.preempted_req_ids
+            or cached.resumed_req_ids
+            or any(cached.new_block_ids)
+            or self._granted
+            or self._grown
+            or self._purges
+            or self._unsent
+            or self._wake_requested
+            or self._commands_ready
+            or c is None
+            or not c.settled
+        ):
+            return self._quiet_meta
+        meta = self._build_step(so, now)
+        if self._shortcuts:  # when housekeeping is next due on its own (a sweep, a heartbeat)
+            self._due_at = min(self._last_sweep + SWEEP_INTERVAL_S, self.reporter.next_beat_at)
+        return meta
 
     def _build_step(self, so: Any, now: float) -> GuardStepMeta:
         c = self._c
@@ -587,31 +616,11 @@ class SchedulerGuard:
         """The verify mode of a step with no clears (`_quiet` steps build no plan)."""
         return self.options.verify_override or Verify.NONE.value
 
-    def _quiet(self, so: Any, now: float) -> bool:
-        """Whether this step has nothing for kvguard to do (most decode steps): no request starts,
-        resumes, is preempted or gets a block, custody has nothing to plan or record, and no
-        housekeeping is due. O(1) checks and one C-level pass over the running requests' new
-        blocks. The full path would return an empty plan for such a step; it is skipped because
-        the time kvguard spends on a step is mostly the objects it touches, not what it computes
-        (docs/benchmarks.md, issue 14 item 7)."""
-        cached = so.scheduled_cached_reqs
-        return not (
-            so.scheduled_new_reqs
-            or so.preempted_req_ids
-            or cached.resumed_req_ids
-            or any(cached.new_block_ids)
-            or self._granted
-            or self._grown
-            or self._purges
-            or self._unsent
-            or self._wake_requested
-            or self.tier is not None
-            or self.options.canary
-            or now - self._last_sweep >= SWEEP_INTERVAL_S
-            or self.commands.due()
-            or self.reporter.due(now)
-            or not self._c.settled
-        )
+    @cached_property
+    def _quiet_meta(self) -> GuardStepMeta:
+        """What every quiet step hands the worker: nothing to clear, one shared message (its step
+        number only ever tags clears, and it orders none). Never changed once built."""
+        return GuardStepMeta(step=0, verify=self._quiet_verify)
 
     def _record_schedule(self, so: Any, now: float) -> list[int]:
         """Record the step's allocations, then its prefix hits; returns blocks entering a new domain.
@@ -900,7 +909,7 @@ class SchedulerGuard:
         self._c.retire_unshareable(shareable, now)
         for tenant in self._c.cached_tenants():  # a lowered quota reclaims its cache at once
             self._c.reclaim_over_quota(tenant, now)
-        self._last_sweep = float("-inf")  # a shorter retention applies at the next step
+        self._last_sweep = self._due_at = float("-inf")  # a shorter retention: at the next step
         for rid in list(self._envelopes):
             if rid not in self._begun:  # a running request is checked again if it is preempted
                 self._recheck(rid)
@@ -942,8 +951,7 @@ class SchedulerGuard:
         env = self._envelopes.get(request.request_id)
         if self.tier is None or env is None or not env.use_cache:
             return 0
-        with self.timer.phase("tier_match"):
-            return self.tier.match(request, env.scope, num_computed_tokens, env.share_tokens)
+        return self.tier.match(request, env.scope, num_computed_tokens, env.share_tokens)
 
     def tier_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.tier is None:
@@ -976,21 +984,20 @@ class SchedulerGuard:
             return  # most decode steps
         self.reporter.observe(events)
         self.reporter.cache_ages(ages)
-        with self.timer.phase("ledger_submit"):
-            selected = self.bridge.select(events)  # by the audit levels in force now, once
-            if len(self._tag_tenant) > max(TAGS_KEPT, 2 * self._tags_kept):  # all selected now
-                self._forget_idle_tags()
-            batch = [*self._unsent, *selected] if self._unsent else selected
-            try:
-                self.bridge.submit(batch)
-            except LedgerUnavailableError:
-                if not self._unsent:
-                    _log.error("audit ledger refusing entries; new requests wait (G7)")
-                self._unsent = batch
-                if self._refused_at != self._step:  # counted once a step
-                    self._refused_at = self._step
-                    self.stats["ledger_refusals"] += 1
-                return
+        selected = self.bridge.select(events)  # by the audit levels in force now, once
+        if len(self._tag_tenant) > max(TAGS_KEPT, 2 * self._tags_kept):  # all selected now
+            self._forget_idle_tags()
+        batch = [*self._unsent, *selected] if self._unsent else selected
+        try:
+            self.bridge.submit(batch)
+        except LedgerUnavailableError:
+            if not self._unsent:
+                _log.error("audit ledger refusing entries; new requests wait (G7)")
+            self._unsent = batch
+            if self._refused_at != self._step:  # counted once a step
+                self._refused_at = self._step
+                self.stats["ledger_refusals"] += 1
+            return
         if self._unsent:
             _log.info("audit ledger taking entries again", recorded_late=len(self._unsent))
             self._unsent = []

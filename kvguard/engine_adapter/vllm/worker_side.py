@@ -37,7 +37,6 @@ from kvguard.engine_adapter.vllm.metadata import (
     ZeroizeResult,
 )
 from kvguard.engine_adapter.vllm.tier_worker import WorkerTier
-from kvguard.engine_adapter.vllm.timing import PhaseTimer
 from kvguard.errors import ZeroizeError
 from kvguard.isolation.keyring import Keyring
 from kvguard.logging import get_logger
@@ -73,7 +72,6 @@ class WorkerGuard:
         self._offload = offload  # (keyring, byte budget, directory) of the offload tier, if any
         self.tier: WorkerTier | None = None
         self.canary_checked = 0
-        self.timer = PhaseTimer()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
