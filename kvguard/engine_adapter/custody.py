@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -386,7 +387,12 @@ class Custody:
         one). Checked whole before anything changes: on a CustodyError custody is as it was, so
         the caller can go request by request and repair the one at fault. Returns the blocks
         that need a handover clear."""
-        reqs = [self._request(rid) for rid, _ in grants]
+        requests = cast("dict[str, _Request]", self._requests)  # a RequestId is a str
+        found = [requests.get(rid) for rid, _ in grants]
+        if None in found:
+            for rid, _ in grants:
+                self._request(rid)  # raises for the first one not registered
+        reqs = cast("list[_Request]", found)
         fresh = self._ids([b for _, ids in grants for b in ids])
         self._check_allocatable(fresh)
         handover: list[int] = []
@@ -644,7 +650,7 @@ class Custody:
             owner = rec.owner
             if owner is not None:
                 tenant = owner.tenant_id
-                k = keep.get(tenant) or keep.setdefault(tenant, self._keep(tenant))
+                k = keep.get(tenant) or keep.setdefault(tenant, self._keep(tenant, now))
                 inline = (  # most blocks: cached here, or False with nothing changed
                     k.inline
                     and rec.status is _ACTIVE
@@ -738,8 +744,11 @@ class Custody:
         self._emit_grouped(EventKind.EVICT, now, out, {"reason": "quota"})
         return tuple(out)
 
-    def _keep(self, tenant: str) -> _Keep:
-        return _Keep(tenant, self._policy(tenant), inline=self._inline_finish)
+    def _keep(self, tenant: str, now: float) -> _Keep:
+        # A clock that is not finite goes the general path, whose `expired_at` refuses it (found
+        # by a review: NaN compares False with every deadline, so the inline path cached).
+        inline = self._inline_finish and math.isfinite(now)
+        return _Keep(tenant, self._policy(tenant), inline=inline)
 
     def _cache_inline(self, rec: BlockRecord, tenant: str, k: _Keep, now: float) -> bool:
         """Cache an active, retained, hashed, undoomed block of `tenant` that a finished request

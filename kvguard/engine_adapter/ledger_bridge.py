@@ -122,19 +122,16 @@ def to_audit_events(event: CustodyEvent, per_entry: int = MAX_BLOCK_IDS) -> list
     return parts
 
 
-def _parts(event: CustodyEvent, per_entry: int) -> int:
-    """How many entries `to_audit_events` makes of the event (without making them)."""
-    return max(1, -(-len(event.block_ids) // per_entry))
-
-
 class PendingEvent:
     """A custody event queued for the ledger: converted and checked on the writer thread."""
 
-    __slots__ = ("event", "per_entry")
+    __slots__ = ("event", "parts", "per_entry")
 
     def __init__(self, event: CustodyEvent, per_entry: int) -> None:
         self.event = event
         self.per_entry = per_entry
+        n = len(event.block_ids)
+        self.parts = 1 if n <= per_entry else -(-n // per_entry)  # the entries it becomes
 
     def audit_events(self) -> list[AuditEvent]:
         event = self.event
@@ -198,7 +195,7 @@ class LedgerBridge:
         which must never wait for the database (waiting froze every tenant's running requests
         for the whole outage, found by a review). Returns the number of ledger entries."""
         self._ledger.submit_many(pending, wait=False)
-        entries = sum(_parts(p.event, p.per_entry) for p in pending)
+        entries = sum(p.parts for p in pending)
         self.submitted += entries
         return entries
 

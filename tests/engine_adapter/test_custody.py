@@ -581,3 +581,20 @@ def test_allocate_many_is_checked_whole_before_anything_changes(make_custody) ->
     assert c.request_blocks("r1") == (0, 2) and c.request_blocks("r2") == (1, 3)
     assert [(e.request_id, e.block_ids) for e in c.take_events()] == [("r1", (2,)), ("r2", (1, 3))]
     c.check_invariants()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("now", [float("nan"), float("inf"), float("-inf")])
+def test_a_clock_that_is_not_finite_is_refused_when_a_request_finishes(
+    make_custody, inline: bool, now: float
+) -> None:
+    """Both ways a finished request's blocks are cached (the inline path and the general one)
+    refuse a time that is not finite instead of caching with no expiry (found by a review: NaN
+    compares False with every deadline)."""
+    c = make_custody(default=TenantPolicy(retention=Retention(ttl_s=30, idle_s=10)))
+    c._inline_finish = inline
+    c.begin("r", scope_for("a"), use_cache=True)
+    c.allocate("r", [1], 100.0)
+    c.mark_hashed([1])
+    with pytest.raises(ValueError, match="finite"):
+        c.finish("r", now)

@@ -353,3 +353,20 @@ def test_an_idle_step_still_beats_runs_fetched_commands_and_answers_a_wake(
     f.clock.now += 0.01
     guard.build_step(schedule())
     assert not guard.has_pending(ledger=False), "the wake request outlived the step it asked for"
+
+
+@pytest.mark.parametrize("between", ["apply_now", "report_now"])
+def test_a_sweep_or_heartbeat_outside_a_step_after_the_clock_stepped_back_is_not_skipped(
+    make_guard: Any, between: str
+) -> None:
+    """Housekeeping that runs between steps with a wall clock that stepped back sets the last
+    sweep or heartbeat earlier than the quiet-step check's due time assumed; the next one is
+    still due on time (found by a review: quiet steps skipped expiry until the old due time)."""
+    guard, f = make_guard(PolicySet(default=TenantPolicy(retention={"ttl_s": 5, "idle_s": 5})))
+    f.clock.now = 1000.0
+    guard.build_step(schedule())  # the first step: full, sweeps and takes the figures
+    assert guard.build_step(schedule()) is guard._quiet_meta
+    f.clock.now = 900.0  # stepped back
+    getattr(guard, between)()  # a forced sweep (and what is due), or a heartbeat
+    f.clock.now = 900.0 + max(SWEEP_INTERVAL_S, HEARTBEAT_S) + 0.01
+    assert guard.build_step(schedule()) is not guard._quiet_meta

@@ -841,6 +841,7 @@ class SchedulerGuard:
         self._hold_quarantined()
         if self.reporter.due(now):  # figures taken here, written on the link's thread
             self.beat_soon(now)
+        self._lower_due_at()
 
     def beat_soon(self, now: float | None = None) -> None:
         """Take the figures now (scheduler thread) and have the link's thread write them."""
@@ -1028,7 +1029,17 @@ class SchedulerGuard:
 
     def report_now(self) -> bool:
         """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
-        return self.reporter.heartbeat(self._clock(), self._c.summary(), self._counters())
+        written = self.reporter.heartbeat(self._clock(), self._c.summary(), self._counters())
+        self._lower_due_at()
+        return written
+
+    def _lower_due_at(self) -> None:
+        """A sweep or heartbeat ran outside `build_step` (`on_new_request`, `apply_now`,
+        `report_now`): with a wall clock that stepped back, the next one is due earlier than
+        `_due_at` says (found by a review: quiet steps then skipped expiry until the old time)."""
+        if self._shortcuts:
+            due = min(self._last_sweep + SWEEP_INTERVAL_S, self.reporter.next_beat_at)
+            self._due_at = min(self._due_at, due)
 
     # --- pool holds -----------------------------------------------------------------------------
 
