@@ -461,7 +461,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     steps = max(1, int(last["steps"]))
     print(f"kvguard cost per engine step ({steps} steps in the last measured governed batch):")
     for name, v in last["phases"].items():
-        print(f"  {name:<18}{v['seconds'] / steps * 1e6:10.1f} us/step  ({int(v['calls'])} calls)")
+        print(f"  {name:<26}{v['seconds'] / steps * 1e6:10.1f} us/step  ({int(v['calls'])} calls)")
     # ledger_submit runs inside build_step / worker_output: do not count it twice.
     own = [
         sum(v["seconds"] for k, v in r["phases"].items() if k != "ledger_submit")
