@@ -613,7 +613,7 @@ class SchedulerGuard:
 
     @cached_property
     def _quiet_verify(self) -> str:
-        """The verify mode of a step with no clears (`_quiet` steps build no plan)."""
+        """The verify mode of a step with no clears (quiet steps build no plan)."""
         return self.options.verify_override or Verify.NONE.value
 
     @cached_property
