@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,63 +76,36 @@ def engine_kwargs(batch: int, max_tokens: int = MAX_TOKENS) -> dict[str, object]
     }
 
 
-class _Clock:
-    """Wall and thread CPU time inside vLLM's scheduler methods; steps counted by `schedule`."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.cpu_seconds = 0.0
-        self.steps = 0
-
-    def wrap(self, cls: object, name: str, *, step: bool = False) -> None:
-        """Time `name` on `cls` (a class: every instance; an instance: that one)."""
-        orig = getattr(cls, name)
-
-        def timed(*args: object, **kwargs: object) -> object:
-            # The CPU clock (a system call, about 0.6 us) outside the wall clock's window, so the
-            # wall time of each call does not hold one of its reads.
-            cpu_start = time.thread_time()
-            start = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.cpu_seconds += time.thread_time() - cpu_start
-                self.steps += step
-
-        setattr(cls, name, timed)
-
-
 def child(mode: str, batch: int, out: Path, repeats: int, max_tokens: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams  # noqa: PLC0415
     from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
 
-    from benchmarks.engine_overhead import open_engine  # noqa: PLC0415
+    from benchmarks.engine_overhead import PhaseClock, open_engine  # noqa: PLC0415
 
-    clock = _Clock()
-    clock.wrap(Scheduler, "schedule", step=True)
-    clock.wrap(Scheduler, "update_from_output")
-    clock.wrap(Scheduler, "add_request")  # vLLM's per-request intake; kvguard's on_new_request
+    clock = PhaseClock(cpu=True)  # vLLM's scheduler methods; steps counted by `schedule`
+    for name in ("schedule", "update_from_output", "add_request"):  # add_request: vLLM's intake
+        clock.wrap(Scheduler, name, name)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     run, g = open_engine(mode, workload(batch), params, engine_kwargs(batch, max_tokens))
-    kvguard = _Clock()
+    kvguard = PhaseClock(cpu=True)
     if g is not None:
         for name in CONNECTOR_METHODS:  # the scheduler's connector, the one vLLM calls
-            kvguard.wrap(g.connector, name)
+            kvguard.wrap(g.connector, name, name)
     run()  # warm-up: the measured run sees the same prefix hits in both engines
-    for c in (clock, kvguard):
-        c.seconds, c.cpu_seconds, c.steps = 0.0, 0.0, 0
+    clock.reset()
+    kvguard.reset()
     for _ in range(repeats):
         run()
     result: dict[str, object] = {
-        "sched_s": clock.seconds,
-        "sched_cpu_s": clock.cpu_seconds,
-        "steps": clock.steps,
+        "sched_s": sum(clock.seconds.values()),
+        "sched_cpu_s": sum(clock.cpu_seconds.values()),
+        "steps": clock.calls["schedule"],
     }
     if g is not None:
-        result["kvguard_s"], result["kvguard_cpu_s"] = kvguard.seconds, kvguard.cpu_seconds
+        result["kvguard_s"] = sum(kvguard.seconds.values())
+        result["kvguard_cpu_s"] = sum(kvguard.cpu_seconds.values())
         g.close()
     out.write_text(json.dumps(result))
 

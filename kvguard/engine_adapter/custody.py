@@ -75,8 +75,6 @@ def _others_past_prefix(rec: BlockRecord, scope: Scope) -> bool:
 
 
 _CLEAN_KEY: Final = (None, BlockStatus.FREE)  # the tally's key of a free block with no owner
-# The details of an allocation that needs no handover clear (one shared mapping: never changed)
-_NO_HANDOVER: Final[Details] = {"handover_zeroize": 0}
 
 
 class _Request:
@@ -397,35 +395,9 @@ class Custody:
         self._check_allocatable(fresh)
         handover: list[int] = []
         at = 0
-        blocks, tally, events = self._blocks, self._tally, self._events
         for (rid, ids), req in zip(grants, reqs, strict=True):
-            mine = fresh[at : at + len(ids)]
+            handover += self._grant(req, rid, fresh[at : at + len(ids)], now, None)
             at += len(ids)
-            if len(mine) != 1 or req.doomed or req.retain_blocks is not None:
-                handover += self._grant(req, rid, mine, now, None)
-                continue
-            # One block for a request that is not doomed and keeps any block (a decode step's
-            # growth): a clean free one is `_grant`'s first branch, inline; anything else goes
-            # through `_grant`.
-            rec = blocks[mine[0]]
-            if rec.status is not _FREE or rec.owner is not None:
-                handover += self._grant(req, rid, mine, now, None)
-                continue
-            scope = req.scope
-            rec.owner, rec.owner_tag, rec.doomed = scope, req.tag, False
-            rec.retain = req.use_cache
-            rec.status, rec.quarantined_at, rec.hashed = _ACTIVE, None, False
-            active = rec.tally_key = (scope.tenant_id, _ACTIVE)
-            tally[_CLEAN_KEY] -= 1
-            tally[active] += 1
-            rec.holders.add(RequestId(rid))
-            rec.last_used_at = rec.created_at = now
-            req.blocks.append(mine[0])
-            events.append(
-                CustodyEvent(EventKind.ALLOC, now, req.tag, rid, (mine[0],), _NO_HANDOVER)
-            )
-        if not tally.get(_CLEAN_KEY):  # counted down to 0 inline (or `_grant` took the key out)
-            tally.pop(_CLEAN_KEY, None)
         return handover
 
     def _grant(
@@ -775,10 +747,7 @@ class Custody:
         if not k.cached:  # `_schedule_expiry`'s first-block rule, once a call and tenant
             self._retention_of.setdefault(tenant, (k.ttl, k.idle))
         k.cached += 1
-        number = next(self._entry_numbers)
-        self._expiry_entry[bid] = number
-        heapq.heappush(self._expiry, (deadline, number, bid))
-        heapq.heappush(self._by_age.setdefault(tenant, []), (rec.created_at, number, bid))
+        self._index_expiry(tenant, bid, deadline, rec.created_at)
         return True
 
     def _schedule_expiry(self, rec: BlockRecord, policy: TenantPolicy | None = None) -> None:
@@ -792,12 +761,16 @@ class Custody:
         # reschedules the tenant's older blocks (found by a review: a block cached right after a
         # retention cut kept every older block on its old, longer deadline).
         self._retention_of.setdefault(tenant, (retention.ttl_s, retention.idle_s))
-        number = next(self._entry_numbers)
-        self._expiry_entry[rec.block_id] = number
         deadline = expiry_deadline(policy, rec.created_at, rec.last_used_at)
-        heapq.heappush(self._expiry, (deadline, number, rec.block_id))
-        heapq.heappush(self._by_age.setdefault(tenant, []), (rec.created_at, number, rec.block_id))
+        self._index_expiry(tenant, rec.block_id, deadline, rec.created_at)
         self._compact_ages(tenant)
+
+    def _index_expiry(self, tenant: str, bid: BlockId, deadline: float, created_at: float) -> None:
+        """A cached block's live entry in the expiry index and its owner's age index."""
+        number = next(self._entry_numbers)
+        self._expiry_entry[bid] = number
+        heapq.heappush(self._expiry, (deadline, number, bid))
+        heapq.heappush(self._by_age.setdefault(tenant, []), (created_at, number, bid))
 
     def _compact_ages(self, tenant: str) -> None:
         """Drop the tenant's dead age entries now and then (O(its entries), amortised)."""

@@ -78,7 +78,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 ranks=parallel.tensor_parallel_size,
             )
-            self._s = self.scheduler_guard  # the hot paths' reference (no property call)
+            self._s = self.scheduler_guard
             self._no_tier = self._s.tier is None  # fixed for the engine's life
         else:
             offload = None
@@ -95,18 +95,13 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     # --- scheduler side -------------------------------------------------------------------------
 
-    # The scheduler role's guard, for the methods vLLM calls every step or request: read without
-    # `_sched`'s call (kvguard's code runs cache-cold inside the engine's step, where each call
-    # costs about 2 us: docs/benchmarks.md). Unset in the worker role.
+    # The scheduler role's guard, read as a plain attribute (kvguard's code runs cache-cold inside
+    # the engine's step, where each call, a property's too, costs about 2 us: docs/benchmarks.md).
+    # Unset in the worker role: a scheduler-side call there fails on it.
     _s: SchedulerGuard
 
-    @property
-    def _sched(self) -> SchedulerGuard:
-        assert self.scheduler_guard is not None, "scheduler-side call on a worker connector"
-        return self.scheduler_guard
-
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._sched.bind_pool(gpu_block_pool)
+        self._s.bind_pool(gpu_block_pool)
 
     def on_new_request(self, request: Any) -> None:
         self._s.on_new_request(request)
@@ -123,7 +118,7 @@ class KVGuardConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         # Allocations are read from the scheduler output in build_connector_meta; only tier loads
         # need the blocks vLLM chose for them.
-        self._sched.tier_after_alloc(request, blocks, num_external_tokens)
+        self._s.tier_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._s.build_step(scheduler_output)

@@ -196,7 +196,7 @@ class SchedulerGuard:
         )
         # Quiet steps (`build_step`) are told apart unless the offload tier or the test canary
         # runs (each of their steps takes the full path); `_due_at`: when a quiet step must take
-        # it anyway, set after each full step (-inf until then, and always without shortcuts).
+        # it anyway (`_set_due_at`; -inf until the first housekeeping, always without shortcuts).
         self._shortcuts = options.offload_bytes <= 0 and not options.canary
         self._last_sweep = self._due_at = float("-inf")
         # Set by the idle waker's check, cleared by the next step; the step whose figures the
@@ -563,10 +563,7 @@ class SchedulerGuard:
             or not c.settled
         ):
             return self._quiet_meta
-        meta = self._build_step(so, now)
-        if self._shortcuts:  # when housekeeping is next due on its own (a sweep, a heartbeat)
-            self._due_at = min(self._last_sweep + SWEEP_INTERVAL_S, self.reporter.next_beat_at)
-        return meta
+        return self._build_step(so, now)  # its housekeeping sets `_due_at` again
 
     def _build_step(self, so: Any, now: float) -> GuardStepMeta:
         c = self._c
@@ -841,7 +838,7 @@ class SchedulerGuard:
         self._hold_quarantined()
         if self.reporter.due(now):  # figures taken here, written on the link's thread
             self.beat_soon(now)
-        self._lower_due_at()
+        self._set_due_at()
 
     def beat_soon(self, now: float | None = None) -> None:
         """Take the figures now (scheduler thread) and have the link's thread write them."""
@@ -1030,16 +1027,16 @@ class SchedulerGuard:
     def report_now(self) -> bool:
         """Write a heartbeat now (scheduler thread, or the caller's with an in-process engine)."""
         written = self.reporter.heartbeat(self._clock(), self._c.summary(), self._counters())
-        self._lower_due_at()
+        self._set_due_at()
         return written
 
-    def _lower_due_at(self) -> None:
-        """A sweep or heartbeat ran outside `build_step` (`on_new_request`, `apply_now`,
-        `report_now`): with a wall clock that stepped back, the next one is due earlier than
-        `_due_at` says (found by a review: quiet steps then skipped expiry until the old time)."""
+    def _set_due_at(self) -> None:
+        """When a quiet step must take the full path for the next sweep or heartbeat: set each
+        time either may have run (housekeeping in a step or between steps, `report_now`), so it
+        follows their times also when the wall clock steps back (found by a review: a lowered
+        time kept only until the next full step let quiet steps skip expiry)."""
         if self._shortcuts:
-            due = min(self._last_sweep + SWEEP_INTERVAL_S, self.reporter.next_beat_at)
-            self._due_at = min(self._due_at, due)
+            self._due_at = min(self._last_sweep + SWEEP_INTERVAL_S, self.reporter.next_beat_at)
 
     # --- pool holds -----------------------------------------------------------------------------
 
